@@ -1,0 +1,174 @@
+"""Sessions that build, test and check the megatron-fsdp workspace.
+
+uv is the virtualenv backend. uv does not read pip's ``PIP_FIND_LINKS``, so it is passed on
+as ``UV_FIND_LINKS``: on machines that ship a local CPU torch wheel this keeps uv from
+downloading multi-GB CUDA builds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.reuse_existing_virtualenvs = False
+
+ROOT = Path(__file__).parent
+# Bottom layer first: each package may depend only on the ones before it.
+LAYERS = [
+    "mfsdp-buffers",
+    "mfsdp-collectives",
+    "mfsdp-hooks",
+    "mfsdp-checkpoint",
+    "mfsdp-te",
+    "megatron-fsdp",
+]
+LOCAL_TORCH = "2.13"
+TORCH_VERSIONS = [LOCAL_TORCH, "2.11", "2.12", "2.15"]
+TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "numpy", "safetensors>=0.4"]
+if "PIP_FIND_LINKS" in os.environ and "UV_FIND_LINKS" not in os.environ:
+    os.environ["UV_FIND_LINKS"] = os.environ["PIP_FIND_LINKS"]
+
+
+def _torch_requirement(version: str) -> str:
+    if version == LOCAL_TORCH:
+        return f"torch=={LOCAL_TORCH}.*"
+    return f"torch=={version}.*"
+
+
+def _selected_explicitly(name: str) -> bool:
+    """True when the command line names this parametrised session, not just its base name."""
+    return any(name in arg for arg in sys.argv)
+
+
+def _install_workspace(session: nox.Session, torch_version: str = LOCAL_TORCH) -> None:
+    session.install(_torch_requirement(torch_version), *TEST_TOOLS)
+    session.install(*[f"-e{ROOT / 'packages' / layer}" for layer in LAYERS])
+
+
+@nox.session
+@nox.parametrize("torch", TORCH_VERSIONS)
+def tests(session: nox.Session, torch: str) -> None:
+    """The whole test suite against one torch version (the local one unless named)."""
+    if torch != LOCAL_TORCH and not _selected_explicitly(f"tests(torch='{torch}')"):
+        session.skip(f"select with: nox -s \"tests(torch='{torch}')\"")
+    _install_workspace(session, torch)
+    session.run("python", "-m", "pytest", "packages", "tests", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff lint and format check over the whole tree."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on each package's sources, one package at a time."""
+    _install_workspace(session)
+    session.install("mypy>=1.10")
+    for layer in LAYERS:
+        session.run("mypy", "--strict", str(ROOT / "packages" / layer / "src"))
+
+
+def _build_all(session: nox.Session, dist: Path) -> None:
+    session.install("build>=1.2", "uv")
+    dist.mkdir(exist_ok=True)
+    for layer in LAYERS:
+        session.run(
+            "python",
+            "-m",
+            "build",
+            "--installer",
+            "uv",
+            "--outdir",
+            str(dist),
+            str(ROOT / "packages" / layer),
+        )
+
+
+@nox.session
+def standalone(session: nox.Session) -> None:
+    """Each layer in a fresh venv with only its declared dependencies, then its own tests."""
+    dist = Path(session.create_tmp()) / "dist"
+    _build_all(session, dist)
+    for layer in LAYERS:
+        venv = Path(session.create_tmp()) / f"venv-{layer}"
+        session.run("uv", "venv", "--quiet", "--clear", str(venv), external=True)
+        py = str(venv / "bin" / "python")
+        session.run(
+            "uv",
+            "pip",
+            "install",
+            "--quiet",
+            "--python",
+            py,
+            "--find-links",
+            str(dist),
+            _torch_requirement(LOCAL_TORCH),
+            layer,
+            *TEST_TOOLS,
+            external=True,
+        )
+        session.run(
+            py,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(ROOT / "packages" / layer / "tests"),
+            external=True,
+        )
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Wheels and sdists of all six packages into dist/, then install the stack from them."""
+    dist = ROOT / "dist"
+    _build_all(session, dist)
+    venv = Path(session.create_tmp()) / "venv-build-check"
+    session.run("uv", "venv", "--quiet", "--clear", str(venv), external=True)
+    py = str(venv / "bin" / "python")
+    session.run(
+        "uv",
+        "pip",
+        "install",
+        "--quiet",
+        "--python",
+        py,
+        "--find-links",
+        str(dist),
+        _torch_requirement(LOCAL_TORCH),
+        "megatron-fsdp",
+        external=True,
+    )
+    session.run(py, str(ROOT / "tests" / "smoke_import.py"), external=True)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Side-by-side benchmark against torch FSDP2 (see benchmarks/README.md)."""
+    _install_workspace(session)
+    session.install("matplotlib")
+    session.run("python", str(ROOT / "benchmarks" / "run.py"), *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: a small GPT trained with FSDP on 2 CPU ranks (torchrun + gloo)."""
+    _install_workspace(session)
+    session.run(
+        "torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "examples" / "train_gpt.py"),
+        *session.posargs,
+    )

@@ -1,0 +1,208 @@
+"""The seed README's entry points: fully_shard, fully_shard_model, fully_shard_optimizer.
+
+Every documented argument is accepted by name. Arguments whose layer is not built yet raise
+``NotImplementedError`` naming the argument when set to anything but their default, so no
+option is silently ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from mfsdp_collectives import FSDPTopology
+from mfsdp_hooks import MegatronFSDP, MixedPrecisionPolicy, attach_optimizer, parse_strategy
+from mfsdp_hooks.megatron_fsdp import UnitSpec, resolve_unit_modules
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+# argument -> (default, why it is not available yet)
+_NOT_YET: dict[str, tuple[Any, str]] = {
+    "dp_outer_dim": (None, "hybrid sharding (HSDP)"),
+    "hybrid_fsdp_group": (None, "hybrid sharding (HSDP)"),
+    "outer_dp_sharding_strategy": (0, "hybrid sharding (HSDP) outer strategies"),
+    "tp_dim": (None, "(FSDP, TP) strided sharding"),
+    "expt_device_mesh": (None, "expert-parallel (EP) sharding"),
+    "init_model_with_meta_device": (False, "meta-device initialisation"),
+    "nccl_ub": (False, "NCCL user buffers"),
+    "fsdp_manual_registration": (False, "NCCL user-buffer manual registration"),
+    "disable_symmetric_registration": (False, "NCCL user-buffer symmetric registration"),
+    "fsdp_double_buffer": (False, "persistent double buffers"),
+    "keep_fp8_transpose_cache": (False, "FP8 parameters"),
+    "enable_fine_grained_param_gather": (False, "per-module fine-grained all-gather"),
+}
+
+
+def _reject_not_yet(options: dict[str, Any]) -> None:
+    for name, value in options.items():
+        default, feature = _NOT_YET[name]
+        if value != default and not (default is None and value is None):
+            raise NotImplementedError(
+                f"{name}={value!r}: {feature} is not supported yet by megatron-fsdp; "
+                f"leave {name} at its default ({default!r})"
+            )
+
+
+def _topology(
+    module: nn.Module,
+    device_mesh: DeviceMesh | None,
+    dp_shard_dim: str | None,
+    device: torch.device | str | None,
+) -> FSDPTopology:
+    if device_mesh is None:
+        if dp_shard_dim is not None:
+            raise ValueError(
+                f"dp_shard_dim={dp_shard_dim!r} was given without device_mesh: pass the mesh "
+                "that has this dim, or drop dp_shard_dim to let megatron-fsdp build a 1-D mesh"
+            )
+        if device is None:
+            device = next((p.device for p in module.parameters()), None)
+        return FSDPTopology.default(device)
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
+    if dp_shard_dim is None:
+        names = device_mesh.mesh_dim_names or ()
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"dp_shard_dim is required with a {device_mesh.ndim}-D device_mesh {names}: "
+                "name the sub-mesh FSDP shards over (e.g. dp_shard_dim='dp_shard_cp')"
+            )
+        dp_shard_dim = names[0] if names else "dp_shard"
+    return FSDPTopology.from_mesh(device_mesh, dp_shard_dim=dp_shard_dim)
+
+
+def fully_shard_model(
+    module: nn.Module,
+    fsdp_unit_modules: Sequence[UnitSpec] | None = None,
+    *,
+    device_mesh: DeviceMesh | None = None,
+    dp_shard_dim: str | None = None,
+    dp_outer_dim: str | None = None,
+    tp_dim: str | None = None,
+    hybrid_fsdp_group: Any = None,
+    expt_device_mesh: DeviceMesh | None = None,
+    device: torch.device | str | None = None,
+    mixed_precision_policy: MixedPrecisionPolicy | None = None,
+    zero_dp_strategy: int | str = 3,
+    outer_dp_sharding_strategy: int | str = 0,
+    init_model_with_meta_device: bool = False,
+    grad_reduce_in_fp32: bool = False,
+    preserve_fp32_weights: bool = True,
+    overlap_grad_reduce: bool = True,
+    overlap_param_gather: bool = True,
+    sync_model_each_microbatch: bool = True,
+    preproc_state_dict_for_dcp_ckpt: bool = True,
+    average_in_collective: bool = True,
+    gradient_scaling_factor: float | None = None,
+    calculate_per_token_loss: bool = False,
+    report_nan_in_param_grad: bool = False,
+    enable_fine_grained_param_gather: bool = False,
+    keep_fp8_transpose_cache: bool = False,
+    nccl_ub: bool = False,
+    fsdp_manual_registration: bool = False,
+    disable_symmetric_registration: bool = False,
+    fsdp_double_buffer: bool = False,
+) -> MegatronFSDP:
+    """Shard ``module`` (every ``fsdp_unit_modules`` match, then the root) and wrap it."""
+    _reject_not_yet(
+        {
+            "dp_outer_dim": dp_outer_dim,
+            "hybrid_fsdp_group": hybrid_fsdp_group,
+            "outer_dp_sharding_strategy": outer_dp_sharding_strategy,
+            "tp_dim": tp_dim,
+            "expt_device_mesh": expt_device_mesh,
+            "init_model_with_meta_device": init_model_with_meta_device,
+            "nccl_ub": nccl_ub,
+            "fsdp_manual_registration": fsdp_manual_registration,
+            "disable_symmetric_registration": disable_symmetric_registration,
+            "fsdp_double_buffer": fsdp_double_buffer,
+            "keep_fp8_transpose_cache": keep_fp8_transpose_cache,
+            "enable_fine_grained_param_gather": enable_fine_grained_param_gather,
+        }
+    )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    strategy = parse_strategy(zero_dp_strategy, "zero_dp_strategy")
+    resolve_unit_modules(fsdp_unit_modules)
+    if not preproc_state_dict_for_dcp_ckpt:
+        raise NotImplementedError(
+            "preproc_state_dict_for_dcp_ckpt=False: state dicts always hold DTensors here; "
+            "leave it True"
+        )
+    policy = _policy(mixed_precision_policy, grad_reduce_in_fp32, preserve_fp32_weights)
+    if device is not None:
+        module = module.to(device)
+    topology = _topology(module, device_mesh, dp_shard_dim, device)
+    return MegatronFSDP(
+        module,
+        fsdp_unit_modules,
+        sync_model_each_microbatch=sync_model_each_microbatch,
+        mesh=topology,
+        sharding_strategy=strategy,
+        mp_policy=policy,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        average_in_collective=average_in_collective,
+        gradient_scaling_factor=gradient_scaling_factor,
+        calculate_per_token_loss=calculate_per_token_loss,
+        report_nan_in_param_grad=report_nan_in_param_grad,
+    )
+
+
+def _policy(
+    given: MixedPrecisionPolicy | None, grad_reduce_in_fp32: bool, preserve_fp32_weights: bool
+) -> MixedPrecisionPolicy:
+    if given is not None:
+        if not isinstance(given, MixedPrecisionPolicy):
+            raise TypeError(
+                "mixed_precision_policy must be a megatron_fsdp.MixedPrecisionPolicy, "
+                f"got {type(given).__name__}"
+            )
+        if grad_reduce_in_fp32 or not preserve_fp32_weights:
+            raise ValueError(
+                "mixed_precision_policy was given together with grad_reduce_in_fp32/"
+                "preserve_fp32_weights: set reduce_dtype/main_params_dtype in the policy instead"
+            )
+        return given
+    return MixedPrecisionPolicy(
+        reduce_dtype=torch.float32 if grad_reduce_in_fp32 else None,
+        main_params_dtype=torch.float32 if preserve_fp32_weights else None,
+    )
+
+
+def fully_shard_optimizer(
+    optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: bool = True
+) -> torch.optim.Optimizer:
+    """Add ``sync_grad_before_optimizer_step``/``install_optimized_model_weights`` to ``step``
+    and ``zero_grad_buffer`` to ``zero_grad`` of an optimizer built on the sharded model."""
+    if not preproc_state_dict_for_dcp_ckpt:
+        raise NotImplementedError(
+            "preproc_state_dict_for_dcp_ckpt=False: state dicts always hold DTensors here; "
+            "leave it True"
+        )
+    return attach_optimizer(optimizer)
+
+
+def _rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Point an optimizer built on the original parameters at their sharded replacements."""
+    for group in optimizer.param_groups:
+        group["params"] = [getattr(p, "_mfsdp_dist_param", p) for p in group["params"]]
+    optimizer.state.clear()
+
+
+def fully_shard(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    fsdp_unit_modules: Sequence[UnitSpec] | None = None,
+    **kwargs: Any,
+) -> tuple[MegatronFSDP, torch.optim.Optimizer]:
+    """One-line change for an initialised model and optimizer: shard both, keep param groups."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    preproc = kwargs.get("preproc_state_dict_for_dcp_ckpt", True)
+    model = fully_shard_model(module, fsdp_unit_modules, **kwargs)
+    _rebind_optimizer(optimizer)
+    return model, fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=preproc)

@@ -1,0 +1,113 @@
+"""The seed README's API: quick start parity, documented arguments, clear errors on every rank."""
+
+from __future__ import annotations
+
+import megatron_fsdp
+import pytest
+import torch
+from megatron_fsdp import fully_shard, fully_shard_model, fully_shard_optimizer
+from mfsdp_collectives.testing import run_distributed
+from torch import nn
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x)) + x
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Layer(), Layer(), nn.Linear(6, 1))
+
+
+def _reference(steps: int, batch: torch.Tensor) -> list[float]:
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = model(batch).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _quick_start(rank: int, world: int, entry: str) -> None:
+    batch = torch.randn(8, 6, generator=torch.Generator().manual_seed(3))
+    local = batch.chunk(world)[rank]
+    layer_path = f"{Layer.__module__}.Layer"
+    if entry == "model+optimizer":
+        model = fully_shard_model(_model(), fsdp_unit_modules=[Layer, layer_path])
+        optimizer = fully_shard_optimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+    else:
+        original = _model()
+        model, optimizer = fully_shard(
+            original, torch.optim.Adam(original.parameters(), lr=1e-2), fsdp_unit_modules=[Layer]
+        )
+    assert isinstance(model, megatron_fsdp.MegatronFSDP)
+    losses = []
+    for _ in range(5):
+        loss = model(local).pow(2).mean()
+        loss.backward()
+        optimizer.step(sync_grad_before_optimizer_step=True, install_optimized_model_weights=True)
+        optimizer.zero_grad(zero_grad_buffer=True)
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+    expected = _reference(5, batch)
+    for got, want in zip(losses, expected, strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (losses, expected)
+
+
+@pytest.mark.parametrize("entry", ["model+optimizer", "fully_shard"])
+def test_quick_start_matches_single_process(entry: str) -> None:
+    run_distributed(_quick_start, 2, entry, timeout=120)
+
+
+def _bad_input(rank: int, world: int, case: str) -> str:
+    try:
+        if case == "unknown_unit":
+            fully_shard_model(_model(), fsdp_unit_modules=["no.such.module.Layer"])
+        elif case == "strategy":
+            fully_shard_model(_model(), fsdp_unit_modules=[Layer], zero_dp_strategy=7)
+        elif case == "strategy_name":
+            fully_shard_model(_model(), fsdp_unit_modules=[Layer], zero_dp_strategy="zero9")
+        elif case == "twice":
+            model = fully_shard_model(_model(), fsdp_unit_modules=[Layer])
+            fully_shard_model(model.module, fsdp_unit_modules=[Layer])
+        elif case == "optimizer":
+            fully_shard_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+        elif case == "hsdp":
+            fully_shard_model(_model(), fsdp_unit_modules=[Layer], dp_outer_dim="dp_outer")
+        elif case == "meta":
+            fully_shard_model(_model(), init_model_with_meta_device=True)
+        elif case == "nccl_ub":
+            fully_shard_model(_model(), nccl_ub=True)
+    except (ValueError, TypeError, NotImplementedError) as error:
+        # Every rank reaches here on its own: nothing was communicated.
+        torch.distributed.barrier()
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("unknown_unit", "ValueError: fsdp_unit_modules: cannot import 'no.such.module.Layer'"),
+        ("strategy", "ValueError: zero_dp_strategy=7 is out of range"),
+        ("strategy_name", "ValueError: zero_dp_strategy='zero9' is not a sharding strategy"),
+        ("twice", "ValueError: module: it is already fully sharded"),
+        ("optimizer", "ValueError: optimizer holds no fully-sharded parameters"),
+        ("hsdp", "NotImplementedError: dp_outer_dim='dp_outer': hybrid sharding (HSDP)"),
+        ("meta", "NotImplementedError: init_model_with_meta_device=True"),
+        ("nccl_ub", "NotImplementedError: nccl_ub=True: NCCL user buffers"),
+    ],
+)
+def test_bad_input_raises_clearly_on_every_rank(case: str, expected: str) -> None:
+    messages = run_distributed(_bad_input, 2, case, timeout=60)
+    assert all(m.startswith(expected) for m in messages), messages

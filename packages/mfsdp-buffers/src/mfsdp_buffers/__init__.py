@@ -1,0 +1,50 @@
+"""mfsdp_buffers: layer 1 of megatron-fsdp.
+
+Flat, row-aligned parameter layouts, the data-parallel buffers built on them,
+communication bucketing and the allocators for temporary unsharded storage.
+Depends on torch only; knows nothing about process groups.
+"""
+
+from mfsdp_buffers.allocators import (
+    Allocator,
+    FixedPoolAllocator,
+    Interval,
+    PlainAllocator,
+    PoolPlan,
+    SlotFactory,
+    StorageResizeAllocator,
+    TracePhase,
+    TracePoolAllocator,
+    has_stable_storage,
+    peak_live_numel,
+    plan_offsets,
+)
+from mfsdp_buffers.bucketing import Bucket, BucketKey, build_buckets
+from mfsdp_buffers.buffer import BufferRole, DataParallelBuffer
+from mfsdp_buffers.layout import FlatLayout, LocalPiece, ParamPlacement
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Allocator",
+    "Bucket",
+    "BucketKey",
+    "BufferRole",
+    "DataParallelBuffer",
+    "FixedPoolAllocator",
+    "FlatLayout",
+    "Interval",
+    "LocalPiece",
+    "ParamPlacement",
+    "PlainAllocator",
+    "PoolPlan",
+    "SlotFactory",
+    "StorageResizeAllocator",
+    "TracePhase",
+    "TracePoolAllocator",
+    "__version__",
+    "build_buckets",
+    "has_stable_storage",
+    "peak_live_numel",
+    "plan_offsets",
+]

@@ -1,0 +1,191 @@
+"""DataParallelBuffer: one flat storage per (parameter group, role) over a :class:`FlatLayout`.
+
+The buffer owns the memory; everything it hands out is a zero-copy view, so
+optimizer steps on shard views, all-gathers into the unsharded tensor and
+parameters pointing at unsharded views all act on the same bytes. It knows
+nothing about process groups: the collectives layer all-gathers into
+:meth:`DataParallelBuffer.materialize` and reduce-scatters into ``shard``.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from mfsdp_buffers.allocators.protocol import Allocator, has_stable_storage
+from mfsdp_buffers.allocators.storage_resize import StorageResizeAllocator
+from mfsdp_buffers.layout import FlatLayout
+
+_buffer_ids = itertools.count()
+
+
+class BufferRole(enum.Enum):
+    """What the buffer holds; decides nothing here, but names it for the layers above."""
+
+    MODEL_WEIGHT = "model_weight"
+    """Compute-dtype weights that are all-gathered for forward/backward."""
+    MAIN_WEIGHT = "main_weight"
+    """High-precision (fp32) master weights the optimizer updates."""
+    MAIN_GRAD = "main_grad"
+    """Gradients accumulated and reduce-scattered into the shard."""
+
+
+class DataParallelBuffer:
+    """Persistent local shard plus an on-demand unsharded buffer, both over one layout.
+
+    * ``sharded=True``: only this rank's shard (``shard_numel`` elements,
+      zero-initialised) is persistent; the unsharded buffer comes from
+      ``allocator`` on :meth:`materialize` and goes back on :meth:`release`.
+    * ``sharded=False``: the whole padded buffer is persistent (no-shard model
+      weights, ZeRO-1 gradients); ``shard`` is a view of this rank's range of it
+      and materialize/release cost nothing.
+
+    ``allocator`` defaults to a private :class:`StorageResizeAllocator`, so the
+    unsharded tensor keeps its identity across cycles and release frees the
+    bytes at once. Allocator requests use :attr:`alloc_key`, unique per buffer.
+    """
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        rank: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        role: BufferRole,
+        sharded: bool,
+        allocator: Allocator | None = None,
+        name: str = "",
+    ) -> None:
+        if not 0 <= rank < layout.world_size:
+            raise ValueError(f"rank must be in [0, {layout.world_size}), got {rank}")
+        if not isinstance(role, BufferRole):
+            raise TypeError(f"role must be a BufferRole, got {role!r}")
+        self.layout = layout
+        self.rank = rank
+        self.dtype = dtype
+        self.role = role
+        self.sharded = sharded
+        self.name = name
+        self.allocator: Allocator = allocator if allocator is not None else StorageResizeAllocator()
+        self.alloc_key: Hashable = (name, role.value, next(_buffer_ids))
+        """Key for allocator requests: stable for the buffer's life, unique per process."""
+        start, end = layout.shard_range(rank)
+        self._full: torch.Tensor | None
+        if sharded:
+            self._full = None
+            self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        else:
+            self._full = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+            self.shard = self._full[start:end]
+        # The tensor's device, not the argument: an index-less device gains its
+        # index here, so allocator size classes and comparisons see one spelling.
+        self.device = self.shard.device
+        self._unsharded: torch.Tensor | None = self._full
+
+    def __repr__(self) -> str:
+        return (
+            f"DataParallelBuffer(name={self.name!r}, role={self.role.name}, rank={self.rank}, "
+            f"dtype={self.dtype}, device={self.device}, sharded={self.sharded}, "
+            f"shard_numel={self.layout.shard_numel}, padded_numel={self.layout.padded_numel})"
+        )
+
+    # ----------------------------------------------------------------- shard
+
+    def local_view(self, param_index: int) -> torch.Tensor:
+        """This rank's rows of the parameter, viewed in ``shard``: ``(rows, *shape[1:])``.
+
+        An empty piece gives a ``(0, *shape[1:])`` tensor, so callers need no
+        special case for ranks that hold nothing of a parameter.
+        """
+        piece = self.layout.local_piece(param_index, self.rank)
+        shape = self.layout.placements[param_index].shape
+        flat = self.shard[piece.shard_offset : piece.shard_offset + piece.numel]
+        return flat.view(piece.num_rows, *shape[1:])
+
+    # ------------------------------------------------------------- unsharded
+
+    def materialize(self) -> torch.Tensor:
+        """The 1-D unsharded buffer (``padded_numel``); allocated, not filled, when sharded.
+
+        Idempotent while materialized. With a stable-storage allocator the same
+        tensor comes back on every cycle, so views taken once stay valid.
+        """
+        if self._unsharded is not None:
+            return self._unsharded
+        numel = self.layout.padded_numel
+        tensor = self.allocator.allocate(self.alloc_key, numel, self.dtype, self.device)
+        if tensor.dim() != 1 or tensor.numel() != numel or tensor.dtype != self.dtype:
+            raise RuntimeError(
+                f"{type(self.allocator).__name__} returned shape {tuple(tensor.shape)} "
+                f"dtype {tensor.dtype}; expected ({numel},) {self.dtype}"
+            )
+        self._unsharded = tensor
+        return tensor
+
+    @property
+    def unsharded(self) -> torch.Tensor | None:
+        """The materialized unsharded buffer, or None while released."""
+        return self._unsharded
+
+    @property
+    def is_materialized(self) -> bool:
+        return self._unsharded is not None
+
+    @property
+    def stable_storage(self) -> bool:
+        """Whether :meth:`materialize` returns the same tensor and storage every cycle."""
+        return not self.sharded or has_stable_storage(self.allocator)
+
+    def unsharded_view(self, param_index: int) -> torch.Tensor:
+        """The whole parameter (original shape) as a view of the unsharded buffer."""
+        p = self.layout.placements[param_index]
+        return self._require_unsharded()[p.offset : p.end].view(p.shape)
+
+    def unsharded_shard_view(self) -> torch.Tensor:
+        """This rank's range of the unsharded buffer (all-gather input aliasing, copy-in)."""
+        start, end = self.layout.shard_range(self.rank)
+        return self._require_unsharded()[start:end]
+
+    def release(self) -> None:
+        """Give the unsharded storage back to the allocator now (no-op when not sharded)."""
+        if not self.sharded or self._unsharded is None:
+            return
+        tensor, self._unsharded = self._unsharded, None
+        self.allocator.free(self.alloc_key, tensor)
+
+    # ------------------------------------------------------------------ init
+
+    def copy_params_in(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Fill the persistent storage from full parameters (original shapes, any dtype).
+
+        Sharded buffers copy only the local rows. Runs without autograd so a
+        source that requires grad does not drag the buffer into the graph.
+        """
+        placements = self.layout.placements
+        if len(tensors) != len(placements):
+            raise ValueError(f"expected {len(placements)} tensors, got {len(tensors)}")
+        for p, src in zip(placements, tensors, strict=True):
+            if tuple(src.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"tensors[{p.index}] has shape {tuple(src.shape)}; the layout expects "
+                    f"{tuple(p.shape)}"
+                )
+        with torch.no_grad():
+            for p, src in zip(placements, tensors, strict=True):
+                if self._full is not None:
+                    self._full[p.offset : p.end].view(p.shape).copy_(src)
+                else:
+                    piece = self.layout.local_piece(p.index, self.rank)
+                    if not piece.is_empty:
+                        self.local_view(p.index).copy_(src[piece.row_start : piece.row_end])
+
+    def _require_unsharded(self) -> torch.Tensor:
+        if self._unsharded is None:
+            raise RuntimeError(
+                f"{self!r} is not materialized; call materialize() (and all-gather) first"
+            )
+        return self._unsharded

@@ -1,0 +1,325 @@
+"""Row-aligned flat layout: where each parameter lives in a flat buffer and on which rank.
+
+Parameters are packed one after another into a single flat buffer so that an
+all-gather of equal-sized shards into that buffer hands every parameter back
+as a zero-copy view. The buffer is cut into ``world_size`` equal shards.
+
+Design choice: a shard boundary that falls strictly inside a parameter must
+fall on a *row* edge of that parameter (a row is everything but the first
+dimension). Each rank's piece of a parameter is then a contiguous row range,
+viewable as a tensor of shape ``(rows, *shape[1:])``. That is what lets the
+upper layers describe sharded parameters as (possibly uneven, possibly empty)
+``Shard(0)`` DTensors, compute their metadata once, and run per-row
+optimizers, instead of dealing with arbitrary flat slices.
+
+Everything here is pure arithmetic on shapes: no tensors, no process groups.
+Every rank computes the same layout from the same inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mfsdp_buffers._arith import align_up, ceil_div, lcm, smallest_aligned_shift
+
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    """Where one parameter sits in the unsharded flat buffer."""
+
+    index: int
+    shape: torch.Size
+    offset: int
+    """First element of the parameter in the unsharded flat buffer."""
+    numel: int
+    row_numel: int
+    """Elements per row, ``prod(shape[1:])`` (1 for 1-D parameters, 0 if a trailing dim is 0)."""
+
+    @property
+    def num_rows(self) -> int:
+        """Size of the first dimension: the unit in which the parameter is sharded."""
+        return self.shape[0]
+
+    @property
+    def end(self) -> int:
+        """One past the last element of the parameter in the unsharded flat buffer."""
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class LocalPiece:
+    """One parameter's piece on one rank: a contiguous row range, possibly empty."""
+
+    param_index: int
+    rank: int
+    row_start: int
+    row_end: int
+    shard_offset: int
+    """Where the piece starts in that rank's shard (clamped into ``[0, shard_numel]`` if empty)."""
+    numel: int
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the rank holds no row of the parameter."""
+        return self.row_start == self.row_end
+
+    @property
+    def num_rows(self) -> int:
+        """Number of rows held by the rank."""
+        return self.row_end - self.row_start
+
+
+def _normalize_shape(index: int, shape: Sequence[int] | torch.Size) -> torch.Size:
+    try:
+        dims = [operator.index(d) for d in shape]
+    except TypeError as exc:
+        raise TypeError(
+            f"shapes[{index}] must be a sequence of ints or a torch.Size, got {shape!r}"
+        ) from exc
+    if not dims:
+        raise ValueError(
+            f"parameter {index} is 0-d: 0-d parameters cannot be sharded; reshape to (1,)"
+        )
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shapes[{index}] has a negative dimension: {tuple(dims)}")
+    return torch.Size(dims)
+
+
+def _row_numel(shape: torch.Size) -> int:
+    return math.prod(shape[1:])
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """A deterministic row-aligned packing of parameters into ``world_size`` equal shards.
+
+    Build it with :meth:`build`. Invariants (checked on construction):
+
+    * every parameter lies inside ``[0, padded_numel)``, parameters appear in
+      index order, never overlap, and start at a multiple of ``alignment``;
+    * ``shard_numel`` is a multiple of ``alignment``, so every shard starts aligned;
+    * every shard boundary strictly inside a parameter is on one of its row edges.
+
+    Padding bound (proved in :meth:`build`, property-tested): with
+    ``U = data_numel + sum_i (lcm(alignment, max(row_numel_i, 1)) - 1)`` and
+    ``step0 = lcm(alignment, {row_numel_i : numel_i > ceil(data_numel / world_size)})``::
+
+        padded_numel <= U + world_size * step0 - 1
+    """
+
+    placements: tuple[ParamPlacement, ...]
+    world_size: int
+    alignment: int
+    shard_numel: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.alignment < 1:
+            raise ValueError(f"alignment must be >= 1, got {self.alignment}")
+        if self.shard_numel < 0 or self.shard_numel % self.alignment:
+            raise ValueError(
+                f"shard_numel must be a non-negative multiple of alignment={self.alignment}, "
+                f"got {self.shard_numel}"
+            )
+        cursor = 0
+        for i, p in enumerate(self.placements):
+            if p.index != i:
+                raise ValueError(f"placements[{i}] has index {p.index}; expected {i}")
+            if p.offset < cursor or p.offset % self.alignment or p.end > self.padded_numel:
+                raise ValueError(f"placement {i} at offset {p.offset} is misplaced or misaligned")
+            cursor = p.end
+            if p.numel and self.shard_numel:
+                first = (p.offset // self.shard_numel + 1) * self.shard_numel
+                for boundary in range(first, p.end, self.shard_numel):
+                    if (boundary - p.offset) % p.row_numel:
+                        raise ValueError(
+                            f"shard boundary {boundary} cuts parameter {i} (shape "
+                            f"{tuple(p.shape)}) inside a row"
+                        )
+
+    # ------------------------------------------------------------------ build
+
+    @classmethod
+    def build(
+        cls,
+        shapes: Sequence[Sequence[int] | torch.Size],
+        world_size: int,
+        alignment: int = 1,
+    ) -> FlatLayout:
+        """Pack ``shapes`` in order; pick the smallest ``shard_numel`` the packing allows.
+
+        ``alignment`` is in elements: every parameter and every shard starts at a
+        multiple of it (use it for vectorised kernels or collective alignment).
+
+        Algorithm, for a candidate shard size ``S``:
+
+        * a parameter with more than ``S`` elements can contain two boundaries,
+          ``S`` apart, so ``S`` must be a multiple of its ``row_numel``:
+          ``S`` must be a multiple of ``step(S) = lcm(alignment, row_numel of those)``;
+        * parameters are placed in order at aligned offsets; one whose first
+          interior boundary is mid-row is pushed forward by the smallest aligned
+          shift that puts the boundary on a row edge (``< lcm(alignment, row_numel)``;
+          the boundary itself is always a solution, so the parameter never jumps
+          past it; with ``S`` as above the other boundaries then line up too);
+        * if the packing ends past ``world_size * S``, ``S`` grows to at least
+          ``ceil(end / world_size)`` and the smallest feasible value from there is tried.
+
+        Why the padding bound in the class docstring holds: each parameter costs at
+        most ``lcm(alignment, row_numel) - 1`` padding, so every packing ends at or
+        before ``U``. A candidate that fails satisfies ``world_size * S < U``, so the
+        next candidate starts from some ``x <= ceil(U / world_size)`` and lands at most
+        ``step(x) - 1 <= step0 - 1`` above it; hence the final ``S`` is
+        ``<= ceil(U / world_size) + step0 - 1``.
+        """
+        if isinstance(world_size, bool) or operator.index(world_size) < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if isinstance(alignment, bool) or operator.index(alignment) < 1:
+            raise ValueError(f"alignment must be an int >= 1, got {alignment!r}")
+        norm = [_normalize_shape(i, s) for i, s in enumerate(shapes)]
+        numels = [math.prod(s) for s in norm]
+        rows = [_row_numel(s) for s in norm]
+        data_numel = sum(numels)
+
+        shard = _smallest_feasible(ceil_div(data_numel, world_size), numels, rows, alignment)
+        while True:
+            offsets, end = _place(shard, world_size, numels, rows, alignment)
+            if end <= world_size * shard:
+                break
+            start = max(shard + 1, ceil_div(end, world_size))
+            shard = _smallest_feasible(start, numels, rows, alignment)
+
+        placements = tuple(
+            ParamPlacement(index=i, shape=s, offset=o, numel=n, row_numel=r)
+            for i, (s, o, n, r) in enumerate(zip(norm, offsets, numels, rows, strict=True))
+        )
+        return cls(
+            placements=placements,
+            world_size=world_size,
+            alignment=alignment,
+            shard_numel=shard,
+        )
+
+    # ------------------------------------------------------------- accessors
+
+    @property
+    def num_params(self) -> int:
+        return len(self.placements)
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements in the unsharded buffer, padding included (``shard_numel * world_size``)."""
+        return self.shard_numel * self.world_size
+
+    @property
+    def data_numel(self) -> int:
+        """Elements that belong to parameters (no padding)."""
+        return sum(p.numel for p in self.placements)
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """``[start, end)`` of ``rank``'s shard in the unsharded buffer."""
+        self._check_rank(rank)
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def local_piece(self, param_index: int, rank: int) -> LocalPiece:
+        """The rows of parameter ``param_index`` that live in ``rank``'s shard."""
+        self._check_rank(rank)
+        if not 0 <= param_index < len(self.placements):
+            raise IndexError(f"param_index {param_index} out of range [0, {self.num_params})")
+        p = self.placements[param_index]
+        shard_start = rank * self.shard_numel
+        if p.row_numel == 0:
+            # Rows of zero elements: any split is valid; give them all to the rank
+            # that owns the parameter's offset so the ranges still tile in rank order.
+            owner = (
+                min(p.offset // self.shard_numel, self.world_size - 1) if self.shard_numel else 0
+            )
+            row_start = 0 if rank <= owner else p.num_rows
+            row_end = p.num_rows if rank >= owner else 0
+            shard_offset = min(max(p.offset - shard_start, 0), self.shard_numel)
+            return LocalPiece(param_index, rank, row_start, row_end, shard_offset, 0)
+        lo = min(max(shard_start - p.offset, 0), p.numel)
+        hi = min(max(shard_start + self.shard_numel - p.offset, 0), p.numel)
+        shard_offset = min(max(p.offset + lo - shard_start, 0), self.shard_numel)
+        return LocalPiece(
+            param_index=param_index,
+            rank=rank,
+            row_start=lo // p.row_numel,
+            row_end=hi // p.row_numel,
+            shard_offset=shard_offset,
+            numel=hi - lo,
+        )
+
+    def local_pieces(self, rank: int) -> tuple[LocalPiece, ...]:
+        """One piece per parameter, in parameter order, empty pieces included."""
+        return tuple(self.local_piece(i, rank) for i in range(len(self.placements)))
+
+    def row_ranges(self, param_index: int) -> tuple[tuple[int, int], ...]:
+        """``(row_start, row_end)`` of the parameter on every rank, in rank order.
+
+        This is the per-rank split of dimension 0, which is what uneven DTensor
+        metadata (and DCP) need; it costs no communication.
+        """
+        return tuple(
+            (piece.row_start, piece.row_end)
+            for piece in (self.local_piece(param_index, r) for r in range(self.world_size))
+        )
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} out of range [0, {self.world_size})")
+
+
+def _step(shard: int, numels: Sequence[int], rows: Sequence[int], alignment: int) -> int:
+    """Granularity ``shard`` must respect: rows of every parameter that may span 2+ boundaries."""
+    step = alignment
+    for n, r in zip(numels, rows, strict=True):
+        if n > shard:
+            step = lcm(step, r)
+    return step
+
+
+def _smallest_feasible(
+    start: int, numels: Sequence[int], rows: Sequence[int], alignment: int
+) -> int:
+    """Smallest ``S >= start`` that is a multiple of ``_step(S)``.
+
+    ``_step`` only changes where ``S`` crosses a parameter's numel, so it is
+    constant on the intervals between those thresholds; the answer is the first
+    interval's own aligned start that still lies inside it. Growing ``S`` past a
+    big parameter can be much cheaper than aligning to the lcm of odd row sizes.
+    """
+    thresholds = sorted({n for n in numels if n > start})
+    lo = start
+    for hi in [*thresholds, None]:
+        candidate = align_up(lo, _step(lo, numels, rows, alignment))
+        if hi is None or candidate < hi:
+            return candidate
+        lo = hi
+    raise AssertionError("unreachable: the last interval is unbounded")
+
+
+def _place(
+    shard: int, world_size: int, numels: Sequence[int], rows: Sequence[int], alignment: int
+) -> tuple[list[int], int]:
+    """Offsets of every parameter for shard size ``shard``, and the end of the packing.
+
+    Only interior boundaries (``k * shard`` for ``0 < k < world_size``) move a
+    parameter; one that runs past the buffer end just makes the packing too long.
+    """
+    offsets: list[int] = []
+    cursor = 0
+    for n, r in zip(numels, rows, strict=True):
+        offset = align_up(cursor, alignment)
+        if n and shard:
+            boundary = (offset // shard + 1) * shard
+            if boundary < min(offset + n, world_size * shard):
+                offset += smallest_aligned_shift(offset, boundary, alignment, r)
+        offsets.append(offset)
+        cursor = offset + n
+    return offsets, cursor

@@ -1,0 +1,47 @@
+"""mfsdp_collectives: layer 2 of megatron-fsdp.
+
+Process-group topology (from a DeviceMesh, explicit groups or the world),
+async collectives on flat buffers (all-gather, reduce-scatter, all-reduce,
+HSDP two-level reduction, broadcast) returning handles that include their
+post-processing, side streams for overlap on accelerators, NCCL user buffers,
+communication accounting, and the multi-rank test harness
+(``mfsdp_collectives.testing``). It works on plain tensors and knows nothing
+of FSDP units or parameters.
+"""
+
+from __future__ import annotations
+
+from .handle import CommHandle
+from .naming import group_name, register_group_name
+from .nccl_ub import UserBufferPool, register_user_buffers
+from .ops import (
+    all_gather_into,
+    all_reduce_,
+    broadcast_,
+    hsdp_reduce_scatter_into,
+    reduce_scatter_into,
+)
+from .streams import CommStreams
+from .topology import FSDPTopology, default_device
+from .tracer import CommRecord, CommTracer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommHandle",
+    "CommRecord",
+    "CommStreams",
+    "CommTracer",
+    "FSDPTopology",
+    "UserBufferPool",
+    "__version__",
+    "all_gather_into",
+    "all_reduce_",
+    "broadcast_",
+    "default_device",
+    "group_name",
+    "hsdp_reduce_scatter_into",
+    "reduce_scatter_into",
+    "register_group_name",
+    "register_user_buffers",
+]

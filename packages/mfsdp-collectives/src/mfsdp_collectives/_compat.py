@@ -1,0 +1,97 @@
+"""Version shims for the collectives this layer issues.
+
+torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` (a
+``FutureWarning`` on every call) in favour of ``all_gather_single``/
+``reduce_scatter_single``; torch 2.11/2.12 only have the old names. Keeping the
+choice in one place means the rest of the layer never sees the difference and
+never spams warnings.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, cast
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Work",
+    "all_gather_single",
+    "backend_name",
+    "broadcast_from_group_rank",
+    "reduce_scatter_single",
+    "supports_avg",
+]
+
+
+class Work(Protocol):
+    """The part of ``torch.distributed``'s async work object that we rely on."""
+
+    def wait(self) -> bool: ...
+
+    def is_completed(self) -> bool: ...
+
+
+_NEW_ALL_GATHER: Any = getattr(dist, "all_gather_single", None)
+_NEW_REDUCE_SCATTER: Any = getattr(dist, "reduce_scatter_single", None)
+
+# Backends whose collectives implement ReduceOp.AVG. Gloo gained it in torch 2.8
+# (pytorch#149781) and this layer needs torch >= 2.11. Anything else (MPI, UCC,
+# custom backends) takes the portable path: SUM, then divide the output shard.
+_AVG_BACKENDS = frozenset({"nccl", "gloo"})
+
+
+def all_gather_single(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+) -> Work | None:
+    """Gather ``input`` from every rank of ``group`` into ``output`` (concatenated)."""
+    if _NEW_ALL_GATHER is not None:
+        return cast("Work | None", _NEW_ALL_GATHER(output, input, group=group, async_op=async_op))
+    return cast(  # pragma: no cover - torch < 2.13
+        "Work | None",
+        dist.all_gather_into_tensor(output, input, group=group, async_op=async_op),
+    )
+
+
+def reduce_scatter_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp.RedOpType,
+    group: dist.ProcessGroup,
+    async_op: bool,
+) -> Work | None:
+    """Reduce ``input`` across ``group`` and leave this rank's chunk in ``output``."""
+    if _NEW_REDUCE_SCATTER is not None:
+        return cast(
+            "Work | None",
+            _NEW_REDUCE_SCATTER(output, input, op=op, group=group, async_op=async_op),
+        )
+    return cast(  # pragma: no cover - torch < 2.13
+        "Work | None",
+        dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op),
+    )
+
+
+def broadcast_from_group_rank(
+    tensor: torch.Tensor, src_rank_in_group: int, group: dist.ProcessGroup
+) -> None:
+    """Broadcast addressing the source by its rank *inside* ``group``.
+
+    Callers think in group ranks (shard rank 0), while ``dist.broadcast``'s
+    ``src`` is a global rank; ``group_src`` does the translation for us.
+    """
+    dist.broadcast(tensor, group=group, group_src=src_rank_in_group)
+
+
+def backend_name(group: dist.ProcessGroup) -> str:
+    """Lower-case name of the backend behind ``group`` ("gloo", "nccl", ...)."""
+    return str(dist.get_backend(group)).lower()
+
+
+def supports_avg(group: dist.ProcessGroup) -> bool:
+    """Whether ``ReduceOp.AVG`` can be used on ``group``.
+
+    Decided from the backend name alone, so every rank takes the same decision
+    without a collective.
+    """
+    return backend_name(group) in _AVG_BACKENDS

@@ -1,0 +1,88 @@
+"""Run a collective's stages on the right stream and wrap them in a ``CommHandle``.
+
+A collective here is one or more *stages* (HSDP: reduce-scatter, then the outer
+all-reduce), each issuing async work that the next stage depends on, plus a
+local ``finish`` step (scaling, casting back, accumulating).
+
+- With active side streams (accelerators), each stage runs on its own stream,
+  ordered after the previous one by ``wait_stream``, so the host never blocks
+  and compute overlaps; the handle carries an event for the consumer stream.
+- Without them (CPU, or no streams given), stages are issued in order on the
+  host; between stages we wait for the previous one (a stream dependency on
+  accelerators, a real block on CPU). Issuing the next stage immediately,
+  never lazily from a callback, keeps the order of collectives identical on
+  every rank, which is what prevents mismatched-collective hangs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ._compat import Work
+from .handle import CommHandle
+from .streams import current_stream
+
+__all__ = ["Stage", "launch"]
+
+Stage = tuple[torch.Stream | None, Callable[[], Work | None]]
+
+
+def launch(
+    stages: Sequence[Stage],
+    *,
+    device: torch.device,
+    finish: Callable[[], None] | None,
+    async_op: bool,
+    keep_alive: Sequence[torch.Tensor],
+) -> CommHandle:
+    """Issue ``stages`` in order and return a handle that completes them and ``finish``."""
+    if stages and all(stream is not None for stream, _ in stages):
+        handle = _launch_on_streams(stages, device=device, finish=finish, keep_alive=keep_alive)
+    else:
+        handle = _launch_on_host(stages, finish=finish, keep_alive=keep_alive)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def _launch_on_streams(
+    stages: Sequence[Stage],
+    *,
+    device: torch.device,
+    finish: Callable[[], None] | None,
+    keep_alive: Sequence[torch.Tensor],
+) -> CommHandle:
+    prev = current_stream(device)
+    last = prev
+    for stream, issue in stages:
+        assert stream is not None
+        stream.wait_stream(prev)
+        with stream:
+            work = issue()
+            if work is not None:
+                work.wait()  # the side stream (not the host) waits for the collective
+        prev = last = stream
+    if finish is not None:
+        with last:
+            finish()
+    event = last.record_event()
+    # The stages and finish own the temporaries (cast copies, receive buffers)
+    # that later streams still use; free them only after the handle is waited.
+    owners = (*keep_alive, *stages, finish)
+    return CommHandle(event=event, device=device, keep_alive=owners)
+
+
+def _launch_on_host(
+    stages: Sequence[Stage],
+    *,
+    finish: Callable[[], None] | None,
+    keep_alive: Sequence[torch.Tensor],
+) -> CommHandle:
+    pending: Work | None = None
+    for _, issue in stages:
+        if pending is not None:
+            pending.wait()
+        pending = issue()
+    return CommHandle((pending,), finish=finish, keep_alive=keep_alive)

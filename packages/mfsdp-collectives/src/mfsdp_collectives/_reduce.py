@@ -1,0 +1,80 @@
+"""How a reduction is carried out: the op, the communicated tensor, the scaling.
+
+Shared by reduce-scatter, all-reduce and HSDP so the three agree exactly on
+the semantics ``post_scale * reduce_{sum|avg}(pre_scale * x.to(reduce_dtype))``
+and on the rules that keep the reduce path cheap:
+
+- average inside the collective (``ReduceOp.AVG``) where the backend has it;
+  otherwise SUM and divide the *output shard*, never a full-buffer multiply;
+- at most one copy of the input (the cast to ``reduce_dtype``, which absorbs
+  ``pre_scale``);
+- write straight into the caller's output when dtype and aliasing allow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ._compat import supports_avg
+
+__all__ = ["ReduceSpec", "finish_into", "prepare_input", "reduce_op"]
+
+
+@dataclass(frozen=True)
+class ReduceSpec:
+    """The validated reduction options of one call."""
+
+    average: bool
+    pre_scale: float | None
+    post_scale: float | None
+    reduce_dtype: torch.dtype
+
+
+def reduce_op(group: dist.ProcessGroup, average: bool) -> tuple[dist.ReduceOp.RedOpType, float]:
+    """The op to issue on ``group`` and the factor still owed to the output.
+
+    ``factor`` is ``1/size`` when averaging on a backend without AVG, else 1.
+    """
+    if not average:
+        return dist.ReduceOp.SUM, 1.0
+    if supports_avg(group):
+        return dist.ReduceOp.AVG, 1.0
+    return dist.ReduceOp.SUM, 1.0 / dist.get_world_size(group)
+
+
+def prepare_input(x: torch.Tensor, spec: ReduceSpec) -> torch.Tensor:
+    """The tensor to send: ``x`` itself when possible, else one scaled/cast copy."""
+    if x.dtype != spec.reduce_dtype:
+        y = x.to(spec.reduce_dtype)
+        if spec.pre_scale is not None:
+            y.mul_(spec.pre_scale)
+        return y
+    if spec.pre_scale is not None:
+        return torch.mul(x, spec.pre_scale)
+    return x
+
+
+def finish_into(
+    result: torch.Tensor, out: torch.Tensor, *, factor: float, accumulate: bool
+) -> None:
+    """Apply the remaining ``factor`` and store (or add) ``result`` into ``out``.
+
+    ``result`` may be ``out`` itself (the collective wrote in place). Accumulation
+    adds in the wider of the two dtypes and rounds once, into ``out``'s dtype.
+    """
+    if result is out:
+        if factor != 1.0:
+            out.mul_(factor)
+        return
+    if accumulate:
+        if factor != 1.0:
+            out.add_(result, alpha=factor)
+        else:
+            out.add_(result)
+        return
+    if factor != 1.0:
+        result.mul_(factor)
+    out.copy_(result)

@@ -1,0 +1,391 @@
+"""Async collectives on flat buffers: the only way upper layers communicate.
+
+Each op validates every argument locally first (so a mistake raises on the
+calling rank instead of hanging the others), records itself with the tracer,
+issues the collective (on a side stream when given active ``CommStreams``) and
+returns a ``CommHandle`` whose ``wait()`` also runs the post-processing.
+Results are the collective's semantics exactly; see ``_reduce`` for the
+reduction rules (average in the collective, one copy at most, direct output).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._checks import (
+    check_dtype,
+    check_flat,
+    check_floating,
+    check_group,
+    check_same_device,
+    check_scale,
+    overlaps,
+)
+from ._compat import (
+    Work,
+    all_gather_single,
+    broadcast_from_group_rank,
+    reduce_scatter_single,
+)
+from ._launch import Stage, launch
+from ._reduce import ReduceSpec, finish_into, prepare_input, reduce_op
+from .handle import CommHandle
+from .naming import group_name
+from .streams import CommStreams
+from .tracer import record_comm
+
+__all__ = [
+    "all_gather_into",
+    "all_reduce_",
+    "broadcast_",
+    "hsdp_reduce_scatter_into",
+    "reduce_scatter_into",
+]
+
+
+def _membership(group: object, arg: str) -> tuple[dist.ProcessGroup, int, int]:
+    """``(group, rank in group, group size)``; this rank must belong to ``group``."""
+    pg = check_group(group, arg)
+    rank = dist.get_rank(pg)
+    if rank < 0:
+        raise ValueError(
+            f"this rank (global rank {dist.get_rank()}) is not a member of {arg}; "
+            "only call the op on the ranks of the group"
+        )
+    return pg, rank, dist.get_world_size(pg)
+
+
+def _side_stream(stream: object, role: str, device: torch.device) -> torch.Stream | None:
+    if stream is None:
+        return None
+    if not isinstance(stream, CommStreams):
+        raise TypeError(f"stream must be a CommStreams or None, got {type(stream).__name__}")
+    if not stream.active:
+        return None
+    if stream.device.type != device.type:
+        raise ValueError(
+            f"stream holds {stream.device.type} streams but the tensors are on {device}; "
+            "build CommStreams(topology.device)"
+        )
+    side: torch.Stream | None = getattr(stream, role)
+    return side
+
+
+def _reduce_spec(
+    x: torch.Tensor,
+    x_arg: str,
+    *,
+    average: object,
+    pre_scale: object,
+    post_scale: object,
+    reduce_dtype: object,
+) -> ReduceSpec:
+    if not isinstance(average, bool):
+        raise TypeError(f"average must be a bool, got {type(average).__name__}")
+    pre = check_scale(pre_scale, "pre_scale")
+    post = check_scale(post_scale, "post_scale")
+    rdt = check_dtype(reduce_dtype, "reduce_dtype")
+    spec = ReduceSpec(average=average, pre_scale=pre, post_scale=post, reduce_dtype=rdt or x.dtype)
+    if average or pre is not None or post is not None:
+        check_floating(
+            spec.reduce_dtype,
+            "reduce_dtype" if rdt is not None else x_arg,
+            "averaging or scaling",
+        )
+    return spec
+
+
+def _check_shard_sizes(
+    full: torch.Tensor, full_arg: str, shard: torch.Tensor, shard_arg: str, size: int
+) -> None:
+    if full.numel() != shard.numel() * size:
+        raise ValueError(
+            f"{full_arg} has {full.numel()} elements but {shard_arg} has {shard.numel()} and "
+            f"the group has {size} ranks: need {full_arg}.numel() == {shard_arg}.numel() * "
+            f"{size}; pad the flat buffer to a multiple of the group size"
+        )
+
+
+def all_gather_into(
+    shard: torch.Tensor,
+    unsharded: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    async_op: bool = True,
+    stream: CommStreams | None = None,
+) -> CommHandle:
+    """Gather every rank's ``shard`` straight into ``unsharded`` (no staging copy).
+
+    ``shard`` may be this rank's own slot of ``unsharded`` (in-place gather).
+    """
+    shard = check_flat(shard, "shard")
+    unsharded = check_flat(unsharded, "unsharded")
+    group, rank, size = _membership(group, "group")
+    check_same_device(shard, "shard", unsharded, "unsharded")
+    if shard.dtype != unsharded.dtype:
+        raise ValueError(
+            f"shard has dtype {shard.dtype} but unsharded has {unsharded.dtype}; "
+            "gather into a buffer of the shard's dtype and cast afterwards"
+        )
+    _check_shard_sizes(unsharded, "unsharded", shard, "shard", size)
+    n = shard.numel()
+    if overlaps(shard, unsharded) and shard.data_ptr() != unsharded[rank * n :].data_ptr():
+        raise ValueError(
+            "shard overlaps unsharded but is not this rank's slot; pass "
+            f"unsharded[{rank * n}:{(rank + 1) * n}] or a separate tensor"
+        )
+    side = _side_stream(stream, "all_gather", shard.device)
+    if n == 0:
+        return CommHandle.completed()
+    record_comm("all_gather", group_name(group), n, shard.dtype)
+
+    def issue() -> Work | None:
+        return all_gather_single(unsharded, shard, group, async_op=True)
+
+    return launch(
+        [(side, issue)],
+        device=shard.device,
+        finish=None,
+        async_op=async_op,
+        keep_alive=(shard, unsharded),
+    )
+
+
+class _ReduceScatterStage:
+    """Stage 1 of a (possibly hierarchical) reduce-scatter; holds its tensors.
+
+    The receive tensor is chosen only when the stage runs, so that on a side
+    stream any temporary is allocated on that stream.
+    """
+
+    def __init__(
+        self,
+        inp: torch.Tensor,
+        out: torch.Tensor,
+        spec: ReduceSpec,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp.RedOpType,
+        accumulate: bool,
+    ) -> None:
+        self.inp, self.out, self.spec = inp, out, spec
+        self.group, self.op, self.accumulate = group, op, accumulate
+        self.recv: torch.Tensor | None = None
+        self.send: torch.Tensor | None = None
+
+    def __call__(self) -> Work | None:
+        send = prepare_input(self.inp, self.spec)
+        direct = (
+            not self.accumulate
+            and self.out.dtype == self.spec.reduce_dtype
+            and not overlaps(self.out, send)
+        )
+        recv = (
+            self.out if direct else self.out.new_empty(self.out.shape, dtype=self.spec.reduce_dtype)
+        )
+        self.send, self.recv = send, recv
+        return reduce_scatter_single(recv, send, self.op, self.group, async_op=True)
+
+    def result(self) -> torch.Tensor:
+        assert self.recv is not None, "stage has not run"
+        self.send = None
+        return self.recv
+
+
+def reduce_scatter_into(
+    unsharded_grad: torch.Tensor,
+    out_shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    average: bool = True,
+    pre_scale: float | None = None,
+    post_scale: float | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+    async_op: bool = True,
+    stream: CommStreams | None = None,
+) -> CommHandle:
+    """Reduce ``unsharded_grad`` over ``group`` and store (or add) this rank's chunk.
+
+    ``out_shard (+)= post_scale * reduce(pre_scale * unsharded_grad.to(reduce_dtype))``
+    where reduce is a mean over the group when ``average`` else a sum.
+    """
+    inp = check_flat(unsharded_grad, "unsharded_grad")
+    out = check_flat(out_shard, "out_shard")
+    group, _, size = _membership(group, "group")
+    check_same_device(inp, "unsharded_grad", out, "out_shard")
+    spec = _reduce_spec(
+        inp,
+        "unsharded_grad",
+        average=average,
+        pre_scale=pre_scale,
+        post_scale=post_scale,
+        reduce_dtype=reduce_dtype,
+    )
+    _check_shard_sizes(inp, "unsharded_grad", out, "out_shard", size)
+    side = _side_stream(stream, "reduce_scatter", inp.device)
+    if out.numel() == 0:
+        return CommHandle.completed()
+    op, factor = reduce_op(group, spec.average)
+    factor *= spec.post_scale if spec.post_scale is not None else 1.0
+    record_comm("reduce_scatter", group_name(group), inp.numel(), spec.reduce_dtype)
+    stage = _ReduceScatterStage(inp, out, spec, group, op, bool(accumulate))
+
+    def finish() -> None:
+        finish_into(stage.result(), out, factor=factor, accumulate=bool(accumulate))
+
+    return launch(
+        [(side, stage)],
+        device=inp.device,
+        finish=finish,
+        async_op=async_op,
+        keep_alive=(inp, out),
+    )
+
+
+def hsdp_reduce_scatter_into(
+    unsharded_grad: torch.Tensor,
+    out_shard: torch.Tensor,
+    shard_group: dist.ProcessGroup,
+    outer_group: dist.ProcessGroup | None,
+    *,
+    average: bool = True,
+    pre_scale: float | None = None,
+    post_scale: float | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+    async_op: bool = True,
+    stream: CommStreams | None = None,
+) -> CommHandle:
+    """Two-level gradient reduction for HSDP.
+
+    Reduce-scatter inside ``shard_group``, then all-reduce the (small) shard
+    across ``outer_group``: the inter-node hop carries 1/shard_size of the
+    bytes. With ``average`` the result is the mean over all
+    ``shard_size * outer_size`` ranks. ``outer_group=None`` is plain FSDP.
+    """
+    if outer_group is None:
+        return reduce_scatter_into(
+            unsharded_grad,
+            out_shard,
+            shard_group,
+            average=average,
+            pre_scale=pre_scale,
+            post_scale=post_scale,
+            reduce_dtype=reduce_dtype,
+            accumulate=accumulate,
+            async_op=async_op,
+            stream=stream,
+        )
+    inp = check_flat(unsharded_grad, "unsharded_grad")
+    out = check_flat(out_shard, "out_shard")
+    shard_group, _, size = _membership(shard_group, "shard_group")
+    outer_group, _, _ = _membership(outer_group, "outer_group")
+    if outer_group is shard_group:
+        raise ValueError("outer_group must differ from shard_group; pass outer_group=None")
+    check_same_device(inp, "unsharded_grad", out, "out_shard")
+    spec = _reduce_spec(
+        inp,
+        "unsharded_grad",
+        average=average,
+        pre_scale=pre_scale,
+        post_scale=post_scale,
+        reduce_dtype=reduce_dtype,
+    )
+    _check_shard_sizes(inp, "unsharded_grad", out, "out_shard", size)
+    rs_side = _side_stream(stream, "reduce_scatter", inp.device)
+    outer_side = _side_stream(stream, "outer", inp.device)
+    if out.numel() == 0:
+        return CommHandle.completed()
+    rs_op, rs_factor = reduce_op(shard_group, spec.average)
+    ar_op, ar_factor = reduce_op(outer_group, spec.average)
+    factor = rs_factor * ar_factor
+    factor *= spec.post_scale if spec.post_scale is not None else 1.0
+    record_comm("reduce_scatter", group_name(shard_group), inp.numel(), spec.reduce_dtype)
+    record_comm("all_reduce", group_name(outer_group), out.numel(), spec.reduce_dtype)
+    stage = _ReduceScatterStage(inp, out, spec, shard_group, rs_op, bool(accumulate))
+
+    def outer_all_reduce() -> Work | None:
+        work: Work | None = dist.all_reduce(
+            stage.result(), op=ar_op, group=outer_group, async_op=True
+        )
+        return work
+
+    def finish() -> None:
+        finish_into(stage.result(), out, factor=factor, accumulate=bool(accumulate))
+
+    stages: list[Stage] = [(rs_side, stage), (outer_side, outer_all_reduce)]
+    return launch(
+        stages, device=inp.device, finish=finish, async_op=async_op, keep_alive=(inp, out)
+    )
+
+
+def all_reduce_(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    average: bool = True,
+    pre_scale: float | None = None,
+    post_scale: float | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    async_op: bool = True,
+    stream: CommStreams | None = None,
+) -> CommHandle:
+    """In-place all-reduce of a whole buffer (``no_shard`` gradients), same semantics as RS.
+
+    With ``stream`` it runs on the reduce-scatter stream: it is the gradient
+    reduction of ``no_shard`` and must not queue behind parameter all-gathers.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be contiguous; reduce a contiguous flat buffer")
+    group, _, _ = _membership(group, "group")
+    spec = _reduce_spec(
+        tensor,
+        "tensor",
+        average=average,
+        pre_scale=pre_scale,
+        post_scale=post_scale,
+        reduce_dtype=reduce_dtype,
+    )
+    side = _side_stream(stream, "reduce_scatter", tensor.device)
+    if tensor.numel() == 0:
+        return CommHandle.completed()
+    op, factor = reduce_op(group, spec.average)
+    factor *= spec.post_scale if spec.post_scale is not None else 1.0
+    record_comm("all_reduce", group_name(group), tensor.numel(), spec.reduce_dtype)
+    sent: list[torch.Tensor] = []
+
+    def issue() -> Work | None:
+        sent.append(prepare_input(tensor, spec))
+        work: Work | None = dist.all_reduce(sent[0], op=op, group=group, async_op=True)
+        return work
+
+    def finish() -> None:
+        finish_into(sent.pop(), tensor, factor=factor, accumulate=False)
+
+    return launch(
+        [(side, issue)],
+        device=tensor.device,
+        finish=finish,
+        async_op=async_op,
+        keep_alive=(tensor,),
+    )
+
+
+def broadcast_(tensor: torch.Tensor, src_rank_in_group: int, group: dist.ProcessGroup) -> None:
+    """Overwrite ``tensor`` on every rank of ``group`` with the source rank's (blocking)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be contiguous; broadcast a contiguous buffer")
+    group, _, size = _membership(group, "group")
+    src = src_rank_in_group
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < size:
+        raise ValueError(
+            f"src_rank_in_group={src!r} must be an int in [0, {size}): a rank inside the "
+            "group, not a global rank"
+        )
+    record_comm("broadcast", group_name(group), tensor.numel(), tensor.dtype)
+    broadcast_from_group_rank(tensor, src, group)

@@ -1,0 +1,205 @@
+"""Which process groups FSDP shards and replicates over, and on which device.
+
+Upper layers never build groups themselves: they take an ``FSDPTopology`` made
+from a ``DeviceMesh`` (the FSDP2-style API), from explicit process groups (the
+Megatron style), or from the default 1-D world mesh. Keeping the three entry
+points here means every layer agrees on what "the shard group" is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .naming import group_name, register_group_name
+
+__all__ = ["FSDPTopology", "default_device", "group_name"]
+
+DP_SHARD = "dp_shard"
+DP_OUTER = "dp_outer"
+TP = "tp"
+
+
+def default_device() -> torch.device:
+    """The current accelerator device when there is one, else CPU."""
+    if torch.accelerator.is_available():
+        accel = torch.accelerator.current_accelerator()
+        if accel is not None:
+            return torch.device(accel.type, torch.accelerator.current_device_index())
+    return torch.device("cpu")
+
+
+def _device_for_type(device_type: str) -> torch.device:
+    """A concrete device (with index) for a mesh's device type on this rank."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accel is not None and accel.type == device_type:
+        return torch.device(device_type, torch.accelerator.current_device_index())
+    return torch.device(device_type)
+
+
+def _as_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return default_device()
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError as exc:
+            raise ValueError(
+                f"device={device!r} is not a valid torch device string; "
+                "pass e.g. 'cpu' or a torch.device"
+            ) from exc
+    if not isinstance(device, torch.device):
+        raise TypeError(f"device must be a torch.device, a string or None, got {type(device)}")
+    if device.type != "cpu" and device.index is None:
+        return _device_for_type(device.type)
+    return device
+
+
+def _check_group(value: object, arg: str, *, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, dist.ProcessGroup):
+        expected = "a ProcessGroup or None" if optional else "a ProcessGroup"
+        raise TypeError(f"{arg} must be {expected}, got {type(value).__name__}")
+
+
+def _require_initialized(what: str) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{what} needs torch.distributed to be initialised; call "
+            "torch.distributed.init_process_group(...) first (or use torchrun)"
+        )
+
+
+@dataclass
+class FSDPTopology:
+    """The groups FSDP communicates over, plus the device its buffers live on.
+
+    ``shard_group`` is where parameters/gradients are sharded; ``outer_group``
+    (HSDP) is where shards are replicated; ``tp_group`` is only carried for the
+    upper layers. ``shard_mesh`` is the 1-D mesh DTensors of the sharded dim use.
+    """
+
+    shard_group: dist.ProcessGroup
+    outer_group: dist.ProcessGroup | None
+    tp_group: dist.ProcessGroup | None
+    device: torch.device
+    shard_mesh: DeviceMesh | None = None
+    mesh: DeviceMesh | None = None
+
+    @property
+    def shard_rank(self) -> int:
+        return dist.get_rank(self.shard_group)
+
+    @property
+    def shard_size(self) -> int:
+        return dist.get_world_size(self.shard_group)
+
+    @property
+    def outer_rank(self) -> int:
+        return 0 if self.outer_group is None else dist.get_rank(self.outer_group)
+
+    @property
+    def outer_size(self) -> int:
+        return 1 if self.outer_group is None else dist.get_world_size(self.outer_group)
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.outer_group is not None
+
+    @classmethod
+    def from_mesh(
+        cls,
+        mesh: DeviceMesh,
+        *,
+        dp_shard_dim: str = DP_SHARD,
+        dp_outer_dim: str | None = None,
+        tp_dim: str | None = None,
+    ) -> FSDPTopology:
+        """Take the groups from named dims of ``mesh``.
+
+        Naming the dims (rather than taking positions) is what lets a user's
+        ``("dp_outer", "dp_shard", "tp")`` mesh be read without guessing.
+        """
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+        names = tuple(mesh.mesh_dim_names or ())
+        if not names:
+            raise ValueError(
+                "mesh has no mesh_dim_names; build it with "
+                f"init_device_mesh(..., mesh_dim_names=({DP_SHARD!r}, ...))"
+            )
+        dims = {"dp_shard_dim": dp_shard_dim, "dp_outer_dim": dp_outer_dim, "tp_dim": tp_dim}
+        for arg, dim in dims.items():
+            if dim is not None and dim not in names:
+                raise ValueError(
+                    f"{arg}={dim!r} is not a dimension of the mesh; the mesh has "
+                    f"mesh_dim_names={list(names)}: pass one of them or rename the mesh dims"
+                )
+        used = [d for d in dims.values() if d is not None]
+        if len(set(used)) != len(used):
+            raise ValueError(
+                f"dp_shard_dim, dp_outer_dim and tp_dim must name different mesh dims, got {dims}"
+            )
+        shard_group = mesh.get_group(dp_shard_dim)
+        outer_group = None if dp_outer_dim is None else mesh.get_group(dp_outer_dim)
+        tp_group = None if tp_dim is None else mesh.get_group(tp_dim)
+        register_group_name(shard_group, DP_SHARD)
+        if outer_group is not None:
+            register_group_name(outer_group, DP_OUTER)
+        if tp_group is not None:
+            register_group_name(tp_group, TP)
+        return cls(
+            shard_group=shard_group,
+            outer_group=outer_group,
+            tp_group=tp_group,
+            device=_device_for_type(mesh.device_type),
+            shard_mesh=mesh[dp_shard_dim] if mesh.ndim > 1 else mesh,
+            mesh=mesh,
+        )
+
+    @classmethod
+    def from_groups(
+        cls,
+        shard_group: dist.ProcessGroup,
+        outer_group: dist.ProcessGroup | None = None,
+        tp_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+    ) -> FSDPTopology:
+        """Wrap explicit process groups (Megatron-style parallel state)."""
+        _require_initialized("FSDPTopology.from_groups")
+        _check_group(shard_group, "shard_group", optional=False)
+        _check_group(outer_group, "outer_group", optional=True)
+        _check_group(tp_group, "tp_group", optional=True)
+        if outer_group is not None and outer_group is shard_group:
+            raise ValueError("outer_group must differ from shard_group; pass None for plain FSDP")
+        dev = _as_device(device)
+        register_group_name(shard_group, DP_SHARD)
+        if outer_group is not None:
+            register_group_name(outer_group, DP_OUTER)
+        if tp_group is not None:
+            register_group_name(tp_group, TP)
+        shard_mesh = DeviceMesh.from_group(shard_group, dev.type, mesh_dim_names=(DP_SHARD,))
+        return cls(
+            shard_group=shard_group,
+            outer_group=outer_group,
+            tp_group=tp_group,
+            device=dev,
+            shard_mesh=shard_mesh,
+            mesh=None,
+        )
+
+    @classmethod
+    def default(cls, device: torch.device | str | None = None) -> FSDPTopology:
+        """Plain FSDP over the whole world: a 1-D ``"dp_shard"`` mesh on ``device``'s type."""
+        _require_initialized("FSDPTopology.default")
+        dev = _as_device(device)
+        mesh = init_device_mesh(dev.type, (dist.get_world_size(),), mesh_dim_names=(DP_SHARD,))
+        topo = cls.from_mesh(mesh, dp_shard_dim=DP_SHARD)
+        topo.device = dev
+        return topo

@@ -1,0 +1,34 @@
+"""DTensors of a parameter's original shape over zero-copy views into flat buffers.
+
+The flat layout cuts parameters on row boundaries, so each rank's piece is a row range that
+may be uneven or empty. ``DTensor.from_local`` with an explicit global shape and stride accepts
+such pieces; helpers in the checkpoint layer know the true row ranges from the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride: list[int] = []
+    running = 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def sharded_dtensor(local: torch.Tensor, mesh: DeviceMesh, shape: torch.Size) -> DTensor:
+    """A row-sharded DTensor of global ``shape`` whose local tensor *is* ``local`` (no copy)."""
+    with torch.no_grad():
+        return DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=shape, stride=contiguous_stride(shape)
+        )
+
+
+def replicated_dtensor(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    with torch.no_grad():
+        return DTensor.from_local(local, mesh, [Replicate()], run_check=False)

@@ -1,0 +1,212 @@
+"""The per-module, FSDP2-compatible entry point: ``fully_shard(module, ...)``.
+
+Call it on each block, then on the root, exactly like ``torch.distributed.fsdp.fully_shard``.
+The module's class is swapped for a subclass that also derives from ``FSDPModule``, which adds
+``unshard()``, ``reshard()``, ``set_requires_gradient_sync()`` and explicit prefetch lists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from mfsdp_collectives import FSDPTopology
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
+from mfsdp_hooks.reduce_config import GradReduceConfig
+from mfsdp_hooks.root import FSDPRoot
+from mfsdp_hooks.strategy import ShardingStrategy, parse_strategy
+from mfsdp_hooks.unit import FSDPUnit, UnitOptions, unit_of
+
+_OWNER_ATTR = "_mfsdp_param_owners"
+
+
+class FSDPModule:
+    """Methods every fully-sharded module gains (mixed into its class)."""
+
+    def _mfsdp_unit(self) -> FSDPUnit:
+        unit = unit_of(self)  # type: ignore[arg-type]
+        assert unit is not None
+        return unit
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather this module's parameters now (e.g. before a forward outside autograd)."""
+        unit = self._mfsdp_unit()
+        unit.unshard_async()
+        if not async_op:
+            unit.wait_unshard()
+
+    def reshard(self) -> None:
+        self._mfsdp_unit().reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Skip gradient reduction while False (ZeRO-0/1 accumulate locally; 2/3 still reduce)."""
+        for module in self.modules():  # type: ignore[attr-defined]
+            unit = unit_of(module)
+            if unit is not None:
+                unit.requires_gradient_sync = requires_gradient_sync
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
+
+    def set_modules_to_forward_prefetch(self, modules: Sequence[nn.Module]) -> None:
+        self._mfsdp_unit().forward_prefetch = [_require_unit(m, "modules") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: Sequence[nn.Module]) -> None:
+        self._mfsdp_unit().backward_prefetch = [_require_unit(m, "modules") for m in modules]
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every gradient reduction and reduce what ``no_sync`` kept local."""
+        root = self._mfsdp_unit().root
+        if root is not None:
+            root.finish_grad_sync()
+
+    def zero_grad_buffer(self) -> None:
+        for module in self.modules():  # type: ignore[attr-defined]
+            unit = unit_of(module)
+            if unit is not None:
+                for group in unit.groups:
+                    group.zero_main_grads()
+
+    def install_optimized_model_weights(self) -> None:
+        """Copy optimizer-updated weights into the compute weights now instead of lazily."""
+        for module in self.modules():  # type: ignore[attr-defined]
+            unit = unit_of(module)
+            if unit is not None:
+                for group in unit.groups:
+                    group.weights_dirty = True
+                    handle = group.install_weights()
+                    if handle is not None:
+                        handle.wait()
+
+    @property
+    def fsdp_root(self) -> FSDPRoot | None:
+        return self._mfsdp_unit().root
+
+
+def _require_unit(module: nn.Module, argument: str) -> FSDPUnit:
+    unit = unit_of(module)
+    if unit is None:
+        raise ValueError(
+            f"{argument}: {type(module).__name__} is not fully sharded; "
+            "call fully_shard on it first"
+        )
+    return unit
+
+
+def _topology(mesh: DeviceMesh | FSDPTopology | None, module: nn.Module) -> FSDPTopology:
+    if isinstance(mesh, FSDPTopology):
+        return mesh
+    if mesh is None:
+        device = next((p.device for p in module.parameters() if p.device.type != "meta"), None)
+        return FSDPTopology.default(device)
+    if isinstance(mesh, DeviceMesh):
+        if mesh.ndim != 1:
+            raise NotImplementedError(
+                f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}: hybrid sharding (HSDP) is not "
+                "supported yet; pass a 1-D mesh (e.g. mesh['dp_shard'])"
+            )
+        dim = mesh.mesh_dim_names[0] if mesh.mesh_dim_names else None
+        if dim is None:
+            raise ValueError(
+                "mesh needs a dim name: init_device_mesh(..., mesh_dim_names=('dp_shard',))"
+            )
+        return FSDPTopology.from_mesh(mesh, dp_shard_dim=dim)
+    raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | FSDPTopology | None = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    sharding_strategy: int | str | ShardingStrategy = ShardingStrategy.OPTIM_GRADS_PARAMS,
+    overlap_param_gather: bool = True,
+    overlap_grad_reduce: bool = True,
+    sync_model_each_microbatch: bool = True,
+    average_in_collective: bool = True,
+    gradient_scaling_factor: float | None = None,
+    calculate_per_token_loss: bool = False,
+    report_nan_in_param_grad: bool = False,
+    **unsupported: Any,
+) -> nn.Module:
+    """Shard ``module``'s parameters (those not owned by an already-sharded child) in place.
+
+    Returns the same module object, whose class now also derives from ``FSDPModule``.
+    """
+    if unsupported:
+        names = ", ".join(sorted(unsupported))
+        raise TypeError(
+            f"fully_shard() got unsupported argument(s) {names}: they are not implemented yet"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    if unit_of(module) is not None:
+        raise ValueError(
+            f"module: fully_shard was already applied to this {type(module).__name__}; "
+            "apply it once per module"
+        )
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be an mfsdp_hooks.MixedPrecisionPolicy, got {type(mp_policy).__name__}"
+        )
+    strategy = parse_strategy(sharding_strategy, "sharding_strategy")
+    for param in module.parameters():
+        if param.device.type == "meta":
+            raise NotImplementedError(
+                "module has parameters on the meta device: meta-device initialisation "
+                "(init_model_with_meta_device) is not supported yet; materialise the model first"
+            )
+    options = UnitOptions(
+        topology=_topology(mesh, module),
+        strategy=strategy,
+        policy=mp_policy or MixedPrecisionPolicy(),
+        reduce_config=GradReduceConfig(
+            average_in_collective=average_in_collective,
+            gradient_scaling_factor=gradient_scaling_factor,
+            calculate_per_token_loss=calculate_per_token_loss,
+        ),
+        reshard_after_forward=reshard_after_forward,
+        overlap_param_gather=overlap_param_gather,
+        overlap_grad_reduce=overlap_grad_reduce,
+        sync_model_each_microbatch=sync_model_each_microbatch,
+        report_nan_in_param_grad=report_nan_in_param_grad,
+    )
+    owners = _shared_owner_registry(module)
+    FSDPUnit(module, options, owners)
+    cls = type(module)
+    if not issubclass(cls, FSDPModule):
+        module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return module
+
+
+def _shared_owner_registry(module: nn.Module) -> dict[int, str]:
+    """Which unit owns each parameter object, shared by every unit of one model tree."""
+    for sub in module.modules():
+        registry = sub.__dict__.get(_OWNER_ATTR)
+        if isinstance(registry, dict):
+            module.__dict__[_OWNER_ATTR] = registry
+            return registry
+    registry = {}
+    module.__dict__[_OWNER_ATTR] = registry
+    return registry
+
+
+def fsdp_units(module: nn.Module) -> list[FSDPUnit]:
+    return [u for u in (unit_of(m) for m in module.modules()) if u is not None]
+
+
+def is_fully_sharded(module: nn.Module) -> bool:
+    return unit_of(module) is not None
+
+
+__all__ = ["FSDPModule", "fsdp_units", "fully_shard", "is_fully_sharded"]

@@ -1,0 +1,113 @@
+"""``MegatronFSDP``: the root wrapper that shards every ``fsdp_unit_modules`` match at once."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from torch import nn
+
+from mfsdp_hooks.fully_shard import FSDPModule, fully_shard
+from mfsdp_hooks.unit import unit_of
+
+UnitSpec = type[nn.Module] | str
+
+
+def resolve_unit_modules(specs: Sequence[UnitSpec] | None) -> tuple[type[nn.Module], ...]:
+    """Classes from ``fsdp_unit_modules`` given as classes or ``"pkg.module.Class"`` strings."""
+    if specs is None:
+        return ()
+    if isinstance(specs, (str, type)):
+        specs = [specs]
+    classes: list[type[nn.Module]] = []
+    for spec in specs:
+        if isinstance(spec, type) and issubclass(spec, nn.Module):
+            classes.append(spec)
+            continue
+        if not isinstance(spec, str):
+            raise TypeError(
+                "fsdp_unit_modules entries must be nn.Module subclasses or import-path strings, "
+                f"got {spec!r}"
+            )
+        module_path, _, class_name = spec.rpartition(".")
+        if not module_path:
+            raise ValueError(
+                f"fsdp_unit_modules: {spec!r} is not an import path; write it as "
+                "'package.module.ClassName'"
+            )
+        try:
+            found = getattr(importlib.import_module(module_path), class_name)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(
+                f"fsdp_unit_modules: cannot import {spec!r} ({error}); give the class itself or "
+                "its full import path 'package.module.ClassName'"
+            ) from None
+        if not (isinstance(found, type) and issubclass(found, nn.Module)):
+            raise ValueError(f"fsdp_unit_modules: {spec!r} is not an nn.Module subclass")
+        classes.append(found)
+    return tuple(classes)
+
+
+class MegatronFSDP(nn.Module):
+    """Wraps a model: every submodule matching ``fsdp_unit_modules`` and the model itself
+    become FSDP units (children first). The original model stays at ``self.module``.
+
+    Keyword arguments are those of ``mfsdp_hooks.fully_shard`` (``sharding_strategy``,
+    ``mp_policy``, ``mesh``, overlap and gradient options). ``sync_model_each_microbatch``
+    defaults to False here, as in the seed: call ``finish_grad_sync()`` (the optimizer wrapper
+    does) before reading gradients.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        fsdp_unit_modules: Sequence[UnitSpec] | None = None,
+        *,
+        sync_model_each_microbatch: bool = False,
+        **shard_options: Any,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        if unit_of(module) is not None or any(unit_of(m) for m in module.modules()):
+            raise ValueError(
+                "module: it is already fully sharded; wrap the original model only once"
+            )
+        classes = resolve_unit_modules(fsdp_unit_modules)
+        targets = [m for m in module.modules() if classes and isinstance(m, classes)]
+        for sub in reversed(targets):
+            if sub is not module:
+                fully_shard(
+                    sub, sync_model_each_microbatch=sync_model_each_microbatch, **shard_options
+                )
+        fully_shard(module, sync_model_each_microbatch=sync_model_each_microbatch, **shard_options)
+        self.module = module
+        self.fsdp_unit_modules = classes
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @property
+    def _root_module(self) -> FSDPModule:
+        assert isinstance(self.module, FSDPModule)
+        return self.module
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them (ZeRO-0/1; ZeRO-2/3 still reduce)."""
+        with self._root_module.no_sync():
+            yield
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        self._root_module.set_requires_gradient_sync(requires_gradient_sync)
+
+    def finish_grad_sync(self) -> None:
+        self._root_module.finish_grad_sync()
+
+    def zero_grad_buffer(self) -> None:
+        self._root_module.zero_grad_buffer()
+
+    def install_optimized_model_weights(self) -> None:
+        self._root_module.install_optimized_model_weights()

@@ -1,0 +1,113 @@
+"""Optimizer integration: step on the sharded main weights, then refresh compute weights.
+
+Any ``torch.optim.Optimizer`` works unmodified: a global step post-hook marks the parameter
+groups it stepped as dirty, and each group re-installs its compute weights lazily at its next
+unshard. ``attach_optimizer`` adds the seed's explicit controls to ``step`` and ``zero_grad``.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from mfsdp_hooks.param_group import ParameterGroup
+from mfsdp_hooks.root import FSDPRoot
+
+_GROUPS_CACHE = "_mfsdp_groups_cache"
+
+
+def fsdp_group_of(param: torch.Tensor) -> ParameterGroup | None:
+    group = getattr(param, "_mfsdp_group", None)
+    return group if isinstance(group, ParameterGroup) else None
+
+
+def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[ParameterGroup]:
+    """The FSDP parameter groups an optimizer steps, computed once per parameter list."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    cached = getattr(optimizer, _GROUPS_CACHE, None)
+    if cached is not None and cached[0] == len(params):
+        groups: list[ParameterGroup] = cached[1]
+        return groups
+    seen: dict[int, ParameterGroup] = {}
+    for param in params:
+        group = fsdp_group_of(param)
+        if group is not None:
+            seen.setdefault(id(group), group)
+    groups = list(seen.values())
+    setattr(optimizer, _GROUPS_CACHE, (len(params), groups))
+    return groups
+
+
+def _mark_weights_dirty(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in optimizer_groups(optimizer):
+        group.weights_dirty = True
+
+
+_HOOK = register_optimizer_step_post_hook(_mark_weights_dirty)
+
+
+def _roots(groups: Iterable[ParameterGroup]) -> list[FSDPRoot]:
+    roots: dict[int, FSDPRoot] = {}
+    for group in groups:
+        root = group.root
+        if root is not None:
+            roots.setdefault(id(root), root)
+    return list(roots.values())
+
+
+def attach_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Give ``optimizer.step``/``zero_grad`` the seed README's FSDP keyword arguments."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    groups = optimizer_groups(optimizer)
+    if not groups:
+        raise ValueError(
+            "optimizer holds no fully-sharded parameters: build it from the sharded model's "
+            "parameters (after fully_shard_model / MegatronFSDP), e.g. "
+            "torch.optim.AdamW(model.parameters())"
+        )
+    if getattr(optimizer, "_mfsdp_attached", False):
+        return optimizer
+    original_step: Callable[..., Any] = optimizer.step
+    original_zero_grad: Callable[..., Any] = optimizer.zero_grad
+
+    def step(
+        self: torch.optim.Optimizer,
+        *args: Any,
+        sync_grad_before_optimizer_step: bool = True,
+        install_optimized_model_weights: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        current = optimizer_groups(self)
+        if sync_grad_before_optimizer_step:
+            for root in _roots(current):
+                root.finish_grad_sync()
+        result = original_step(*args, **kwargs)
+        if install_optimized_model_weights:
+            for group in current:
+                handle = group.install_weights()
+                if handle is not None:
+                    handle.wait()
+        return result
+
+    def zero_grad(
+        self: torch.optim.Optimizer,
+        *args: Any,
+        zero_grad_buffer: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        original_zero_grad(*args, **kwargs)
+        if zero_grad_buffer:
+            for group in optimizer_groups(self):
+                group.zero_main_grads()
+
+    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
+    optimizer._mfsdp_attached = True  # type: ignore[attr-defined]
+    return optimizer

@@ -1,0 +1,396 @@
+"""One FSDP unit's parameters of one dtype: their flat buffers and the parameters users see.
+
+A ``ParameterGroup`` owns three flat buffers laid out by one ``FlatLayout``:
+
+* model weights in the compute dtype: sharded for ZeRO-3, whole otherwise;
+* main weights in the optimizer dtype, only when that differs from the compute dtype;
+* main gradients in the optimizer dtype: sharded for ZeRO-1/2/3, whole for ``no_shard``.
+
+It also owns two sets of ``nn.Parameter`` objects created once: the unsharded parameters
+(zero-copy views into the unsharded model-weight buffer, used by forward and backward) and
+the distributed parameters (DTensors of the original shapes over the optimizer-facing shard,
+seen by the optimizer and by ``state_dict``). Gradients arrive per parameter into a temporary
+unsharded buffer in the reduce dtype and leave through one collective per group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from mfsdp_buffers import (
+    Allocator,
+    BufferRole,
+    DataParallelBuffer,
+    FlatLayout,
+    PlainAllocator,
+    StorageResizeAllocator,
+)
+from mfsdp_collectives import (
+    CommHandle,
+    CommStreams,
+    FSDPTopology,
+    all_gather_into,
+    all_reduce_,
+    reduce_scatter_into,
+)
+from torch import nn
+
+from mfsdp_hooks.dtensor_views import replicated_dtensor, sharded_dtensor
+from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
+from mfsdp_hooks.reduce_config import GradReduceConfig
+from mfsdp_hooks.strategy import ShardingStrategy
+
+if TYPE_CHECKING:
+    from mfsdp_hooks.root import FSDPRoot
+
+DEFAULT_ALIGNMENT = 16
+
+
+@dataclass
+class PendingReduction:
+    """A gradient reduction in flight and what to do once it lands."""
+
+    group: ParameterGroup
+    handle: CommHandle
+    finish_no_shard: bool
+    done: bool = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.handle.wait()
+        self.group.finish_reduction(self.finish_no_shard)
+
+
+class ParameterGroup:
+    """The parameters of one FSDP unit that share dtype and ``requires_grad``."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        *,
+        topology: FSDPTopology,
+        strategy: ShardingStrategy,
+        policy: MixedPrecisionPolicy,
+        reduce_config: GradReduceConfig,
+        grad_allocator: Allocator | None = None,
+        alignment: int = DEFAULT_ALIGNMENT,
+    ) -> None:
+        self.names = list(names)
+        self.root: FSDPRoot | None = None
+        self.topology = topology
+        self.strategy = strategy
+        self.reduce_config = reduce_config
+        self.requires_grad = params[0].requires_grad
+        self.original_dtype = params[0].dtype
+        self.shapes = [p.shape for p in params]
+        for name, shape in zip(self.names, self.shapes, strict=True):
+            if len(shape) == 0:
+                raise ValueError(
+                    f"parameter {name!r} is 0-d and cannot be sharded: reshape it to (1,)"
+                )
+        device = topology.device
+        rank, world = topology.shard_rank, topology.shard_size
+        self.layout = FlatLayout.build(self.shapes, world_size=world, alignment=alignment)
+        self.compute_dtype = policy.compute_dtype(self.original_dtype)
+        self.reduce_dtype = policy.grad_reduce_dtype(self.original_dtype)
+        optimizer_dtype = policy.optimizer_dtype(self.original_dtype)
+        self.model = DataParallelBuffer(
+            self.layout,
+            rank,
+            dtype=self.compute_dtype,
+            device=device,
+            role=BufferRole.MODEL_WEIGHT,
+            sharded=strategy.shards_params,
+            allocator=StorageResizeAllocator() if strategy.shards_params else None,
+            name=f"{names[0]}:model",
+        )
+        self.main: DataParallelBuffer | None = None
+        if optimizer_dtype != self.compute_dtype:
+            self.main = DataParallelBuffer(
+                self.layout,
+                rank,
+                dtype=optimizer_dtype,
+                device=device,
+                role=BufferRole.MAIN_WEIGHT,
+                sharded=strategy.shards_optimizer_state,
+                name=f"{names[0]}:main",
+            )
+        self.main_grad: DataParallelBuffer | None = None
+        if self.requires_grad:
+            grad_dtype = policy.grad_dtype(self.original_dtype)
+            if grad_dtype != optimizer_dtype:
+                raise NotImplementedError(
+                    f"MixedPrecisionPolicy.main_grads_dtype={grad_dtype} differs from the "
+                    f"optimizer weights' dtype {optimizer_dtype} for {names[0]!r}: optimizers "
+                    "need gradients in the dtype of their parameters; leave main_grads_dtype None"
+                )
+            self.main_grad = DataParallelBuffer(
+                self.layout,
+                rank,
+                dtype=grad_dtype,
+                device=device,
+                role=BufferRole.MAIN_GRAD,
+                sharded=strategy.shards_optimizer_state,
+                name=f"{names[0]}:grad",
+            )
+        self._grad_allocator: Allocator = grad_allocator or PlainAllocator()
+        self._fill_buffers(params)
+        self.unsharded_params = self._adopt_params(params)
+        self.dist_params = self._make_dist_params()
+        self.dist_grads = self._make_dist_grads()
+        self._gaps = self._padding_gaps()
+        self._grad_buffer: torch.Tensor | None = None
+        self._grad_filled = [False] * len(self.shapes)
+        self.weights_dirty = False
+        self.pending: PendingReduction | None = None
+        self.grads_received = 0
+        self.expected_grads = len(self.shapes) if self.requires_grad else 0
+
+    # ----------------------------------------------------------------- construction
+    def _fill_buffers(self, params: Sequence[nn.Parameter]) -> None:
+        with torch.no_grad():
+            self.model.copy_params_in([p.detach() for p in params])
+            if self.main is not None:
+                self.main.copy_params_in([p.detach() for p in params])
+
+    def _adopt_params(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+        """Point the user's parameters at the unsharded buffer, freeing their own storage.
+
+        Keeping the same ``nn.Parameter`` objects preserves every outside reference to them
+        (an optimizer built before wrapping, tied weights, user code).
+        """
+        self.model.materialize()
+        for index, param in enumerate(params):
+            param.data = self.model.unsharded_view(index)
+        if self.model.sharded:
+            self.model.release()
+        return list(params)
+
+    def _optimizer_buffer(self) -> DataParallelBuffer:
+        return self.main if self.main is not None else self.model
+
+    def _local_rows(self, buffer: DataParallelBuffer, index: int) -> torch.Tensor:
+        """This rank's rows of parameter ``index`` inside ``buffer``'s persistent storage."""
+        if buffer.sharded:
+            return buffer.local_view(index)
+        buffer.materialize()
+        piece = self.layout.local_piece(index, self.topology.shard_rank)
+        return buffer.unsharded_view(index)[piece.row_start : piece.row_end]
+
+    def _make_dtensor(self, buffer: DataParallelBuffer, index: int) -> torch.Tensor:
+        mesh = self.topology.shard_mesh
+        assert mesh is not None, "FSDPTopology without a shard mesh cannot build DTensors"
+        if self.strategy == ShardingStrategy.NO_SHARD:
+            buffer.materialize()
+            return replicated_dtensor(buffer.unsharded_view(index), mesh)
+        return sharded_dtensor(self._local_rows(buffer, index), mesh, self.shapes[index])
+
+    def _make_dist_params(self) -> list[nn.Parameter]:
+        buffer = self._optimizer_buffer()
+        return [
+            nn.Parameter(self._make_dtensor(buffer, i), requires_grad=self.requires_grad)
+            for i in range(len(self.shapes))
+        ]
+
+    def _make_dist_grads(self) -> list[torch.Tensor]:
+        if self.main_grad is None:
+            return []
+        return [self._make_dtensor(self.main_grad, i) for i in range(len(self.shapes))]
+
+    def _padding_gaps(self) -> list[tuple[int, int]]:
+        gaps, cursor = [], 0
+        for placement in self.layout.placements:
+            if placement.offset > cursor:
+                gaps.append((cursor, placement.offset))
+            cursor = max(cursor, placement.offset + placement.numel)
+        if cursor < self.layout.padded_numel:
+            gaps.append((cursor, self.layout.padded_numel))
+        return gaps
+
+    # ----------------------------------------------------------------- weights
+    @property
+    def is_unsharded(self) -> bool:
+        return self.model.is_materialized
+
+    def unshard(self, streams: CommStreams | None = None) -> CommHandle | None:
+        """Start making the unsharded weights current; wait on the returned handle before use."""
+        if self.weights_dirty:
+            handle = self.install_weights(streams)
+            if handle is not None or not self.model.sharded:
+                return handle
+        if not self.model.sharded or self.model.is_materialized:
+            return None
+        unsharded = self.model.materialize()
+        return all_gather_into(
+            self.model.shard, unsharded, self.topology.shard_group, async_op=True, stream=streams
+        )
+
+    def reshard(self) -> None:
+        if self.model.sharded:
+            self.model.release()
+
+    def install_weights(self, streams: CommStreams | None = None) -> CommHandle | None:
+        """Copy optimizer-updated weights into the compute weights and re-gather where needed."""
+        self.weights_dirty = False
+        with torch.no_grad():
+            if self.main is not None:
+                target = self.model.shard if self.model.sharded else self._model_shard_range()
+                target.copy_(self.main.shard)
+        if self.model.sharded:
+            if not self.model.is_materialized:
+                return None
+            unsharded = self.model.unsharded
+            assert unsharded is not None
+        elif self.strategy == ShardingStrategy.NO_SHARD or self.topology.shard_size == 1:
+            return None
+        else:
+            unsharded = self.model.materialize()
+        return all_gather_into(
+            self._model_shard_range() if not self.model.sharded else self.model.shard,
+            unsharded,
+            self.topology.shard_group,
+            async_op=True,
+            stream=streams,
+        )
+
+    def _model_shard_range(self) -> torch.Tensor:
+        """This rank's slot of the whole model-weight buffer (strategies 0-2)."""
+        start, end = self.layout.shard_range(self.topology.shard_rank)
+        full = self.model.materialize()
+        return full[start:end]
+
+    # ----------------------------------------------------------------- gradients
+    def begin_backward(self) -> None:
+        self.grads_received = 0
+
+    def accumulate_grad(self, index: int, grad: torch.Tensor) -> bool:
+        """Add one parameter's unsharded gradient into the reduce buffer.
+
+        Returns True when every gradient of the group has arrived in this backward.
+        """
+        if self.pending is not None:
+            self.pending.wait()
+        if self._grad_buffer is None:
+            self._grad_buffer = self._grad_allocator.allocate(
+                ("grad", id(self)), self.layout.padded_numel, self.reduce_dtype, self.model.device
+            )
+        placement = self.layout.placements[index]
+        slot = self._grad_buffer[placement.offset : placement.offset + placement.numel]
+        with torch.no_grad():
+            if self._grad_filled[index]:
+                slot.add_(grad.reshape(-1))
+            else:
+                slot.copy_(grad.reshape(-1))
+                self._grad_filled[index] = True
+        self.grads_received += 1
+        return self.grads_received >= self.expected_grads
+
+    @property
+    def has_local_grads(self) -> bool:
+        return self._grad_buffer is not None
+
+    def _complete_grad_buffer(self) -> torch.Tensor:
+        """The reduce buffer with padding and missing gradients zeroed."""
+        if self._grad_buffer is None:
+            self._grad_buffer = self._grad_allocator.allocate(
+                ("grad", id(self)), self.layout.padded_numel, self.reduce_dtype, self.model.device
+            )
+        buffer = self._grad_buffer
+        with torch.no_grad():
+            for start, end in self._gaps:
+                buffer[start:end].zero_()
+            for index, filled in enumerate(self._grad_filled):
+                if not filled:
+                    placement = self.layout.placements[index]
+                    buffer[placement.offset : placement.offset + placement.numel].zero_()
+        return buffer
+
+    def _accumulate_into_installed_grads(self) -> bool:
+        """Follow torch semantics: add to gradients the user kept, overwrite cleared ones."""
+        present = [p.grad is not None for p in self.dist_params]
+        if all(present):
+            return True
+        if not any(present):
+            return False
+        with torch.no_grad():
+            for dist_grad, has_grad in zip(self.dist_grads, present, strict=True):
+                if not has_grad:
+                    dist_grad._local_tensor.zero_()  # type: ignore[attr-defined]
+        return True
+
+    def reduce_grads(self, streams: CommStreams | None = None) -> PendingReduction:
+        """Issue this group's gradient reduction; the result lands in the main-grad buffer."""
+        assert self.main_grad is not None, "frozen parameter groups have no gradients to reduce"
+        if self.pending is not None:
+            self.pending.wait()
+        buffer = self._complete_grad_buffer()
+        accumulate = self._accumulate_into_installed_grads()
+        average, pre_scale = self.reduce_config.collective_args(self.topology.shard_size)
+        self.install_grads()
+        if self.strategy == ShardingStrategy.NO_SHARD:
+            self._accumulate_no_shard = accumulate
+            handle = all_reduce_(
+                buffer,
+                self.topology.shard_group,
+                average=average,
+                pre_scale=pre_scale,
+                async_op=True,
+                stream=streams,
+            )
+            self.pending = PendingReduction(self, handle, finish_no_shard=True)
+            return self.pending
+        handle = reduce_scatter_into(
+            buffer,
+            self.main_grad.shard,
+            self.topology.shard_group,
+            average=average,
+            pre_scale=pre_scale,
+            accumulate=accumulate,
+            async_op=True,
+            stream=streams,
+        )
+        self.pending = PendingReduction(self, handle, finish_no_shard=False)
+        return self.pending
+
+    def finish_reduction(self, no_shard: bool) -> None:
+        buffer = self._grad_buffer
+        assert buffer is not None
+        if no_shard:
+            assert self.main_grad is not None
+            full = self.main_grad.materialize()
+            with torch.no_grad():
+                if self._accumulate_no_shard:
+                    full.add_(buffer)
+                else:
+                    full.copy_(buffer)
+        self._grad_allocator.free(("grad", id(self)), buffer)
+        self._grad_buffer = None
+        self._grad_filled = [False] * len(self.shapes)
+        self.pending = None
+
+    def install_grads(self) -> None:
+        for dist_param, dist_grad in zip(self.dist_params, self.dist_grads, strict=True):
+            dist_param.grad = dist_grad
+
+    def zero_main_grads(self) -> None:
+        if self.main_grad is not None:
+            with torch.no_grad():
+                self.main_grad.shard.zero_()
+                if not self.main_grad.sharded:
+                    self.main_grad.materialize().zero_()
+
+    def grad_nan_flags(self) -> torch.Tensor:
+        """One flag per parameter: 1 when its local reduced gradient holds NaN or Inf."""
+        assert self.main_grad is not None
+        flags = torch.zeros(len(self.shapes), dtype=torch.float32, device=self.model.device)
+        for index in range(len(self.shapes)):
+            local = self._local_rows(self.main_grad, index)
+            if local.numel() and not bool(torch.isfinite(local).all()):
+                flags[index] = 1.0
+        return flags

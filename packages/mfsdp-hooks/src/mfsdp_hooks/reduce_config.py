@@ -1,0 +1,37 @@
+"""How gradients are scaled and reduced across data-parallel ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GradReduceConfig:
+    """The seed's gradient options, resolved once at wrap time.
+
+    Default: average over the shard group, inside the collective (``average_in_collective``)
+    or by pre-scaling with ``1/N`` and summing. ``gradient_scaling_factor`` replaces the
+    average by a fixed pre-scale; ``calculate_per_token_loss`` sums (the loss is already
+    normalised by the global token count).
+    """
+
+    average_in_collective: bool = True
+    gradient_scaling_factor: float | None = None
+    calculate_per_token_loss: bool = False
+
+    def __post_init__(self) -> None:
+        if self.gradient_scaling_factor is not None and self.calculate_per_token_loss:
+            raise ValueError(
+                "gradient_scaling_factor and calculate_per_token_loss=True exclude each other: "
+                "per-token loss sums gradients unscaled; pass only one of them"
+            )
+
+    def collective_args(self, world_size: int) -> tuple[bool, float | None]:
+        """``(average, pre_scale)`` for the reduction collective."""
+        if self.calculate_per_token_loss:
+            return False, None
+        if self.gradient_scaling_factor is not None:
+            return False, self.gradient_scaling_factor
+        if self.average_in_collective:
+            return True, None
+        return False, 1.0 / world_size

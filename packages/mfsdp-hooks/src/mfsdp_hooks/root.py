@@ -1,0 +1,147 @@
+"""State shared by all units under one root module: order, prefetch, pending reductions."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.distributed as dist
+from mfsdp_collectives import CommStreams
+from torch import nn
+
+from mfsdp_hooks.param_group import ParameterGroup, PendingReduction
+from mfsdp_hooks.unit import FSDPUnit, unit_of
+
+
+class FSDPRoot:
+    """Coordinates the units of one model: created lazily by the first forward.
+
+    Every decision that issues a collective iterates ``self.units`` (module order) or the
+    recorded execution order, both identical on every rank.
+    """
+
+    def __init__(self, root_unit: FSDPUnit) -> None:
+        self.root_unit = root_unit
+        self.options = root_unit.options
+        self.units: list[FSDPUnit] = []
+        for module in root_unit.module.modules():
+            unit = unit_of(module)
+            if unit is not None:
+                self.units.append(unit)
+                unit.root = self
+                for group in unit.groups:
+                    group.root = self
+        self.streams = CommStreams(self.options.topology.device)
+        self.forward_order: list[FSDPUnit] = []
+        self.order_final = False
+        self.in_backward = False
+        self._pending: deque[PendingReduction] = deque()
+
+    @staticmethod
+    def lazy_init(first: FSDPUnit) -> FSDPRoot:
+        """The first unit to run forward is the root, as in FSDP2."""
+        return FSDPRoot(first)
+
+    @property
+    def groups(self) -> list[ParameterGroup]:
+        return [g for unit in self.units for g in unit.groups]
+
+    # ----------------------------------------------------------------- forward order
+    def pre_root_forward(self) -> None:
+        if self.in_backward:
+            raise RuntimeError(
+                "forward of an FSDP root started while its previous backward is still running"
+            )
+
+    def record_forward(self, unit: FSDPUnit) -> None:
+        if not self.order_final and unit not in self.forward_order:
+            self.forward_order.append(unit)
+
+    def forward_prefetch_targets(self, unit: FSDPUnit) -> list[FSDPUnit]:
+        if unit.forward_prefetch is not None:
+            return unit.forward_prefetch
+        if not self.order_final or unit not in self.forward_order:
+            return []
+        index = self.forward_order.index(unit)
+        return self.forward_order[index + 1 : index + 2]
+
+    def backward_prefetch_targets(self, unit: FSDPUnit) -> list[FSDPUnit]:
+        if unit.backward_prefetch is not None:
+            return unit.backward_prefetch
+        if not self.order_final or unit not in self.forward_order:
+            return []
+        index = self.forward_order.index(unit)
+        previous = self.forward_order[max(index - 1, 0) : index]
+        return [u for u in previous if u is not self.root_unit]
+
+    # ----------------------------------------------------------------- backward
+    def begin_backward(self) -> None:
+        if self.in_backward:
+            return
+        self.in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+
+    def should_reduce(self, group: ParameterGroup) -> bool:
+        return group.strategy.shards_grads or self.root_unit.requires_gradient_sync
+
+    def enqueue_reduction(self, pending: PendingReduction) -> None:
+        if not self.options.overlap_grad_reduce:
+            pending.wait()
+            return
+        self._pending.append(pending)
+        while len(self._pending) > self.options.max_inflight_reductions:
+            self._pending.popleft().wait()
+
+    def wait_reductions(self) -> None:
+        while self._pending:
+            self._pending.popleft().wait()
+
+    def _final_callback(self) -> None:
+        try:
+            for unit in self.units:
+                if not unit.post_backward_done:
+                    unit.post_backward()
+            if self.options.sync_model_each_microbatch:
+                self.wait_reductions()
+                if self.options.report_nan_in_param_grad:
+                    self.check_grads_finite()
+            for unit in self.units:
+                unit.end_backward()
+            left = [u.name for u in self.units if u.is_unsharded]
+            if left:
+                raise RuntimeError(f"FSDP units left unsharded after backward: {left}")
+            self.order_final = True
+        finally:
+            self.in_backward = False
+
+    def finish_grad_sync(self) -> None:
+        """Reduce whatever is still local (``no_sync`` windows) and wait for every reduction."""
+        for group in self.groups:
+            if group.requires_grad and group.has_local_grads and not self._is_pending(group):
+                self.enqueue_reduction(group.reduce_grads(self.streams))
+        self.wait_reductions()
+        if self.options.report_nan_in_param_grad:
+            self.check_grads_finite()
+
+    def _is_pending(self, group: ParameterGroup) -> bool:
+        return any(p.group is group for p in self._pending)
+
+    def check_grads_finite(self) -> None:
+        """Raise on every rank, naming each parameter whose reduced gradient is not finite."""
+        bad: list[str] = []
+        for group in self.groups:
+            if not group.requires_grad:
+                continue
+            flags = group.grad_nan_flags()
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.topology.shard_group)
+            bad += [name for name, flag in zip(group.names, flags.tolist(), strict=True) if flag]
+        if bad:
+            raise RuntimeError(
+                f"NaN or Inf in the reduced gradient of {bad} (report_nan_in_param_grad=True): "
+                "check the loss scale and the inputs of the step"
+            )
+
+
+def root_of(module: nn.Module) -> FSDPRoot | None:
+    unit = unit_of(module)
+    return unit.root if unit is not None else None

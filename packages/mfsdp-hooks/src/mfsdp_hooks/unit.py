@@ -1,0 +1,277 @@
+"""An FSDP unit: one wrapped module, its parameter groups and its lifecycle hooks."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from mfsdp_buffers import BucketKey, build_buckets
+from mfsdp_collectives import CommHandle, FSDPTopology
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
+from mfsdp_hooks.param_group import ParameterGroup
+from mfsdp_hooks.reduce_config import GradReduceConfig
+from mfsdp_hooks.strategy import ShardingStrategy
+from mfsdp_hooks.training_state import TrainingState, in_backward_pass
+
+if TYPE_CHECKING:
+    from mfsdp_hooks.root import FSDPRoot
+
+UNIT_ATTR = "_mfsdp_unit_state"
+Slot = tuple[nn.Module, str]
+
+
+@dataclass(frozen=True)
+class UnitOptions:
+    """Per-unit choices; the root unit's root-level choices apply to the whole tree."""
+
+    topology: FSDPTopology
+    strategy: ShardingStrategy
+    policy: MixedPrecisionPolicy
+    reduce_config: GradReduceConfig
+    reshard_after_forward: bool = True
+    overlap_param_gather: bool = True
+    overlap_grad_reduce: bool = True
+    sync_model_each_microbatch: bool = True
+    report_nan_in_param_grad: bool = False
+    max_inflight_reductions: int = 2
+
+
+def unit_of(module: nn.Module) -> FSDPUnit | None:
+    unit = module.__dict__.get(UNIT_ATTR)
+    return unit if isinstance(unit, FSDPUnit) else None
+
+
+def _collect_slots(module: nn.Module) -> dict[int, tuple[nn.Parameter, str, list[Slot]]]:
+    """Every (module, attribute) slot holding a parameter this unit owns, keyed by parameter.
+
+    Sub-trees already wrapped as units are skipped: they own their parameters. Insertion
+    order is the module traversal order, identical on every rank.
+    """
+    found: dict[int, tuple[nn.Parameter, str, list[Slot]]] = {}
+
+    def visit(mod: nn.Module, prefix: str) -> None:
+        for attr, param in mod._parameters.items():
+            if param is None:
+                continue
+            entry = found.get(id(param))
+            if entry is None:
+                found[id(param)] = (param, prefix + attr, [(mod, attr)])
+            else:
+                entry[2].append((mod, attr))
+        for child_name, child in mod._modules.items():
+            if child is None or unit_of(child) is not None:
+                continue
+            visit(child, f"{prefix}{child_name}.")
+
+    visit(module, "")
+    return found
+
+
+class FSDPUnit:
+    """Drives unshard → forward → reshard → backward → reduce for one module."""
+
+    def __init__(self, module: nn.Module, options: UnitOptions, owner_of: dict[int, str]) -> None:
+        self.module = module
+        self.options = options
+        self.name = type(module).__name__
+        self.state = TrainingState.IDLE
+        self.root: FSDPRoot | None = None
+        self.forward_prefetch: list[FSDPUnit] | None = None
+        self.backward_prefetch: list[FSDPUnit] | None = None
+        self._pending_unshard: list[CommHandle] = []
+        self.post_backward_done = False
+        self.requires_gradient_sync = True
+        slots = _collect_slots(module)
+        for param, name, _ in slots.values():
+            owner = owner_of.get(id(param))
+            if owner is not None:
+                raise ValueError(
+                    f"parameter {name!r} of {self.name} is shared with the FSDP unit {owner}: "
+                    "tied parameters must live in one unit; fully_shard their common parent "
+                    "module instead of each user"
+                )
+        self.groups: list[ParameterGroup] = []
+        self._group_slots: list[list[list[Slot]]] = []
+        entries = list(slots.values())
+        keys = [
+            (index, BucketKey(self.name, p.dtype, "dp_shard", p.requires_grad), p.numel())
+            for index, (p, _, _) in enumerate(entries)
+        ]
+        for bucket in build_buckets(keys):
+            members = [entries[i] for i in bucket.param_indices]
+            group = ParameterGroup(
+                [p for p, _, _ in members],
+                [n for _, n, _ in members],
+                topology=options.topology,
+                strategy=options.strategy,
+                policy=options.policy,
+                reduce_config=options.reduce_config,
+            )
+            self.groups.append(group)
+            self._group_slots.append([s for _, _, s in members])
+            for param, name, _ in members:
+                owner_of[id(param)] = f"{self.name}({name})"
+        for group in self.groups:
+            for dist_param in group.dist_params:
+                dist_param._mfsdp_group = group  # type: ignore[attr-defined]
+            for index, param in enumerate(group.unsharded_params):
+                param._mfsdp_dist_param = group.dist_params[index]  # type: ignore[attr-defined]
+                if group.requires_grad:
+                    param.register_post_accumulate_grad_hook(
+                        functools.partial(self._on_grad_ready, group, index)
+                    )
+        self._use_dist_params()
+        module.__dict__[UNIT_ATTR] = self
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
+            module.register_forward_hook(self._post_forward, always_call=False),
+        ]
+
+    # ----------------------------------------------------------------- parameter swap
+    def _swap(self, use_unsharded: bool) -> None:
+        for group, group_slots in zip(self.groups, self._group_slots, strict=True):
+            params = group.unsharded_params if use_unsharded else group.dist_params
+            for param, param_slots in zip(params, group_slots, strict=True):
+                for mod, attr in param_slots:
+                    mod._parameters[attr] = param
+
+    def _use_dist_params(self) -> None:
+        self._swap(use_unsharded=False)
+
+    @property
+    def is_unsharded(self) -> bool:
+        return any(g.is_unsharded for g in self.groups if g.model.sharded)
+
+    # ----------------------------------------------------------------- unshard / reshard
+    def unshard_async(self) -> None:
+        """Issue this unit's all-gathers (if needed) without waiting for them."""
+        streams = self.root.streams if self.root is not None else None
+        for group in self.groups:
+            handle = group.unshard(streams)
+            if handle is not None:
+                self._pending_unshard.append(handle)
+
+    def wait_unshard(self) -> None:
+        handles, self._pending_unshard = self._pending_unshard, []
+        for handle in handles:
+            handle.wait()
+        self._swap(use_unsharded=True)
+
+    def unshard(self) -> None:
+        self.unshard_async()
+        self.wait_unshard()
+
+    def reshard(self) -> None:
+        for handle in self._pending_unshard:
+            handle.wait()
+        self._pending_unshard = []
+        for group in self.groups:
+            group.reshard()
+        self._use_dist_params()
+
+    # ----------------------------------------------------------------- forward
+    def _pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        from mfsdp_hooks.root import FSDPRoot
+
+        if self.root is None:
+            FSDPRoot.lazy_init(self)
+        assert self.root is not None
+        recomputing = in_backward_pass()
+        if self.root.root_unit is self and not recomputing:
+            self.root.pre_root_forward()
+        self.state = TrainingState.PRE_BACKWARD if recomputing else TrainingState.FORWARD
+        if not recomputing:
+            self.root.record_forward(self)
+        self.unshard()
+        if not recomputing and self.options.overlap_param_gather:
+            for target in self.root.forward_prefetch_targets(self):
+                target.unshard_async()
+        policy = self.options.policy
+        if policy.param_dtype is not None and policy.cast_forward_inputs:
+            dtype = policy.param_dtype
+            args, kwargs = tree_map(
+                lambda t: (
+                    t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                ),
+                (args, kwargs),
+            )
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        assert self.root is not None
+        recomputing = in_backward_pass()
+        is_root = self.root.root_unit is self
+        if not recomputing:
+            keep = is_root or not self.options.reshard_after_forward
+            if not keep or (is_root and not torch.is_grad_enabled()):
+                self.reshard()
+            self.state = TrainingState.IDLE
+        if torch.is_grad_enabled():
+            self._register_pre_backward(output)
+        if is_root and self.options.policy.output_dtype is not None:
+            dtype = self.options.policy.output_dtype
+            output = tree_map(
+                lambda t: (
+                    t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                ),
+                output,
+            )
+        return output
+
+    def _register_pre_backward(self, output: Any) -> None:
+        tensors, _ = tree_flatten(output)
+        hook: Callable[[torch.Tensor], None] = self._pre_backward
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(hook)
+
+    # ----------------------------------------------------------------- backward
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        assert self.root is not None
+        self.root.begin_backward()
+        if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return
+        if self.post_backward_done:
+            return
+        self.state = TrainingState.PRE_BACKWARD
+        self.unshard()
+        if self.options.overlap_param_gather:
+            for target in self.root.backward_prefetch_targets(self):
+                target.unshard_async()
+
+    def _on_grad_ready(self, group: ParameterGroup, index: int, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        complete = group.accumulate_grad(index, grad)
+        param.grad = None
+        if complete and all(g.grads_received >= g.expected_grads for g in self.groups):
+            self.post_backward()
+
+    def post_backward(self) -> None:
+        """Reshard and issue gradient reductions once the unit's backward is done."""
+        if self.post_backward_done:
+            return
+        assert self.root is not None
+        self.post_backward_done = True
+        self.state = TrainingState.POST_BACKWARD
+        if self.options.strategy.shards_params:
+            self.reshard()
+        for group in self.groups:
+            if group.requires_grad and self.root.should_reduce(group):
+                self.root.enqueue_reduction(group.reduce_grads(self.root.streams))
+
+    def end_backward(self) -> None:
+        self.state = TrainingState.IDLE
+        self.post_backward_done = False
+        for group in self.groups:
+            group.begin_backward()
+        self.reshard()

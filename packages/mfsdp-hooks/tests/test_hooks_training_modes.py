@@ -1,0 +1,211 @@
+"""Gradient accumulation, activation recompute, mixed precision and gradient options."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hooks_models import (
+    Block,
+    assert_close_rel,
+    full_state,
+    local_rows,
+    local_slice,
+    loss_fn,
+    make_batches,
+    make_model,
+    make_optimizer,
+    reference_training,
+)
+from mfsdp_collectives import CommTracer
+from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks import MegatronFSDP, MixedPrecisionPolicy, attach_optimizer, fully_shard
+
+MICRO = 4
+GLOBAL_BATCH = 8
+
+
+def _accumulation_worker(rank: int, world: int, strategy: int, mode: str) -> None:
+    steps = 4
+    batches = make_batches(steps * MICRO, GLOBAL_BATCH)
+    reference = make_model()
+    ref_opt = make_optimizer("adamw", [p for p in reference.parameters() if p.requires_grad])
+    model = MegatronFSDP(
+        make_model(),
+        fsdp_unit_modules=[Block],
+        sharding_strategy=strategy,
+        sync_model_each_microbatch=(mode == "sync_each_microbatch"),
+    )
+    optimizer = attach_optimizer(
+        make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad])
+    )
+    for step in range(steps):
+        micro = batches[step * MICRO : (step + 1) * MICRO]
+        for index, (tokens, targets) in enumerate(micro):
+            (loss_fn(reference(tokens), targets) / MICRO).backward()
+            local = (local_slice(tokens, rank, world), local_slice(targets, rank, world))
+            last = index == MICRO - 1
+            if mode == "no_sync" and not last:
+                with model.no_sync():
+                    (loss_fn(model(local[0]), local[1]) / MICRO).backward()
+            else:
+                (loss_fn(model(local[0]), local[1]) / MICRO).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
+    expected = {k: v for k, v in reference.state_dict().items()}
+    got = full_state(model.module)
+    for name, value in expected.items():
+        assert_close_rel(got[name], value, 1e-5, f"{mode} strategy={strategy} {name}")
+
+
+@pytest.mark.parametrize("mode", ["no_sync", "sync_each_microbatch", "overlapped"])
+@pytest.mark.parametrize("strategy", [0, 1, 2, 3])
+def test_gradient_accumulation_parity(strategy: int, mode: str) -> None:
+    run_distributed(_accumulation_worker, 2, strategy, mode, timeout=120)
+
+
+def _no_sync_skips_reduction_worker(rank: int, world: int, strategy: int) -> list[int]:
+    model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], sharding_strategy=strategy)
+    tokens, targets = make_batches(1, 4)[0]
+    with CommTracer() as tracer, model.no_sync():
+        loss_fn(model(tokens), targets).backward()
+    reductions = tracer.calls("reduce_scatter") + tracer.calls("all_reduce")
+    model.finish_grad_sync()
+    return [reductions]
+
+
+@pytest.mark.parametrize(("strategy", "expected"), [(0, 0), (1, 0), (2, 4), (3, 4)])
+def test_no_sync_reduces_only_for_sharded_grads(strategy: int, expected: int) -> None:
+    # 4 units (3 blocks + root) with one trainable group each; the root's frozen group never
+    # reduces. ZeRO-2/3 reduce-scatter every microbatch, ZeRO-0/1 keep gradients local.
+    results = run_distributed(_no_sync_skips_reduction_worker, 2, strategy, timeout=60)
+    assert results == [[expected], [expected]]
+
+
+def _recompute_worker(rank: int, world: int, mode: str) -> tuple[int, int]:
+    batches = make_batches(3, GLOBAL_BATCH)
+    ref_losses, ref_state = reference_training("sgd", batches)
+    model = make_model(checkpoint=mode)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = make_optimizer("sgd", [p for p in model.parameters() if p.requires_grad])
+    counts = []
+    for step, (tokens, targets) in enumerate(batches):
+        with CommTracer() as tracer:
+            loss = loss_fn(
+                model(local_slice(tokens, rank, world)), local_slice(targets, rank, world)
+            )
+            forward_gathers = tracer.calls("all_gather")
+            loss.backward()
+        counts.append((forward_gathers, tracer.calls("all_gather")))
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        assert abs(total.item() / world - ref_losses[step]) <= 1e-5 * ref_losses[step]
+    state = full_state(model)
+    for name, value in ref_state.items():
+        assert_close_rel(state[name], value, 1e-5, f"recompute {mode} {name}")
+    return counts[-1]
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_activation_recompute_parity_without_double_gather(mode: str) -> None:
+    counts = run_distributed(_recompute_worker, 2, mode, timeout=120)
+    # Forward: the root's two groups (trainable, frozen) + 3 blocks. Backward: each block once;
+    # a second gather for the recomputed forward would make it 11.
+    assert counts == [(5, 8), (5, 8)]
+
+
+def _bf16_worker(rank: int, world: int) -> None:
+    steps = 20
+    batches = make_batches(steps, GLOBAL_BATCH)
+    ref_losses, ref_state = reference_training("sgd", batches)
+    model = make_model()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert all(p.dtype == torch.float32 for p in params), "optimizer must see fp32 main weights"
+    optimizer = make_optimizer("sgd", params)
+    for step, (tokens, targets) in enumerate(batches):
+        loss = loss_fn(model(local_slice(tokens, rank, world)), local_slice(targets, rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().float()
+        torch.distributed.all_reduce(total)
+        assert abs(total.item() / world - ref_losses[step]) <= 3e-2 * ref_losses[step], step
+    for name, param in model.named_parameters():
+        local = param.to_local()
+        assert local.dtype == torch.float32, name
+        assert_close_rel(local, ref_state[name][local_rows(param)], 2e-2, f"bf16 {name}", atol=5e-3)
+    state = full_state(model)
+    assert all(state[name].dtype == torch.float32 for name in state)
+
+
+def test_bf16_compute_with_fp32_main_weights() -> None:
+    run_distributed(_bf16_worker, 2, timeout=120)
+
+
+def _grad_options_worker(rank: int, world: int, option: str) -> list[float]:
+    tokens, targets = make_batches(1, GLOBAL_BATCH)[0]
+    reference = make_model()
+    loss_fn(reference(tokens), targets).backward()
+    model = make_model()
+    kwargs: dict[str, Any] = {}
+    if option == "scaling":
+        kwargs["gradient_scaling_factor"] = 0.25
+    elif option == "per_token":
+        kwargs["calculate_per_token_loss"] = True
+    elif option == "pre_divide":
+        kwargs["average_in_collective"] = False
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    loss_fn(model(local_slice(tokens, rank, world)), local_slice(targets, rank, world)).backward()
+    # Every rank computes the mean over its local slice; the reference grads are the mean of
+    # those local means, so a sum is `world` times the reference and scaling multiplies it.
+    factor = {"scaling": 0.25 * world, "per_token": float(world), "pre_divide": 1.0}[option]
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        ref_grad = dict(reference.named_parameters())[name].grad
+        assert ref_grad is not None
+        piece = param.grad.to_local()
+        rows = local_rows(param)
+        assert_close_rel(piece, ref_grad[rows] * factor, 1e-5, f"{option} {name}")
+    return [factor]
+
+
+@pytest.mark.parametrize("option", ["scaling", "per_token", "pre_divide"])
+def test_gradient_scaling_options(option: str) -> None:
+    run_distributed(_grad_options_worker, 2, option, timeout=60)
+
+
+def _nan_worker(rank: int, world: int) -> str:
+    model = make_model()
+    poisoned = model.blocks[1].fc1.weight  # stays the unsharded parameter after wrapping
+    if rank == 1:
+        poisoned.register_hook(lambda g: g * float("nan"))
+    for block in model.blocks:
+        fully_shard(block, report_nan_in_param_grad=True)
+    fully_shard(model, report_nan_in_param_grad=True)
+    tokens, targets = make_batches(1, 4)[0]
+    loss = loss_fn(model(tokens), targets)
+    try:
+        loss.backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_nan_in_grad_is_reported_on_every_rank_with_the_parameter_name() -> None:
+    messages = run_distributed(_nan_worker, 2, timeout=60)
+    for message in messages:
+        assert "NaN or Inf in the reduced gradient of ['fc1.weight']" in message, message
