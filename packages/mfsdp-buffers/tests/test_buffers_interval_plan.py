@@ -39,7 +39,8 @@ def _intervals(draw: st.DrawFn) -> list[Interval]:
 
 @given(intervals=_intervals(), alignment=st.sampled_from([1, 4, 16]))
 def test_random_intervals(intervals: list[Interval], alignment: int) -> None:
-    _check_plan(intervals, alignment)
+    pool = _check_plan(intervals, alignment)
+    assert pool <= plan_offsets(intervals, alignment, search_budget=0).pool_numel
 
 
 def test_disjoint_lifetimes_share_bytes() -> None:

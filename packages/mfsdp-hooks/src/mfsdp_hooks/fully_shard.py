@@ -150,9 +150,10 @@ def fully_shard(
         )
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    if unit_of(module) is not None:
+    existing = unit_of(module)
+    if existing is not None:
         raise ValueError(
-            f"module: fully_shard was already applied to this {type(module).__name__}; "
+            f"module: fully_shard was already applied to this {existing.name}; "
             "apply it once per module"
         )
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):

@@ -123,7 +123,7 @@ class FSDPUnit:
             for index, param in enumerate(group.unsharded_params):
                 param._mfsdp_dist_param = group.dist_params[index]  # type: ignore[attr-defined]
                 if group.requires_grad:
-                    param.register_post_accumulate_grad_hook(
+                    param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                         functools.partial(self._on_grad_ready, group, index)
                     )
         self._use_dist_params()
@@ -231,7 +231,7 @@ class FSDPUnit:
         hook: Callable[[torch.Tensor], None] = self._pre_backward
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(hook)
+                tensor.register_hook(hook)  # type: ignore[no-untyped-call]
 
     # ----------------------------------------------------------------- backward
     def _pre_backward(self, grad: torch.Tensor) -> None:
