@@ -8,6 +8,7 @@ downloading multi-GB CUDA builds.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -79,7 +80,8 @@ def typecheck(session: nox.Session) -> None:
 
 def _build_all(session: nox.Session, dist: Path) -> None:
     session.install("build>=1.2", "uv")
-    dist.mkdir(exist_ok=True)
+    shutil.rmtree(dist, ignore_errors=True)
+    dist.mkdir(parents=True)
     for layer in LAYERS:
         session.run(
             "python",
@@ -93,39 +95,37 @@ def _build_all(session: nox.Session, dist: Path) -> None:
         )
 
 
+def _install_from_dist(
+    session: nox.Session, python: str, dist: Path, package: str, *tools: str
+) -> None:
+    """Install ``package`` and the layers it depends on from ``dist`` only.
+
+    Third-party requirements (torch, test tools) go in first from the usual indexes; ours then
+    resolve with ``--no-index``, so a same-named project on PyPI can never stand in for them.
+    """
+    uv_install = ["uv", "pip", "install", "--quiet", "--python", python]
+    session.run(*uv_install, _torch_requirement(LOCAL_TORCH), *tools, external=True)
+    session.run(
+        *uv_install, "--refresh", "--no-index", "--find-links", str(dist), package, external=True
+    )
+
+
+def _fresh_venv(session: nox.Session, name: str) -> str:
+    venv = Path(session.create_tmp()) / name
+    session.run("uv", "venv", "--quiet", "--clear", str(venv), external=True)
+    return str(venv / "bin" / "python")
+
+
 @nox.session
 def standalone(session: nox.Session) -> None:
     """Each layer in a fresh venv with only its declared dependencies, then its own tests."""
     dist = Path(session.create_tmp()) / "dist"
     _build_all(session, dist)
     for layer in LAYERS:
-        venv = Path(session.create_tmp()) / f"venv-{layer}"
-        session.run("uv", "venv", "--quiet", "--clear", str(venv), external=True)
-        py = str(venv / "bin" / "python")
-        session.run(
-            "uv",
-            "pip",
-            "install",
-            "--quiet",
-            "--python",
-            py,
-            "--find-links",
-            str(dist),
-            _torch_requirement(LOCAL_TORCH),
-            layer,
-            *TEST_TOOLS,
-            external=True,
-        )
-        session.run(
-            py,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(ROOT / "packages" / layer / "tests"),
-            external=True,
-        )
+        py = _fresh_venv(session, f"venv-{layer}")
+        _install_from_dist(session, py, dist, layer, *TEST_TOOLS)
+        tests = str(ROOT / "packages" / layer / "tests")
+        session.run(py, "-m", "pytest", "-q", "-p", "no:cacheprovider", tests, external=True)
 
 
 @nox.session
@@ -133,22 +133,8 @@ def build(session: nox.Session) -> None:
     """Wheels and sdists of all six packages into dist/, then install the stack from them."""
     dist = ROOT / "dist"
     _build_all(session, dist)
-    venv = Path(session.create_tmp()) / "venv-build-check"
-    session.run("uv", "venv", "--quiet", "--clear", str(venv), external=True)
-    py = str(venv / "bin" / "python")
-    session.run(
-        "uv",
-        "pip",
-        "install",
-        "--quiet",
-        "--python",
-        py,
-        "--find-links",
-        str(dist),
-        _torch_requirement(LOCAL_TORCH),
-        "megatron-fsdp",
-        external=True,
-    )
+    py = _fresh_venv(session, "venv-build-check")
+    _install_from_dist(session, py, dist, "megatron-fsdp")
     session.run(py, str(ROOT / "tests" / "smoke_import.py"), external=True)
 
 

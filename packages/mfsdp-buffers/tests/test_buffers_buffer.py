@@ -233,3 +233,37 @@ def test_every_allocator_roundtrips_through_a_buffer(make: type) -> None:
             b.release()
         if isinstance(allocator, TracePoolAllocator):
             allocator.end_iteration()
+
+
+def test_without_persistent_shard_nothing_persists_and_shard_is_the_unsharded_slot() -> None:
+    layout = FlatLayout.build([(5, 3), (4,)], world_size=2, alignment=4)
+    buffer = DataParallelBuffer(
+        layout,
+        1,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+        role=BufferRole.MODEL_WEIGHT,
+        sharded=True,
+        persistent_shard=False,
+    )
+    assert not buffer.has_persistent_shard
+    with pytest.raises(RuntimeError, match="not materialized"):
+        _ = buffer.shard
+    full = buffer.materialize()
+    start, end = layout.shard_range(1)
+    assert buffer.shard.data_ptr() == full[start:end].data_ptr()
+    assert buffer.shard.numel() == layout.shard_numel
+    buffer.release()
+    assert full.untyped_storage().nbytes() == 0
+    with pytest.raises(RuntimeError, match="no persistent shard"):
+        buffer.copy_params_in([torch.zeros(5, 3), torch.zeros(4)])
+    with pytest.raises(ValueError, match="persistent_shard=False needs sharded=True"):
+        DataParallelBuffer(
+            layout,
+            0,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            role=BufferRole.MODEL_WEIGHT,
+            sharded=False,
+            persistent_shard=False,
+        )

@@ -88,3 +88,67 @@ def _zero_copy_worker(rank: int, world: int) -> int:
 
 def test_unshard_hands_out_views_and_copies_nothing() -> None:
     assert run_distributed(_zero_copy_worker, 2, timeout=60) == [0, 0]
+
+
+def _prefetch_worker(rank: int, world: int, overlap: bool) -> list[int]:
+    model = make_model()
+    for block in model.blocks:
+        fully_shard(block, overlap_param_gather=overlap)
+    fully_shard(model, overlap_param_gather=overlap)
+    tokens, targets = make_batches(1, 4)[0]
+    seen: list[int] = []
+    tracer = CommTracer()
+
+    def note_gathers(module: torch.nn.Module, args: object) -> None:
+        seen.append(tracer.calls("all_gather"))
+
+    model.blocks[0].register_forward_pre_hook(note_gathers)
+    for _ in range(2):  # the first iteration records the order, the second prefetches
+        seen.clear()
+        with tracer:
+            tracer.reset()
+            loss_fn(model(tokens), targets).backward()
+    return seen
+
+
+def test_next_unit_is_gathered_while_the_current_one_computes() -> None:
+    # When block 0 starts computing: root (2 groups) + block 0 are gathered, and with overlap
+    # the all-gather of block 1 has already been issued.
+    assert run_distributed(_prefetch_worker, 2, True, timeout=60) == [[4], [4]]
+    assert run_distributed(_prefetch_worker, 2, False, timeout=60) == [[3], [3]]
+
+
+def _trace_pool_worker(rank: int, world: int) -> tuple[str, int, int, int]:
+    from mfsdp_buffers import TracePoolAllocator
+
+    from mfsdp_hooks import MegatronFSDP
+
+    model = MegatronFSDP(
+        make_model(), fsdp_unit_modules=[Block], grad_buffer_allocator="trace_pool"
+    )
+    allocator = fsdp_units(model.module)[0].options.grad_allocator
+    assert isinstance(allocator, TracePoolAllocator)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    tokens, targets = make_batches(1, 4)[0]
+    for step in range(4):
+        loss_fn(model(tokens), targets).backward()
+        model.finish_grad_sync()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 1:
+            with torch.no_grad():  # a forward-only pass between training steps
+                model(tokens)
+    dtype = torch.float32
+    return (
+        allocator.phase.name,
+        allocator.fallbacks,
+        allocator.pool_numel(dtype, torch.device("cpu")),
+        allocator.naive_numel,
+    )
+
+
+def test_trace_pool_replays_gradient_buffers_from_a_smaller_pool() -> None:
+    for phase, fallbacks, pool, naive in run_distributed(_trace_pool_worker, 2, timeout=60):
+        assert phase == "REPLAY"
+        assert fallbacks == 0
+        assert 0 < pool < naive

@@ -34,11 +34,13 @@ def _train_sharded(
         fully_shard(model, sharding_strategy=strategy)
         trained: torch.nn.Module = model
     else:
+        allocator = api.partition(":")[2] or "plain"
         trained = MegatronFSDP(
             model,
             fsdp_unit_modules=[Block],
             sharding_strategy=strategy,
             sync_model_each_microbatch=True,
+            grad_buffer_allocator=allocator,
         )
     optimizer = make_optimizer(optimizer_name, [p for p in trained.parameters() if p.requires_grad])
     losses = []
@@ -79,3 +81,9 @@ def test_parity_every_strategy(world: int, strategy: int) -> None:
 @pytest.mark.parametrize("strategy", [0, 3])
 def test_parity_per_module_api(strategy: int) -> None:
     run_distributed(_parity_worker, 2, [(strategy, "adamw", "per_module")], timeout=240)
+
+
+@pytest.mark.parametrize("allocator", ["double_buffer", "trace_pool"])
+@pytest.mark.parametrize("strategy", [0, 3])
+def test_parity_with_pooled_gradient_buffers(strategy: int, allocator: str) -> None:
+    run_distributed(_parity_worker, 2, [(strategy, "adamw", f"megatron:{allocator}")], timeout=240)

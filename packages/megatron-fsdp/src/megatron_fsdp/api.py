@@ -28,7 +28,6 @@ _NOT_YET: dict[str, tuple[Any, str]] = {
     "nccl_ub": (False, "NCCL user buffers"),
     "fsdp_manual_registration": (False, "NCCL user-buffer manual registration"),
     "disable_symmetric_registration": (False, "NCCL user-buffer symmetric registration"),
-    "fsdp_double_buffer": (False, "persistent double buffers"),
     "keep_fp8_transpose_cache": (False, "FP8 parameters"),
     "enable_fine_grained_param_gather": (False, "per-module fine-grained all-gather"),
 }
@@ -116,7 +115,6 @@ def fully_shard_model(
             "nccl_ub": nccl_ub,
             "fsdp_manual_registration": fsdp_manual_registration,
             "disable_symmetric_registration": disable_symmetric_registration,
-            "fsdp_double_buffer": fsdp_double_buffer,
             "keep_fp8_transpose_cache": keep_fp8_transpose_cache,
             "enable_fine_grained_param_gather": enable_fine_grained_param_gather,
         }
@@ -147,6 +145,9 @@ def fully_shard_model(
         gradient_scaling_factor=gradient_scaling_factor,
         calculate_per_token_loss=calculate_per_token_loss,
         report_nan_in_param_grad=report_nan_in_param_grad,
+        # Persistent double buffers for the reduce-scatter inputs; gathered weights keep one
+        # storage per unit whose bytes are freed after use (autograd holds views of it).
+        grad_buffer_allocator="double_buffer" if fsdp_double_buffer else "plain",
     )
 
 

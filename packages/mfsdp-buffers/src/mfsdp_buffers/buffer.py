@@ -42,6 +42,9 @@ class DataParallelBuffer:
     * ``sharded=False``: the whole padded buffer is persistent (no-shard model
       weights, ZeRO-1 gradients); ``shard`` is a view of this rank's range of it
       and materialize/release cost nothing.
+    * ``persistent_shard=False`` (sharded only): nothing persists; ``shard`` is this
+      rank's slot of the unsharded buffer while materialized. For content rebuilt
+      before each gather, such as compute weights cast from fp32 main weights.
 
     ``allocator`` defaults to a private :class:`StorageResizeAllocator`, so the
     unsharded tensor keeps its identity across cycles and release frees the
@@ -59,6 +62,7 @@ class DataParallelBuffer:
         sharded: bool,
         allocator: Allocator | None = None,
         name: str = "",
+        persistent_shard: bool = True,
     ) -> None:
         if not 0 <= rank < layout.world_size:
             raise ValueError(f"rank must be in [0, {layout.world_size}), got {rank}")
@@ -74,16 +78,23 @@ class DataParallelBuffer:
         self.alloc_key: Hashable = (name, role.value, next(_buffer_ids))
         """Key for allocator requests: stable for the buffer's life, unique per process."""
         start, end = layout.shard_range(rank)
+        if not persistent_shard and not sharded:
+            raise ValueError("persistent_shard=False needs sharded=True: a whole buffer persists")
         self._full: torch.Tensor | None
-        if sharded:
+        self._shard: torch.Tensor | None
+        if not persistent_shard:
             self._full = None
-            self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+            self._shard = None
+            probe = torch.empty(0, dtype=dtype, device=device)
+        elif sharded:
+            self._full = None
+            self._shard = probe = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         else:
-            self._full = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-            self.shard = self._full[start:end]
+            self._full = probe = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+            self._shard = self._full[start:end]
         # The tensor's device, not the argument: an index-less device gains its
         # index here, so allocator size classes and comparisons see one spelling.
-        self.device = self.shard.device
+        self.device = probe.device
         self._unsharded: torch.Tensor | None = self._full
 
     def __repr__(self) -> str:
@@ -94,6 +105,22 @@ class DataParallelBuffer:
         )
 
     # ----------------------------------------------------------------- shard
+
+    @property
+    def has_persistent_shard(self) -> bool:
+        return self._shard is not None
+
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's shard (``shard_numel``).
+
+        Without a persistent shard (a buffer whose content is recomputed before every
+        gather, e.g. compute weights cast from main weights) it is this rank's slot of the
+        materialized unsharded buffer.
+        """
+        if self._shard is not None:
+            return self._shard
+        return self.unsharded_shard_view()
 
     def local_view(self, param_index: int) -> torch.Tensor:
         """This rank's rows of the parameter, viewed in ``shard``: ``(rows, *shape[1:])``.
@@ -165,6 +192,8 @@ class DataParallelBuffer:
         Sharded buffers copy only the local rows. Runs without autograd so a
         source that requires grad does not drag the buffer into the graph.
         """
+        if self._shard is None:
+            raise RuntimeError(f"{self!r} has no persistent shard to copy parameters into")
         placements = self.layout.placements
         if len(tensors) != len(placements):
             raise ValueError(f"expected {len(placements)} tensors, got {len(tensors)}")

@@ -11,10 +11,12 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from mfsdp_buffers import Allocator
 from mfsdp_collectives import FSDPTopology
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from mfsdp_hooks.grad_allocator import make_grad_allocator
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root import FSDPRoot
@@ -137,6 +139,8 @@ def fully_shard(
     gradient_scaling_factor: float | None = None,
     calculate_per_token_loss: bool = False,
     report_nan_in_param_grad: bool = False,
+    max_inflight_reductions: int = 2,
+    grad_buffer_allocator: str | Allocator = "plain",
     **unsupported: Any,
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not owned by an already-sharded child) in place.
@@ -161,6 +165,14 @@ def fully_shard(
             f"mp_policy must be an mfsdp_hooks.MixedPrecisionPolicy, got {type(mp_policy).__name__}"
         )
     strategy = parse_strategy(sharding_strategy, "sharding_strategy")
+    if isinstance(max_inflight_reductions, bool) or not isinstance(max_inflight_reductions, int):
+        raise TypeError(f"max_inflight_reductions must be an int, got {max_inflight_reductions!r}")
+    if max_inflight_reductions < 1:
+        raise ValueError(
+            f"max_inflight_reductions={max_inflight_reductions}: at least 1 reduction must be "
+            "allowed in flight (use overlap_grad_reduce=False to wait for each one)"
+        )
+    grad_allocator = make_grad_allocator(grad_buffer_allocator, max_inflight_reductions)
     for param in module.parameters():
         if param.device.type == "meta":
             raise NotImplementedError(
@@ -181,6 +193,8 @@ def fully_shard(
         overlap_grad_reduce=overlap_grad_reduce,
         sync_model_each_microbatch=sync_model_each_microbatch,
         report_nan_in_param_grad=report_nan_in_param_grad,
+        max_inflight_reductions=max_inflight_reductions,
+        grad_allocator=grad_allocator,
     )
     owners = _shared_owner_registry(module)
     FSDPUnit(module, options, owners)

@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from mfsdp_hooks.fully_shard import FSDPModule, fully_shard
+from mfsdp_hooks.grad_allocator import make_grad_allocator
 from mfsdp_hooks.unit import unit_of
 
 UnitSpec = type[nn.Module] | str
@@ -76,6 +77,11 @@ class MegatronFSDP(nn.Module):
                 "module: it is already fully sharded; wrap the original model only once"
             )
         classes = resolve_unit_modules(fsdp_unit_modules)
+        # One gradient-buffer allocator for the whole model, so pools are shared by its units.
+        shard_options["grad_buffer_allocator"] = make_grad_allocator(
+            shard_options.get("grad_buffer_allocator", "plain"),
+            shard_options.get("max_inflight_reductions", 2),
+        )
         targets = [m for m in module.modules() if classes and isinstance(m, classes)]
         for sub in reversed(targets):
             if sub is not module:

@@ -26,7 +26,6 @@ from mfsdp_buffers import (
     DataParallelBuffer,
     FlatLayout,
     PlainAllocator,
-    StorageResizeAllocator,
 )
 from mfsdp_collectives import (
     CommHandle,
@@ -107,8 +106,8 @@ class ParameterGroup:
             device=device,
             role=BufferRole.MODEL_WEIGHT,
             sharded=strategy.shards_params,
-            allocator=StorageResizeAllocator() if strategy.shards_params else None,
             name=f"{names[0]}:model",
+            persistent_shard=not (strategy.shards_params and optimizer_dtype != self.compute_dtype),
         )
         self.main: DataParallelBuffer | None = None
         if optimizer_dtype != self.compute_dtype:
@@ -155,7 +154,8 @@ class ParameterGroup:
     # ----------------------------------------------------------------- construction
     def _fill_buffers(self, params: Sequence[nn.Parameter]) -> None:
         with torch.no_grad():
-            self.model.copy_params_in([p.detach() for p in params])
+            if self.model.has_persistent_shard:
+                self.model.copy_params_in([p.detach() for p in params])
             if self.main is not None:
                 self.main.copy_params_in([p.detach() for p in params])
 
@@ -220,13 +220,25 @@ class ParameterGroup:
 
     def unshard(self, streams: CommStreams | None = None) -> CommHandle | None:
         """Start making the unsharded weights current; wait on the returned handle before use."""
+        if self.model.sharded:
+            if self.model.is_materialized and not self.weights_dirty:
+                return None
+            self.weights_dirty = False
+            return self._gather(streams)
         if self.weights_dirty:
-            handle = self.install_weights(streams)
-            if handle is not None or not self.model.sharded:
-                return handle
-        if not self.model.sharded or self.model.is_materialized:
-            return None
+            return self.install_weights(streams)
+        return None
+
+    def _gather(self, streams: CommStreams | None) -> CommHandle:
+        """All-gather ZeRO-3 weights straight into the unsharded buffer.
+
+        With separate main weights nothing of the compute dtype persists: this rank's slot of
+        the unsharded buffer is filled by casting the main shard, then gathered in place.
+        """
         unsharded = self.model.materialize()
+        if self.main is not None:
+            with torch.no_grad():
+                self.model.shard.copy_(self.main.shard)
         return all_gather_into(
             self.model.shard, unsharded, self.topology.shard_group, async_op=True, stream=streams
         )
@@ -236,34 +248,21 @@ class ParameterGroup:
             self.model.release()
 
     def install_weights(self, streams: CommStreams | None = None) -> CommHandle | None:
-        """Copy optimizer-updated weights into the compute weights and re-gather where needed."""
+        """Bring the compute weights up to date with optimizer-updated weights."""
         self.weights_dirty = False
-        with torch.no_grad():
-            if self.main is not None:
-                target = self.model.shard if self.model.sharded else self._model_shard_range()
-                target.copy_(self.main.shard)
         if self.model.sharded:
-            if not self.model.is_materialized:
-                return None
-            unsharded = self.model.unsharded
-            assert unsharded is not None
-        elif self.strategy == ShardingStrategy.NO_SHARD or self.topology.shard_size == 1:
-            return None
-        else:
-            unsharded = self.model.materialize()
-        return all_gather_into(
-            self._model_shard_range() if not self.model.sharded else self.model.shard,
-            unsharded,
-            self.topology.shard_group,
-            async_op=True,
-            stream=streams,
-        )
-
-    def _model_shard_range(self) -> torch.Tensor:
-        """This rank's slot of the whole model-weight buffer (strategies 0-2)."""
-        start, end = self.layout.shard_range(self.topology.shard_rank)
+            return self._gather(streams) if self.model.is_materialized else None
         full = self.model.materialize()
-        return full[start:end]
+        if self.strategy == ShardingStrategy.NO_SHARD or self.topology.shard_size == 1:
+            if self.main is not None:
+                with torch.no_grad():
+                    full.copy_(self.main.materialize())
+            return None
+        slot = self.model.shard
+        if self.main is not None:
+            with torch.no_grad():
+                slot.copy_(self.main.shard)
+        return all_gather_into(slot, full, self.topology.shard_group, async_op=True, stream=streams)
 
     # ----------------------------------------------------------------- gradients
     def begin_backward(self) -> None:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from mfsdp_collectives import CommStreams
 from torch import nn
 
+from mfsdp_hooks.grad_allocator import end_iteration
 from mfsdp_hooks.param_group import ParameterGroup, PendingReduction
 from mfsdp_hooks.unit import FSDPUnit, unit_of
 
@@ -34,6 +35,8 @@ class FSDPRoot:
         self.streams = CommStreams(self.options.topology.device)
         self.forward_order: list[FSDPUnit] = []
         self.order_final = False
+        self._next: dict[int, list[FSDPUnit]] = {}
+        self._previous: dict[int, list[FSDPUnit]] = {}
         self.in_backward = False
         self._pending: deque[PendingReduction] = deque()
 
@@ -54,25 +57,28 @@ class FSDPRoot:
             )
 
     def record_forward(self, unit: FSDPUnit) -> None:
-        if not self.order_final and unit not in self.forward_order:
+        if not self.order_final and all(u is not unit for u in self.forward_order):
             self.forward_order.append(unit)
+
+    def _finalize_order(self) -> None:
+        """Fix the prefetch targets once, from the order the first iteration ran in."""
+        order = self.forward_order
+        self._next = {id(u): order[i + 1 : i + 2] for i, u in enumerate(order)}
+        self._previous = {
+            id(u): [p for p in order[max(i - 1, 0) : i] if p is not self.root_unit]
+            for i, u in enumerate(order)
+        }
+        self.order_final = True
 
     def forward_prefetch_targets(self, unit: FSDPUnit) -> list[FSDPUnit]:
         if unit.forward_prefetch is not None:
             return unit.forward_prefetch
-        if not self.order_final or unit not in self.forward_order:
-            return []
-        index = self.forward_order.index(unit)
-        return self.forward_order[index + 1 : index + 2]
+        return self._next.get(id(unit), []) if self.order_final else []
 
     def backward_prefetch_targets(self, unit: FSDPUnit) -> list[FSDPUnit]:
         if unit.backward_prefetch is not None:
             return unit.backward_prefetch
-        if not self.order_final or unit not in self.forward_order:
-            return []
-        index = self.forward_order.index(unit)
-        previous = self.forward_order[max(index - 1, 0) : index]
-        return [u for u in previous if u is not self.root_unit]
+        return self._previous.get(id(unit), []) if self.order_final else []
 
     # ----------------------------------------------------------------- backward
     def begin_backward(self) -> None:
@@ -110,7 +116,10 @@ class FSDPRoot:
             left = [u.name for u in self.units if u.is_unsharded]
             if left:
                 raise RuntimeError(f"FSDP units left unsharded after backward: {left}")
-            self.order_final = True
+            if not self.order_final:
+                self._finalize_order()
+            if self.options.grad_allocator is not None:
+                end_iteration(self.options.grad_allocator)
         finally:
             self.in_backward = False
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from mfsdp_buffers import BucketKey, build_buckets
+from mfsdp_buffers import Allocator, BucketKey, build_buckets
 from mfsdp_collectives import CommHandle, FSDPTopology
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
@@ -40,6 +40,7 @@ class UnitOptions:
     sync_model_each_microbatch: bool = True
     report_nan_in_param_grad: bool = False
     max_inflight_reductions: int = 2
+    grad_allocator: Allocator | None = None
 
 
 def unit_of(module: nn.Module) -> FSDPUnit | None:
@@ -112,6 +113,7 @@ class FSDPUnit:
                 strategy=options.strategy,
                 policy=options.policy,
                 reduce_config=options.reduce_config,
+                grad_allocator=options.grad_allocator,
             )
             self.groups.append(group)
             self._group_slots.append([s for _, _, s in members])
