@@ -19,8 +19,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron_fsdp import MixedPrecisionPolicy, fully_shard_model, fully_shard_optimizer
 from torch import nn
+
+from megatron_fsdp import MixedPrecisionPolicy, fully_shard_model, fully_shard_optimizer
 
 
 class CausalSelfAttention(nn.Module):

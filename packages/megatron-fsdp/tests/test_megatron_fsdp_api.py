@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import megatron_fsdp
 import pytest
 import torch
+from torch import nn
+
+import megatron_fsdp
 from megatron_fsdp import fully_shard, fully_shard_model, fully_shard_optimizer
 from mfsdp_collectives.testing import run_distributed
-from torch import nn
 
 
 class Layer(nn.Module):

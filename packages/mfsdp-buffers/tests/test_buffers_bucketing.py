@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from mfsdp_buffers import Bucket, BucketKey, build_buckets
 
 A = BucketKey("layer0", torch.bfloat16, "dp", True)

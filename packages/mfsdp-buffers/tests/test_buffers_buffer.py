@@ -6,6 +6,7 @@ from collections.abc import Hashable
 
 import pytest
 import torch
+
 from mfsdp_buffers import (
     BufferRole,
     DataParallelBuffer,

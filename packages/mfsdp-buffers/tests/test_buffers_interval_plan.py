@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from mfsdp_buffers import Interval, peak_live_numel, plan_offsets
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from mfsdp_buffers import FlatLayout, LocalPiece
 
 _DIM = st.sampled_from([0, 1, 2, 3, 4, 5, 7, 8, 13, 15, 16, 31, 64])

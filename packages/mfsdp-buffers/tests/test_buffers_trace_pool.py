@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+
 from mfsdp_buffers import Interval, TracePhase, TracePoolAllocator, plan_offsets
 
 CPU = torch.device("cpu")

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+
 from mfsdp_collectives.testing import DistributedTestError, run_distributed
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import mfsdp_collectives._compat as compat
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import mfsdp_collectives._compat as compat
 from mfsdp_collectives import (
     CommStreams,
     CommTracer,
@@ -14,7 +16,6 @@ from mfsdp_collectives import (
     hsdp_reduce_scatter_into,
 )
 from mfsdp_collectives.testing import run_distributed
-from torch.distributed.device_mesh import init_device_mesh
 
 
 def _flat_reference(x: torch.Tensor, average: bool) -> torch.Tensor:

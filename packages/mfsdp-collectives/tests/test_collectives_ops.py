@@ -10,11 +10,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
-import mfsdp_collectives._compat as compat
-import mfsdp_collectives._reduce as reduce_mod
 import pytest
 import torch
 import torch.distributed as dist
+
+import mfsdp_collectives._compat as compat
+import mfsdp_collectives._reduce as reduce_mod
 from mfsdp_collectives import (
     CommStreams,
     CommTracer,

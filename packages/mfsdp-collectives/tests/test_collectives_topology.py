@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
 from mfsdp_collectives import FSDPTopology, default_device, group_name, register_group_name
 from mfsdp_collectives.testing import run_distributed
-from torch.distributed.device_mesh import init_device_mesh
 
 
 def _topology_world(rank: int, ws: int) -> list[str]:

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+
 from mfsdp_collectives import CommTracer
 from mfsdp_collectives.tracer import record_comm
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+
 from mfsdp_collectives import (
     CommStreams,
     all_gather_into,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from hooks_models import Block, make_model
+from torch import nn
+
 from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import MegatronFSDP, MixedPrecisionPolicy, fully_shard
-from torch import nn
 
 
 class _TiedAcrossUnits(nn.Module):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 from hooks_models import Block, loss_fn, make_batches, make_model
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import fsdp_units, fully_shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _expected_traffic(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
@@ -120,7 +121,6 @@ def test_next_unit_is_gathered_while_the_current_one_computes() -> None:
 
 def _trace_pool_worker(rank: int, world: int) -> tuple[str, int, int, int]:
     from mfsdp_buffers import TracePoolAllocator
-
     from mfsdp_hooks import MegatronFSDP
 
     model = MegatronFSDP(

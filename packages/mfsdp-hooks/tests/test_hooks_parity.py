@@ -17,6 +17,7 @@ from hooks_models import (
     make_optimizer,
     reference_training,
 )
+
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import MegatronFSDP, fully_shard
 

@@ -18,6 +18,7 @@ from hooks_models import (
     make_optimizer,
     reference_training,
 )
+
 from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import MegatronFSDP, MixedPrecisionPolicy, attach_optimizer, fully_shard

@@ -6,8 +6,9 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import mfsdp_te
 import pytest
+
+import mfsdp_te
 
 if sys.version_info >= (3, 11):
     import tomllib

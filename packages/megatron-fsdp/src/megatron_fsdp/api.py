@@ -11,11 +11,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
 from mfsdp_collectives import FSDPTopology
 from mfsdp_hooks import MegatronFSDP, MixedPrecisionPolicy, attach_optimizer, parse_strategy
 from mfsdp_hooks.megatron_fsdp import UnitSpec, resolve_unit_modules
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 # argument -> (default, why it is not available yet)
 _NOT_YET: dict[str, tuple[Any, str]] = {

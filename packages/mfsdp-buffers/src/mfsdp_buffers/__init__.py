@@ -22,6 +22,7 @@ from mfsdp_buffers.allocators import (
 from mfsdp_buffers.bucketing import Bucket, BucketKey, build_buckets
 from mfsdp_buffers.buffer import BufferRole, DataParallelBuffer
 from mfsdp_buffers.layout import FlatLayout, LocalPiece, ParamPlacement
+from mfsdp_buffers.live_memory import LiveTensorTracker, PhaseMark
 
 __version__ = "0.1.0"
 
@@ -34,8 +35,10 @@ __all__ = [
     "FixedPoolAllocator",
     "FlatLayout",
     "Interval",
+    "LiveTensorTracker",
     "LocalPiece",
     "ParamPlacement",
+    "PhaseMark",
     "PlainAllocator",
     "PoolPlan",
     "SlotFactory",

@@ -11,11 +11,11 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from mfsdp_buffers import Allocator
-from mfsdp_collectives import FSDPTopology
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from mfsdp_buffers import Allocator
+from mfsdp_collectives import FSDPTopology
 from mfsdp_hooks.grad_allocator import make_grad_allocator
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.reduce_config import GradReduceConfig

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
+
 from mfsdp_buffers import (
     Allocator,
     BufferRole,
@@ -35,8 +37,6 @@ from mfsdp_collectives import (
     all_reduce_,
     reduce_scatter_into,
 )
-from torch import nn
-
 from mfsdp_hooks.dtensor_views import replicated_dtensor, sharded_dtensor
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.reduce_config import GradReduceConfig

@@ -6,9 +6,9 @@ from collections import deque
 
 import torch
 import torch.distributed as dist
-from mfsdp_collectives import CommStreams
 from torch import nn
 
+from mfsdp_collectives import CommStreams
 from mfsdp_hooks.grad_allocator import end_iteration
 from mfsdp_hooks.param_group import ParameterGroup, PendingReduction
 from mfsdp_hooks.unit import FSDPUnit, unit_of

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from mfsdp_buffers import Allocator, BucketKey, build_buckets
-from mfsdp_collectives import CommHandle, FSDPTopology
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from mfsdp_buffers import Allocator, BucketKey, build_buckets
+from mfsdp_collectives import CommHandle, FSDPTopology
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.param_group import ParameterGroup
 from mfsdp_hooks.reduce_config import GradReduceConfig

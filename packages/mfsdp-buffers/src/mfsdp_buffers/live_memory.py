@@ -1,0 +1,189 @@
+"""Live and peak tensor bytes on any device, for memory tests and benchmarks.
+
+``torch.cuda.max_memory_allocated`` has no CPU counterpart, and the resident-set size mixes
+tensors with the Python heap, gloo's buffers and freed-but-cached pages. This tracker counts
+tensor storages only, the same way for both FSDP implementations:
+
+* allocation: a ``TorchDispatchMode`` sees every aten op's outputs (forward, autograd backward,
+  optimizer, collectives' outputs) and registers each storage it has not seen, with its bytes.
+  Tensor subclasses (DTensor) are unwrapped into their inner tensors, because a mode sees
+  DTensor ops before DTensor unwraps them.
+* release: a ``weakref.finalize`` on the storage object. torch preserves a storage's Python
+  object for as long as the C++ storage lives, so the finalizer fires exactly when the bytes
+  are returned.
+* resize: both FSDP2 and megatron-fsdp free unsharded parameters with
+  ``untyped_storage().resize_(0)`` while the tensor (and storage) stays alive. That call does
+  not go through the dispatcher, so ``UntypedStorage.resize_`` is wrapped while a tracker is
+  open and the storage's bytes are re-read after every resize.
+
+Blind spots (the same for both implementations): temporaries that C++ kernels allocate
+internally (e.g. inside gloo collectives) and storages created before the tracker opened.
+Open it before building the model.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["LiveTensorTracker", "PhaseMark"]
+
+_patch_lock = threading.Lock()
+_open_trackers: list[LiveTensorTracker] = []
+_original_resize: Callable[..., Any] | None = None
+
+
+@dataclass(frozen=True)
+class PhaseMark:
+    """Live bytes at the end of a phase and the peak reached during it."""
+
+    name: str
+    live: int
+    peak: int
+
+
+def _tracked_resize(storage: torch.UntypedStorage, size: int) -> Any:
+    assert _original_resize is not None
+    result = _original_resize(storage, size)
+    for tracker in list(_open_trackers):
+        tracker._observe_storage(storage)
+    return result
+
+
+def _install_resize_patch(tracker: LiveTensorTracker) -> None:
+    global _original_resize
+    with _patch_lock:
+        if not _open_trackers:
+            _original_resize = torch.UntypedStorage.resize_
+            torch.UntypedStorage.resize_ = _tracked_resize  # type: ignore[method-assign,assignment]
+        _open_trackers.append(tracker)
+
+
+def _remove_resize_patch(tracker: LiveTensorTracker) -> None:
+    global _original_resize
+    with _patch_lock:
+        _open_trackers.remove(tracker)
+        if not _open_trackers and _original_resize is not None:
+            torch.UntypedStorage.resize_ = _original_resize  # type: ignore[method-assign]
+            _original_resize = None
+
+
+def _plain_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor with real storage in ``obj``, looking inside wrapper subclasses."""
+    leaves, _ = tree_flatten(obj)
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(leaf):
+            names, _ = leaf.__tensor_flatten__()
+            yield from _plain_tensors([getattr(leaf, name) for name in names])
+        elif leaf.device.type != "meta":
+            yield leaf
+
+
+class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts live storage bytes; ``peak`` is the high-water mark since open or ``mark``.
+
+    Usage::
+
+        with LiveTensorTracker() as mem:
+            model = build()          # storages made here are counted
+            ...
+            mem.mark("forward")      # live bytes now, peak since the previous mark
+
+    Finalizers stay registered after the ``with`` block, so bytes freed later are still
+    subtracted and the tracker can be re-entered with a consistent count.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._lock = threading.RLock()  # a finalizer may fire while we hold it (GC)
+        self._sizes: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+        """Highest ``live`` since the tracker opened (never reset)."""
+        self.phase_peak = 0
+        """Highest ``live`` since the last ``mark`` (or ``reset_phase``)."""
+        self.marks: list[PhaseMark] = []
+
+    # ------------------------------------------------------------------ mode protocol
+    def __enter__(self) -> LiveTensorTracker:
+        _install_resize_patch(self)
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        super().__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
+        _remove_resize_patch(self)
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in _plain_tensors(out):
+            self._observe_storage(tensor.untyped_storage())
+        return out
+
+    # ------------------------------------------------------------------ accounting
+    def _observe_storage(self, storage: torch.UntypedStorage) -> None:
+        if storage.device.type == "meta":
+            return
+        key = id(storage)
+        nbytes = storage.nbytes()
+        with self._lock:
+            old = self._sizes.get(key)
+            if old is None:
+                weakref.finalize(storage, self._release, key)
+                old = 0
+            elif old == nbytes:
+                return
+            self._sizes[key] = nbytes
+            self._add(nbytes - old)
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            nbytes = self._sizes.pop(key, 0)
+            self._add(-nbytes)
+
+    def _add(self, delta: int) -> None:
+        self.live += delta
+        if self.live > self.peak:
+            self.peak = self.live
+        if self.live > self.phase_peak:
+            self.phase_peak = self.live
+
+    # ------------------------------------------------------------------ phases
+    def reset_phase(self) -> None:
+        """Start a new phase window: its peak starts from the bytes live now."""
+        with self._lock:
+            self.phase_peak = self.live
+
+    def mark(self, name: str) -> PhaseMark:
+        """Close the current phase: record live bytes and the phase's peak, start the next."""
+        with self._lock:
+            mark = PhaseMark(name, self.live, self.phase_peak)
+            self.marks.append(mark)
+            self.phase_peak = self.live
+        return mark
+
+    @property
+    def tracked_storages(self) -> int:
+        with self._lock:
+            return len(self._sizes)

@@ -1,0 +1,173 @@
+"""Live tensor bytes stay under analytic bounds through every phase of a training step.
+
+The bounds are written in the sizes the layouts give (sharded and unsharded bytes of each
+unit) plus the activations of the same local batch, measured on an unsharded copy of the
+model. A regression that keeps an unsharded buffer alive, leaks the original parameters or
+materialises gradients for the whole model at once exceeds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+from mfsdp_buffers import LiveTensorTracker
+from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks import MegatronFSDP, ParameterGroup, fsdp_units
+from mfsdp_hooks.unit import FSDPUnit
+
+WIDTH, BLOCKS, BATCH = 128, 6, 4
+SLACK = 64 * 1024  # scalars, loss, small temporaries
+
+
+class MemBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class MemModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.Sequential(*(MemBlock() for _ in range(BLOCKS)))
+        self.out = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(self.inp(x)))
+
+
+@dataclass
+class Sizes:
+    """Bytes that follow from the layouts of the wrapped model."""
+
+    sharded_weights: int  # persistent model/main weights the optimizer steps on
+    full_weights: int  # persistent whole model buffers (strategies 0-2)
+    grad_shards: int  # persistent main-grad buffers
+    root_unsharded: int
+    root_grad: int  # the root's reduce buffer fills over the whole backward
+    max_unit_unsharded: int
+    max_unit_grad: int
+    max_param_grad: int  # a gradient autograd hands over before it is copied in
+
+
+def _weight_bytes(group: ParameterGroup) -> tuple[int, int]:
+    sharded = full = 0
+    optimizer_buffer = group.main if group.main is not None else group.model
+    sharded += optimizer_buffer.layout.shard_numel * optimizer_buffer.dtype.itemsize
+    if not group.model.sharded:
+        full += group.layout.padded_numel * group.model.dtype.itemsize
+        if group.main is None:
+            sharded = 0  # the optimizer steps on a slice of the whole buffer
+    return sharded, full
+
+
+def _sizes(model: nn.Module) -> Sizes:
+    units = fsdp_units(model)
+    root = next(u for u in units if u.module is model)
+    sharded = full = grads = 0
+    for unit in units:
+        for group in unit.groups:
+            s, f = _weight_bytes(group)
+            sharded += s
+            full += f
+            if group.main_grad is not None:
+                grads += group.layout.shard_numel * group.main_grad.dtype.itemsize
+
+    def unsharded(unit: FSDPUnit) -> int:
+        return sum(g.layout.padded_numel * g.compute_dtype.itemsize for g in unit.groups)
+
+    def grad_buffer(unit: FSDPUnit) -> int:
+        return sum(
+            g.layout.padded_numel * g.reduce_dtype.itemsize for g in unit.groups if g.requires_grad
+        )
+
+    return Sizes(
+        sharded_weights=sharded,
+        full_weights=full,
+        grad_shards=grads,
+        root_unsharded=unsharded(root) if root.options.strategy.shards_params else 0,
+        root_grad=grad_buffer(root),
+        max_unit_unsharded=max(unsharded(u) for u in units),
+        max_unit_grad=max(grad_buffer(u) for u in units),
+        max_param_grad=max(p.numel() * 4 for p in model.parameters()),
+    )
+
+
+def _activation_bytes(batch: torch.Tensor) -> int:
+    """Live bytes a forward of the unsharded model on ``batch`` leaves for backward."""
+    with LiveTensorTracker() as tracker:
+        torch.manual_seed(0)
+        model = MemModel()
+        before = tracker.live
+        loss = model(batch).pow(2).mean()
+        saved = tracker.live - before
+    del loss, model
+    return saved
+
+
+def _memory_worker(rank: int, world: int, strategy: int) -> dict[str, tuple[int, int]]:
+    batch = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank))
+    activations = _activation_bytes(batch)
+    with LiveTensorTracker() as tracker:
+        torch.manual_seed(0)
+        model = MegatronFSDP(MemModel(), fsdp_unit_modules=[MemBlock], sharding_strategy=strategy)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        init = tracker.mark("init")
+        loss = model(batch).pow(2).mean()
+        forward = tracker.mark("forward")
+        loss.backward()
+        model.finish_grad_sync()
+        del loss
+        backward = tracker.mark("backward")
+        optimizer.step()
+        step = tracker.mark("step")
+        optimizer.zero_grad()
+        zero = tracker.mark("zero_grad")
+
+    sizes = _sizes(model.module)
+    persistent = sizes.sharded_weights + sizes.full_weights + sizes.grad_shards
+    optimizer_state = 2 * sizes.sharded_weights if sizes.sharded_weights else 2 * sizes.full_weights
+    gathered = 2 * sizes.max_unit_unsharded if strategy == 3 else 0  # current + prefetched
+    # Two reductions in flight + one unit filling, the root's buffer, and the gradients
+    # autograd holds around one AccumulateGrad (incoming, its copy, the next layer's).
+    in_flight_grads = 3 * sizes.max_unit_grad + sizes.root_grad + 3 * sizes.max_param_grad
+    bounds = {
+        "init": (init.live, persistent + SLACK),
+        "forward": (forward.live, persistent + sizes.root_unsharded + activations + SLACK),
+        "forward_peak": (
+            forward.peak,
+            persistent + sizes.root_unsharded + gathered + activations + SLACK,
+        ),
+        # The backend may hold the input of the last reduction (the root's) a moment after
+        # wait() returns, while its worker thread finishes.
+        "backward": (backward.live, persistent + sizes.root_grad + SLACK),
+        "backward_peak": (
+            backward.peak,
+            persistent + sizes.root_unsharded + gathered + activations + in_flight_grads + SLACK,
+        ),
+        "step": (step.live, persistent + optimizer_state + SLACK),
+        "zero_grad": (zero.live, persistent + optimizer_state + SLACK),
+    }
+    for phase, (live, bound) in bounds.items():
+        assert live <= bound, f"strategy {strategy} world {world}: {phase} {live} > bound {bound}"
+    return bounds
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("strategy", [1, 2, 3])
+def test_live_bytes_stay_under_the_layout_bounds(strategy: int, world: int) -> None:
+    results = run_distributed(_memory_worker, world, strategy, timeout=120)
+    for bounds in results:
+        init_live, _ = bounds["init"]
+        full_model = sum(p.numel() * 4 for p in MemModel().parameters())
+        if strategy == 3:
+            # Sharding must actually save memory: weights + grads well under one full model.
+            assert init_live < full_model * (2 / world + 0.25)
