@@ -152,3 +152,35 @@ def test_trace_pool_replays_gradient_buffers_from_a_smaller_pool() -> None:
         assert phase == "REPLAY"
         assert fallbacks == 0
         assert 0 < pool < naive
+
+
+def _explicit_prefetch_worker(rank: int, world: int) -> list[bool]:
+    model = make_model()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    blocks = list(model.blocks)
+    blocks[0].set_modules_to_forward_prefetch([blocks[2]])  # type: ignore[operator]
+    units = [fsdp_units(b)[0] for b in blocks]
+    seen: list[bool] = []
+
+    def note(module: torch.nn.Module, args: object) -> None:
+        seen.extend([units[1].is_unsharded, units[2].is_unsharded])
+
+    blocks[0].register_forward_pre_hook(note)
+    tokens, targets = make_batches(1, 4)[0]
+    loss_fn(model(tokens), targets).backward()
+    handle = blocks[1].unshard(async_op=True)  # type: ignore[operator]
+    handle.wait()
+    seen.append(units[1].is_unsharded)
+    blocks[1].reshard()  # type: ignore[operator]
+    seen.append(units[1].is_unsharded)
+    return seen
+
+
+def test_explicit_prefetch_list_and_manual_unshard() -> None:
+    # Block 0 prefetches block 2 (not block 1) even on the first iteration.
+    assert (
+        run_distributed(_explicit_prefetch_worker, 2, timeout=60)
+        == [[False, True, True, False]] * 2
+    )

@@ -26,6 +26,18 @@ from mfsdp_hooks.unit import FSDPUnit, UnitOptions, unit_of
 _OWNER_ATTR = "_mfsdp_param_owners"
 
 
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``, as in FSDP2: ``wait()`` before using the weights."""
+
+    def __init__(self, unit: FSDPUnit) -> None:
+        self._unit: FSDPUnit | None = unit
+
+    def wait(self) -> None:
+        if self._unit is not None:
+            self._unit.wait_unshard()
+            self._unit = None
+
+
 class FSDPModule:
     """Methods every fully-sharded module gains (mixed into its class)."""
 
@@ -34,12 +46,14 @@ class FSDPModule:
         assert unit is not None
         return unit
 
-    def unshard(self, async_op: bool = False) -> None:
-        """Gather this module's parameters now (e.g. before a forward outside autograd)."""
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this module's parameters now; with ``async_op`` return a handle to wait on."""
         unit = self._mfsdp_unit()
         unit.unshard_async()
-        if not async_op:
-            unit.wait_unshard()
+        if async_op:
+            return UnshardHandle(unit)
+        unit.wait_unshard()
+        return None
 
     def reshard(self) -> None:
         self._mfsdp_unit().reshard()
@@ -224,4 +238,4 @@ def is_fully_sharded(module: nn.Module) -> bool:
     return unit_of(module) is not None
 
 
-__all__ = ["FSDPModule", "fsdp_units", "fully_shard", "is_fully_sharded"]
+__all__ = ["FSDPModule", "UnshardHandle", "fsdp_units", "fully_shard", "is_fully_sharded"]
