@@ -128,7 +128,10 @@ def assert_close_rel(
 
 def local_rows(param: Any) -> slice:
     """The rows of the full parameter that a distributed parameter holds on this rank."""
-    group = param._mfsdp_group
-    index = next(i for i, p in enumerate(group.dist_params) if p is param)
-    piece = group.layout.local_piece(index, group.topology.shard_rank)
+    from mfsdp_hooks import locate
+
+    location = locate(param)
+    assert location is not None, "not a distributed parameter"
+    group = location.group
+    piece = group.layout.local_piece(location.index, group.topology.shard_rank)
     return slice(piece.row_start, piece.row_end)

@@ -14,8 +14,16 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from mfsdp_checkpoint import enable_dcp
 from mfsdp_collectives import FSDPTopology
-from mfsdp_hooks import MegatronFSDP, MixedPrecisionPolicy, attach_optimizer, parse_strategy
+from mfsdp_hooks import (
+    MegatronFSDP,
+    MixedPrecisionPolicy,
+    attach_optimizer,
+    optimizer_groups,
+    owning_model,
+    parse_strategy,
+)
 from mfsdp_hooks.megatron_fsdp import UnitSpec, resolve_unit_modules
 
 # argument -> (default, why it is not available yet)
@@ -124,16 +132,11 @@ def fully_shard_model(
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     strategy = parse_strategy(zero_dp_strategy, "zero_dp_strategy")
     resolve_unit_modules(fsdp_unit_modules)
-    if not preproc_state_dict_for_dcp_ckpt:
-        raise NotImplementedError(
-            "preproc_state_dict_for_dcp_ckpt=False: state dicts always hold DTensors here; "
-            "leave it True"
-        )
     policy = _policy(mixed_precision_policy, grad_reduce_in_fp32, preserve_fp32_weights)
     if device is not None:
         module = module.to(device)
     topology = _topology(module, device_mesh, dp_shard_dim, device)
-    return MegatronFSDP(
+    wrapped = MegatronFSDP(
         module,
         fsdp_unit_modules,
         sync_model_each_microbatch=sync_model_each_microbatch,
@@ -150,6 +153,9 @@ def fully_shard_model(
         # storage per unit whose bytes are freed after use (autograd holds views of it).
         grad_buffer_allocator="double_buffer" if fsdp_double_buffer else "plain",
     )
+    if preproc_state_dict_for_dcp_ckpt:
+        enable_dcp(wrapped)
+    return wrapped
 
 
 def _policy(
@@ -177,13 +183,18 @@ def fully_shard_optimizer(
     optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: bool = True
 ) -> torch.optim.Optimizer:
     """Add ``sync_grad_before_optimizer_step``/``install_optimized_model_weights`` to ``step``
-    and ``zero_grad_buffer`` to ``zero_grad`` of an optimizer built on the sharded model."""
-    if not preproc_state_dict_for_dcp_ckpt:
-        raise NotImplementedError(
-            "preproc_state_dict_for_dcp_ckpt=False: state dicts always hold DTensors here; "
-            "leave it True"
-        )
-    return attach_optimizer(optimizer)
+    and ``zero_grad_buffer`` to ``zero_grad`` of an optimizer built on the sharded model.
+
+    With ``preproc_state_dict_for_dcp_ckpt`` its ``state_dict()`` is keyed by the sharded
+    model's parameter names and holds DTensors that ``torch.distributed.checkpoint`` saves
+    and reshards directly.
+    """
+    attach_optimizer(optimizer)
+    if preproc_state_dict_for_dcp_ckpt:
+        models = {id(m): m for m in (owning_model(g) for g in optimizer_groups(optimizer)) if m}
+        for model in models.values():
+            enable_dcp(model, optimizer)
+    return optimizer
 
 
 def _rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:

@@ -1,6 +1,6 @@
 """Live and peak tensor bytes on any device, for memory tests and benchmarks.
 
-``torch.cuda.max_memory_allocated`` has no CPU counterpart, and the resident-set size mixes
+The accelerator allocators keep peak statistics; the CPU has none, and the resident-set size mixes
 tensors with the Python heap, gloo's buffers and freed-but-cached pages. This tracker counts
 tensor storages only, the same way for both FSDP implementations:
 

@@ -1,9 +1,53 @@
-"""mfsdp_checkpoint: DTensor state dicts, DCP save/load, resharding and conversion (layer 4).
+"""mfsdp_checkpoint: distributed checkpoints of sharded models (layer 4 of megatron-fsdp).
 
-The layer is being built: today the sharded model's ``state_dict()`` already holds DTensors
-(from mfsdp_hooks); save/load helpers, resharding, conversion and atomic saves come next.
+* ``enable_dcp(model, optimizer)``: ``state_dict()`` of the sharded model and optimizer hold
+  DTensors of the original shapes with their true (uneven) row ranges, optimizer state keyed by
+  parameter name, so ``torch.distributed.checkpoint.save/load`` work directly, across world
+  sizes and sharding strategies, and with torch FSDP2 checkpoints.
+* ``save``/``load`` (any DCP state dict) and ``save_checkpoint``/``load_checkpoint`` (model +
+  optimizer): atomic directories with a completion marker and checksums; clear errors raised on
+  every rank.
+* ``gather_full_state_dict``/``save_full_state_dict``: the unsharded model on rank 0, streamed
+  group by group; ``load_full_state_dict``: a single-process state dict into a sharded model
+  without any rank holding it whole.
+* ``convert``/``describe`` and the ``mfsdp-checkpoint`` command line: DCP <-> torch <->
+  safetensors, with prefix stripping for Hugging Face.
 """
+
+from mfsdp_checkpoint.atomic import load, read_metadata, save
+from mfsdp_checkpoint.checkpoint import load_checkpoint, save_checkpoint
+from mfsdp_checkpoint.convert import convert, describe
+from mfsdp_checkpoint.enable import DCPHandle, enable_dcp
+from mfsdp_checkpoint.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StateDictMismatchError,
+)
+from mfsdp_checkpoint.full_gather import gather_full_state_dict, save_full_state_dict
+from mfsdp_checkpoint.full_load import FullLoadResult, load_full_state_dict
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "DCPHandle",
+    "FullLoadResult",
+    "IncompleteCheckpointError",
+    "StateDictMismatchError",
+    "__version__",
+    "convert",
+    "describe",
+    "enable_dcp",
+    "gather_full_state_dict",
+    "load",
+    "load_checkpoint",
+    "load_full_state_dict",
+    "read_metadata",
+    "save",
+    "save_checkpoint",
+    "save_full_state_dict",
+]

@@ -191,6 +191,9 @@ def _worker(
             world_size=world_size,
             timeout=timedelta(seconds=timeout + _PG_TIMEOUT_MARGIN_S),
         )
+        # Every rank finishes connecting before any may run, return and close its sockets
+        # (gloo's full-mesh connect fails when a fast peer has already gone).
+        dist.barrier()
         result = fn(rank, world_size, *args)
         try:
             conn.send(("ok", rank, time.monotonic(), result))

@@ -1,6 +1,13 @@
 """mfsdp_hooks: the FSDP unit lifecycle, mixed precision and optimizer integration."""
 
-from mfsdp_hooks.fully_shard import FSDPModule, fsdp_units, fully_shard, is_fully_sharded
+from mfsdp_hooks.fully_shard import (
+    FSDPModule,
+    UnshardHandle,
+    fsdp_units,
+    fully_shard,
+    is_fully_sharded,
+)
+from mfsdp_hooks.lookup import ParamLocation, dist_param_of, locate, owning_model
 from mfsdp_hooks.megatron_fsdp import MegatronFSDP, resolve_unit_modules
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.optimizer import attach_optimizer, optimizer_groups
@@ -8,23 +15,31 @@ from mfsdp_hooks.param_group import ParameterGroup
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.strategy import ShardingStrategy, parse_strategy
 from mfsdp_hooks.training_state import TrainingState
+from mfsdp_hooks.unit import FSDPUnit, UnitOptions
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FSDPModule",
+    "FSDPUnit",
     "GradReduceConfig",
     "MegatronFSDP",
     "MixedPrecisionPolicy",
+    "ParamLocation",
     "ParameterGroup",
     "ShardingStrategy",
     "TrainingState",
+    "UnitOptions",
+    "UnshardHandle",
     "__version__",
     "attach_optimizer",
+    "dist_param_of",
     "fsdp_units",
     "fully_shard",
     "is_fully_sharded",
+    "locate",
     "optimizer_groups",
+    "owning_model",
     "parse_strategy",
     "resolve_unit_modules",
 ]

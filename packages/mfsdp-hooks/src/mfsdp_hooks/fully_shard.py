@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from mfsdp_buffers import Allocator
 from mfsdp_collectives import FSDPTopology
 from mfsdp_hooks.grad_allocator import make_grad_allocator
+from mfsdp_hooks.lookup import set_owning_model
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root import FSDPRoot
@@ -98,7 +99,7 @@ class FSDPModule:
             unit = unit_of(module)
             if unit is not None:
                 for group in unit.groups:
-                    group.weights_dirty = True
+                    group.mark_weights_dirty()
                     handle = group.install_weights()
                     if handle is not None:
                         handle.wait()
@@ -212,6 +213,9 @@ def fully_shard(
     )
     owners = _shared_owner_registry(module)
     FSDPUnit(module, options, owners)
+    for unit in fsdp_units(module):
+        for group in unit.groups:
+            set_owning_model(group, module)
     cls = type(module)
     if not issubclass(cls, FSDPModule):
         module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})

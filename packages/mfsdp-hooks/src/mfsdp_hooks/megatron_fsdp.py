@@ -9,8 +9,9 @@ from typing import Any
 
 from torch import nn
 
-from mfsdp_hooks.fully_shard import FSDPModule, fully_shard
+from mfsdp_hooks.fully_shard import FSDPModule, fsdp_units, fully_shard
 from mfsdp_hooks.grad_allocator import make_grad_allocator
+from mfsdp_hooks.lookup import set_owning_model
 from mfsdp_hooks.unit import unit_of
 
 UnitSpec = type[nn.Module] | str
@@ -91,6 +92,9 @@ class MegatronFSDP(nn.Module):
         fully_shard(module, sync_model_each_microbatch=sync_model_each_microbatch, **shard_options)
         self.module = module
         self.fsdp_unit_modules = classes
+        for unit in fsdp_units(module):
+            for group in unit.groups:
+                set_owning_model(group, self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)

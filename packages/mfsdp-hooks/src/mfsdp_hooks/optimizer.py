@@ -14,15 +14,11 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from mfsdp_hooks.lookup import locate
 from mfsdp_hooks.param_group import ParameterGroup
 from mfsdp_hooks.root import FSDPRoot
 
 _GROUPS_CACHE = "_mfsdp_groups_cache"
-
-
-def fsdp_group_of(param: torch.Tensor) -> ParameterGroup | None:
-    group = getattr(param, "_mfsdp_group", None)
-    return group if isinstance(group, ParameterGroup) else None
 
 
 def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[ParameterGroup]:
@@ -34,9 +30,9 @@ def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[ParameterGroup]:
         return groups
     seen: dict[int, ParameterGroup] = {}
     for param in params:
-        group = fsdp_group_of(param)
-        if group is not None:
-            seen.setdefault(id(group), group)
+        location = locate(param)
+        if location is not None:
+            seen.setdefault(id(location.group), location.group)
     groups = list(seen.values())
     setattr(optimizer, _GROUPS_CACHE, (len(params), groups))
     return groups
@@ -44,7 +40,7 @@ def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[ParameterGroup]:
 
 def _mark_weights_dirty(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for group in optimizer_groups(optimizer):
-        group.weights_dirty = True
+        group.mark_weights_dirty()
 
 
 _HOOK = register_optimizer_step_post_hook(_mark_weights_dirty)

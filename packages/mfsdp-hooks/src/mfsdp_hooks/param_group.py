@@ -377,6 +377,11 @@ class ParameterGroup:
         for dist_param, dist_grad in zip(self.dist_params, self.dist_grads, strict=True):
             dist_param.grad = dist_grad
 
+    def mark_weights_dirty(self) -> None:
+        """Say the optimizer-facing weights changed outside ``optimizer.step()`` (e.g. a load):
+        the compute weights are re-installed at the next unshard."""
+        self.weights_dirty = True
+
     def zero_main_grads(self) -> None:
         if self.main_grad is not None:
             with torch.no_grad():

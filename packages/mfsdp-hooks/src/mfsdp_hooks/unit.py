@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from mfsdp_buffers import Allocator, BucketKey, build_buckets
 from mfsdp_collectives import CommHandle, FSDPTopology
+from mfsdp_hooks.lookup import register_group_params
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.param_group import ParameterGroup
 from mfsdp_hooks.reduce_config import GradReduceConfig
@@ -120,10 +121,8 @@ class FSDPUnit:
             for param, name, _ in members:
                 owner_of[id(param)] = f"{self.name}({name})"
         for group in self.groups:
-            for dist_param in group.dist_params:
-                dist_param._mfsdp_group = group  # type: ignore[attr-defined]
+            register_group_params(group)
             for index, param in enumerate(group.unsharded_params):
-                param._mfsdp_dist_param = group.dist_params[index]  # type: ignore[attr-defined]
                 if group.requires_grad:
                     param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                         functools.partial(self._on_grad_ready, group, index)

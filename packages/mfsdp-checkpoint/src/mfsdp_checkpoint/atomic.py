@@ -1,0 +1,212 @@
+"""Atomic DCP saves and checked loads.
+
+``save`` never leaves a directory that loads as complete unless every rank finished writing:
+it writes into ``<path>.partial`` (with an in-progress sentinel), records each file's size and
+CRC32 in a completion marker, then renames the directory into place. A process killed at any
+point before the rename leaves the previous checkpoint at ``path`` untouched.
+
+``load`` refuses partial directories, verifies the marker's sizes (and checksums, spread over
+the ranks), compares the state dict with the checkpoint's metadata, and only then calls
+``torch.distributed.checkpoint.load``. Every check ends in an agreement step, so a failure is
+raised on every rank with the same message instead of leaving ranks waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from mfsdp_checkpoint import _dist
+from mfsdp_checkpoint.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+)
+from mfsdp_checkpoint.marker import (
+    IN_PROGRESS,
+    MARKER,
+    DirectoryInfo,
+    crc32_of,
+    fsync_dir,
+    inspect_directory,
+    partial_path,
+    previous_path,
+    verify_files,
+    write_in_progress,
+    write_marker,
+)
+from mfsdp_checkpoint.validate import check, prune
+
+PathLike = str | os.PathLike[str]
+
+
+def read_metadata(path: Path) -> Metadata:
+    """The DCP metadata of ``path``, or a ``CorruptCheckpointError`` saying why not."""
+    try:
+        return FileSystemReader(path).read_metadata()
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path} has no DCP metadata file (.metadata)") from None
+    except Exception as error:
+        raise CorruptCheckpointError(
+            f"{path}/.metadata cannot be read ({type(error).__name__}: {error}); the file is "
+            "corrupted"
+        ) from None
+
+
+def _run_locally(problem_source: Any) -> _dist.Problem:
+    try:
+        problem_source()
+    except CheckpointError as error:
+        return _dist.problem_of(error)
+    except OSError as error:
+        return ("CheckpointError", f"{type(error).__name__}: {error}")
+    return None
+
+
+def _prepare_staging(path: Path, staging: Path, overwrite: bool) -> None:
+    if path.exists() and not overwrite:
+        raise CheckpointError(f"{path} already exists; pass overwrite=True to replace it")
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path} exists and is not a directory; choose another path")
+    if staging.exists():
+        shutil.rmtree(staging)  # left by a save that was killed: never loadable, safe to drop
+    staging.mkdir(parents=True)
+    write_in_progress(staging)
+
+
+def _file_records(staging: Path, names: list[str], checksum: bool) -> dict[str, dict[str, int]]:
+    return {
+        name: {
+            "bytes": (staging / name).stat().st_size,
+            "crc32": crc32_of(staging / name) if checksum else -1,
+        }
+        for name in names
+    }
+
+
+def _publish(path: Path, staging: Path) -> None:
+    """Move the finished staging directory to ``path``, replacing an older checkpoint."""
+    if path.exists():
+        old = previous_path(path)
+        if old.exists():
+            shutil.rmtree(old)
+        path.rename(old)
+        staging.rename(path)
+        fsync_dir(path.parent)
+        shutil.rmtree(old)
+    else:
+        staging.rename(path)
+    fsync_dir(path.parent)
+
+
+def save(
+    state_dict: dict[str, Any],
+    path: PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    overwrite: bool = True,
+    checksum: bool = True,
+    planner: SavePlanner | None = None,
+) -> Path:
+    """Save ``state_dict`` as a DCP checkpoint at ``path``, atomically. Collective.
+
+    ``checksum`` records a CRC32 of every file (each rank hashes a share of the files) so a
+    later ``load`` detects corrupted data, not just truncated files.
+    """
+    target = Path(path)
+    staging = partial_path(target)
+    me, world = _dist.rank(process_group), _dist.world_size(process_group)
+    problem = (
+        _run_locally(lambda: _prepare_staging(target, staging, overwrite)) if me == 0 else None
+    )
+    _dist.agree(problem, process_group)
+    try:
+        with _dist.quiet_single_process():
+            dcp_save(
+                state_dict,
+                storage_writer=FileSystemWriter(staging, sync_files=True),
+                planner=planner,
+                process_group=process_group,
+            )
+    except CheckpointException as error:
+        raise CheckpointError(f"saving {target} failed on some rank: {error}") from None
+    names = sorted(n for n in os.listdir(staging) if n != IN_PROGRESS) if me == 0 else []
+    if _dist.is_distributed():
+        box = [names]
+        dist.broadcast_object_list(
+            box, src=_dist.global_rank_of(0, process_group), group=process_group
+        )
+        names = box[0]
+    records = _file_records(staging, names[me::world], checksum)
+    gathered = [records]
+    if _dist.is_distributed():
+        gathered = [{}] * world
+        dist.all_gather_object(gathered, records, group=process_group)
+    problem = None
+    if me == 0:
+        files = {name: rec for part in gathered for name, rec in part.items()}
+
+        def finish() -> None:
+            write_marker(staging, world, files)
+            _publish(target, staging)
+
+        problem = _run_locally(finish)
+    _dist.agree(problem, process_group)
+    return target
+
+
+def load(
+    state_dict: dict[str, Any],
+    path: PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    strict: bool = True,
+    verify: bool = True,
+    planner: LoadPlanner | None = None,
+) -> DirectoryInfo:
+    """Load a DCP checkpoint into ``state_dict`` in place, after checking it. Collective.
+
+    ``strict``: every key of ``state_dict`` must be in the checkpoint and no other key of the
+    same top-level sections may be (``"model"``/``"optimizer"``: loading only ``"model"``
+    from a model+optimizer checkpoint is fine). Optimizer placeholders the checkpoint has no
+    value for are dropped, leaving that state fresh. ``verify`` checks the CRC32 recorded at
+    save time (plain DCP directories without a marker are loaded unverified).
+    """
+    source = Path(path)
+    me, world = _dist.rank(process_group), _dist.world_size(process_group)
+    found: list[Any] = []
+
+    def local_checks() -> None:
+        info = inspect_directory(source)
+        verify_files(info, (me, world), checksums=verify)
+        metadata = read_metadata(source)
+        found.extend([info, check(state_dict, metadata, str(source), strict)])
+
+    _dist.agree(_run_locally(local_checks), process_group)
+    info: DirectoryInfo = found[0]
+    comparison = found[1]
+    prune(state_dict, comparison.prunable)
+    try:
+        with _dist.quiet_single_process():
+            dcp_load(
+                state_dict,
+                storage_reader=FileSystemReader(source),
+                planner=planner or DefaultLoadPlanner(allow_partial_load=not strict),
+                process_group=process_group,
+            )
+    except CheckpointException as error:
+        raise CorruptCheckpointError(f"loading {source} failed on some rank: {error}") from None
+    return info
+
+
+__all__ = ["MARKER", "load", "read_metadata", "save"]

@@ -1,0 +1,182 @@
+"""Where each rank's piece of a sharded parameter sits in the full tensor, for DCP.
+
+The engine's flat layout gives every rank a contiguous *row range* of each parameter, which
+may be uneven or empty and does not follow ``torch.chunk``. DCP, left to itself, derives a
+DTensor's offsets from ``torch.chunk`` semantics and would write rows to the wrong place. So
+each state-dict tensor gets the two DCP protocol methods, ``__create_write_items__`` (save)
+and ``__create_chunk_list__`` (load), answering from the layout's true row range.
+
+The row ranges are pure arithmetic on the layout (no communication) and are computed once per
+parameter group, then cached for the life of the group.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+
+from mfsdp_hooks import ParameterGroup, ShardingStrategy
+
+_WRITE_ATTR = "__create_write_items__"
+_CHUNKS_ATTR = "__create_chunk_list__"
+
+
+@dataclass(frozen=True)
+class RowChunk:
+    """This rank's rows ``[row_start, row_end)`` of a tensor of ``global_shape``."""
+
+    global_shape: torch.Size
+    row_start: int
+    row_end: int
+    writes: bool
+    """False for an empty piece: writing it would collide with a neighbour's chunk offset."""
+
+    @property
+    def offsets(self) -> torch.Size:
+        return torch.Size([self.row_start] + [0] * (len(self.global_shape) - 1))
+
+    @property
+    def sizes(self) -> torch.Size:
+        return torch.Size([self.row_end - self.row_start, *self.global_shape[1:]])
+
+    def storage(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=self.offsets, sizes=self.sizes)
+
+
+_CACHE: weakref.WeakKeyDictionary[ParameterGroup, tuple[RowChunk, ...]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def group_chunks(group: ParameterGroup) -> tuple[RowChunk, ...]:
+    """This rank's chunk of every parameter of ``group``; computed on first use, then cached."""
+    cached = _CACHE.get(group)
+    if cached is not None:
+        return cached
+    rank = group.topology.shard_rank
+    chunks = []
+    for index, shape in enumerate(group.shapes):
+        size = torch.Size(shape)
+        if group.strategy == ShardingStrategy.NO_SHARD:
+            chunks.append(RowChunk(size, 0, size[0], writes=True))
+            continue
+        piece = group.layout.local_piece(index, rank)
+        if size.numel() == 0:
+            # Nothing to write anywhere; one rank still records the tensor so it has metadata.
+            chunks.append(RowChunk(size, 0, size[0], writes=rank == 0))
+            continue
+        chunks.append(RowChunk(size, piece.row_start, piece.row_end, writes=not piece.is_empty))
+    result = tuple(chunks)
+    _CACHE[group] = result
+    return result
+
+
+class _WriteItems:
+    """``__create_write_items__`` of one tensor: one SHARD item at the true row offset."""
+
+    def __init__(self, chunk: RowChunk) -> None:
+        self.chunk = chunk
+
+    def __call__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        if not self.chunk.writes:
+            return []
+        local = obj._local_tensor if isinstance(obj, DTensor) else obj
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, self.chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=self.chunk.storage(),
+                    properties=TensorProperties.create_from_tensor(local),
+                    size=self.chunk.global_shape,
+                ),
+            )
+        ]
+
+
+class _ChunkList:
+    """``__create_chunk_list__`` of one tensor, called by DCP only when planning a load.
+
+    A load rewrites the tensor in place behind the engine's back, so it also marks the owning
+    group's weights dirty: the compute weights are re-installed at the next unshard even when
+    the caller never calls ``model.load_state_dict`` after ``dcp.load``.
+    """
+
+    def __init__(self, chunk: RowChunk, on_load: Callable[[], None]) -> None:
+        self.chunk = chunk
+        self.on_load = on_load
+
+    def __call__(self) -> list[ChunkStorageMetadata]:
+        self.on_load()
+        return [self.chunk.storage()] if self.chunk.writes else []
+
+
+def _row_chunk_for(tensor: DTensor, param_chunk: RowChunk) -> RowChunk | None:
+    """The chunk of an optimizer-state tensor shaped like (or row-aligned with) its parameter."""
+    shape = tensor.shape
+    local = tensor._local_tensor.shape
+    if shape == param_chunk.global_shape:
+        return param_chunk
+    if (
+        len(shape) >= 1
+        and shape[0] == param_chunk.global_shape[0]
+        and local[0] == (param_chunk.row_end - param_chunk.row_start)
+    ):
+        return RowChunk(
+            torch.Size(shape), param_chunk.row_start, param_chunk.row_end, param_chunk.writes
+        )
+    return None
+
+
+def annotate(
+    tensor: torch.Tensor, chunk: RowChunk, group: ParameterGroup, what: str
+) -> torch.Tensor:
+    """Give ``tensor`` (a DTensor over this rank's rows) the DCP methods for ``chunk``.
+
+    ``chunk`` is the chunk of the parameter ``tensor`` belongs to; optimizer state that is
+    row-aligned with it but of another shape gets a chunk of its own. Returns ``tensor``.
+    """
+    if not isinstance(tensor, DTensor):
+        return tensor
+    own = _row_chunk_for(tensor, chunk)
+    if own is None:
+        if all(p.is_replicate() for p in tensor.placements):
+            return tensor  # DCP's own handling of replicated DTensors is right
+        raise NotImplementedError(
+            f"{what}: a sharded tensor of shape {tuple(tensor.shape)} is not row-aligned with "
+            f"its parameter of shape {tuple(chunk.global_shape)}; mfsdp_checkpoint cannot place "
+            "its rows in a checkpoint (use an optimizer whose state matches the parameter shape)"
+        )
+    if tuple(tensor._local_tensor.shape) != tuple(own.sizes) and own.global_shape.numel():
+        raise RuntimeError(
+            f"{what}: local tensor of shape {tuple(tensor._local_tensor.shape)} does not match "
+            f"rows [{own.row_start}, {own.row_end}) of the layout; the engine's sharding changed "
+            "under the checkpoint layer"
+        )
+
+    def mark_dirty() -> None:
+        group.mark_weights_dirty()
+
+    setattr(tensor, _WRITE_ATTR, _WriteItems(own))
+    setattr(tensor, _CHUNKS_ATTR, _ChunkList(own, mark_dirty))
+    return tensor
+
+
+def is_annotated(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor.__dict__.get(_CHUNKS_ATTR), _ChunkList)
+
+
+def chunk_of(tensor: torch.Tensor) -> RowChunk | None:
+    found = tensor.__dict__.get(_CHUNKS_ATTR)
+    return found.chunk if isinstance(found, _ChunkList) else None

@@ -1,0 +1,200 @@
+"""Gather the full (unsharded) state dict to rank 0 on CPU, one parameter group at a time.
+
+For export: a plain ``{name: tensor}`` dict any single-process tool can use. Each group's
+shards travel in one ``gather`` to rank 0, which cuts them into parameters, moves them to CPU
+and frees the gathered shards before the next group, so no rank ever holds more than one
+group's worth of gathered data on the device. ``DTensor.full_tensor()`` cannot do this: it
+assumes ``torch.chunk`` shards, and the engine's row shards are uneven.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from mfsdp_checkpoint import _dist
+from mfsdp_checkpoint.param_index import ParamIndex, ParamRef, local_of
+from mfsdp_checkpoint.safetensors_io import TensorSpec, write_safetensors
+from mfsdp_hooks import ParameterGroup, ShardingStrategy
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """The order in which full tensors come out, and under which state-dict names."""
+
+    groups: list[tuple[ParameterGroup, list[tuple[ParamRef, list[str]]]]]
+    others: list[str]
+    specs: dict[str, TensorSpec]
+
+    @property
+    def keys(self) -> list[str]:
+        ordered = [k for _, refs in self.groups for _, names in refs for k in names]
+        return ordered + self.others
+
+
+def export_plan(model: nn.Module) -> ExportPlan:
+    """Names, shapes and dtypes of every full tensor, from local metadata only."""
+    index = ParamIndex(model)
+    state = model.state_dict()
+    by_group: dict[int, list[tuple[ParamRef, list[str]]]] = {}
+    groups: dict[int, ParameterGroup] = {}
+    for ref in index.refs():
+        names = [n for n in index.aliases[ref.fqn] if n in state]
+        groups.setdefault(id(ref.group), ref.group)
+        by_group.setdefault(id(ref.group), []).append((ref, names))
+    specs: dict[str, TensorSpec] = {}
+    for refs in by_group.values():
+        for ref, names in refs:
+            for name in names:
+                specs[name] = TensorSpec(name, tuple(ref.param.shape), ref.param.dtype)
+    others = [k for k, v in state.items() if k not in specs and isinstance(v, torch.Tensor)]
+    for key in others:
+        specs[key] = TensorSpec(key, tuple(state[key].shape), state[key].dtype)
+    plan = [(groups[g], sorted(refs, key=lambda r: r[0].index)) for g, refs in by_group.items()]
+    return ExportPlan(plan, others, specs)
+
+
+def _gather_group(group: ParameterGroup, to_all: bool) -> list[torch.Tensor] | None:
+    """Every rank's flat shard of ``group`` on rank 0 (on all ranks with ``to_all``)."""
+    layout = group.layout
+    topology = group.topology
+    rank, world = topology.shard_rank, topology.shard_size
+    first = group.dist_params[0]
+    assert isinstance(first, DTensor)
+    local = first._local_tensor
+    shard = torch.zeros(layout.shard_numel, dtype=first.dtype, device=local.device)
+    for index, param in enumerate(group.dist_params):
+        piece = layout.local_piece(index, rank)
+        if piece.numel:
+            start = piece.shard_offset
+            shard[start : start + piece.numel].copy_(local_of(param).reshape(-1))
+    if world == 1:
+        return [shard]
+    if to_all:
+        received = [torch.empty_like(shard) for _ in range(world)]
+        dist.all_gather(received, shard, group=topology.shard_group)
+        return received
+    dst = dist.get_global_rank(topology.shard_group, 0)
+    if rank == 0:
+        received = [torch.empty_like(shard) for _ in range(world)]
+        dist.gather(shard, received, dst=dst, group=topology.shard_group)
+        return received
+    dist.gather(shard, None, dst=dst, group=topology.shard_group)
+    return None
+
+
+def _full_param(group: ParameterGroup, index: int, shards: list[torch.Tensor]) -> torch.Tensor:
+    layout = group.layout
+    pieces = []
+    for rank, shard in enumerate(shards):
+        piece = layout.local_piece(index, rank)
+        if piece.numel:
+            pieces.append(shard[piece.shard_offset : piece.shard_offset + piece.numel])
+    shape = group.shapes[index]
+    if not pieces:
+        return torch.zeros(shape, dtype=shards[0].dtype, device=shards[0].device)
+    return torch.cat(pieces).reshape(shape)
+
+
+def iter_full_tensors(
+    model: nn.Module, plan: ExportPlan, *, to_all: bool = False
+) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """``(name, full CPU tensor)`` in ``plan.keys`` order; None on ranks that receive nothing.
+
+    Collective: every rank must exhaust the iterator.
+    """
+    receives = to_all or _dist.rank() == 0
+    for group, refs in plan.groups:
+        if group.strategy == ShardingStrategy.NO_SHARD:
+            for ref, names in refs:
+                full = local_of(ref.param).detach().to("cpu", copy=True) if receives else None
+                for name in names:
+                    yield name, full
+            continue
+        shards = _gather_group(group, to_all)
+        for ref, names in refs:
+            full = _full_param(group, ref.index, shards).to("cpu", copy=True) if shards else None
+            for name in names:
+                yield name, full
+        del shards
+    state = model.state_dict()
+    for key in plan.others:
+        value = state[key]
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        yield key, value.detach().to("cpu", copy=True) if receives else None
+
+
+def gather_full_state_dict(
+    model: nn.Module, *, rank0_only: bool = True, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """The unsharded state dict on CPU: on rank 0 (``{}`` elsewhere) or, with
+    ``rank0_only=False``, on every rank. Main (fp32) weights; ``dtype`` casts them. Collective.
+    Keys and order are those of ``model.state_dict()``; tied weights share one tensor.
+    """
+    plan = export_plan(model)
+    received: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_full_tensors(model, plan, to_all=not rank0_only):
+        if tensor is not None:
+            received[name] = (
+                tensor if dtype is None or not tensor.is_floating_point() else (tensor.to(dtype))
+            )
+    order = list(model.state_dict().keys())
+    return {k: received[k] for k in order if k in received}
+
+
+def save_full_state_dict(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    strip_prefix: str = "",
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write the unsharded model to one safetensors (``.safetensors``) or torch file. Collective.
+
+    safetensors output is streamed group by group, so rank 0 never holds the whole model;
+    a torch file has to be built in memory first (``torch.save`` cannot stream).
+    ``strip_prefix`` removes a wrapper prefix (``"module."``) so plain models load the file.
+    """
+    target = Path(path)
+    plan = export_plan(model)
+
+    def rename(key: str) -> str:
+        return key[len(strip_prefix) :] if strip_prefix and key.startswith(strip_prefix) else key
+
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+    stream = iter_full_tensors(model, plan)
+    problem: _dist.Problem = None
+    if _dist.rank() == 0:
+        try:
+            if target.suffix == ".safetensors":
+                specs = []
+                for key in plan.keys:
+                    spec = plan.specs[key]
+                    out_dtype = (
+                        dtype
+                        if dtype is not None and spec.dtype.is_floating_point
+                        else (spec.dtype)
+                    )
+                    specs.append(TensorSpec(rename(key), spec.shape, out_dtype))
+                tensors = (cast(t) for _, t in stream if t is not None)
+                write_safetensors(target, specs, tensors, {"format": "pt"})
+            else:
+                received = {k: cast(t) for k, t in stream if t is not None}
+                full = {rename(k): received[k] for k in model.state_dict() if k in received}
+                tmp = target.with_name(target.name + ".tmp")
+                torch.save(full, tmp)
+                tmp.replace(target)
+        except (OSError, ValueError, TypeError) as error:
+            problem = ("CheckpointError", f"writing {target} failed: {error}")
+    for _ in stream:  # keep taking part in the collectives whatever happened above
+        pass
+    _dist.agree(problem)

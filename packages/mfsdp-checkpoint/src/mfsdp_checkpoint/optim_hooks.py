@@ -1,0 +1,163 @@
+"""``optimizer.state_dict()`` keyed by parameter name, with DCP-ready sharded state.
+
+torch keys optimizer state by integer position, which silently pairs state with the wrong
+parameter as soon as the parameter list differs (another wrapper, a frozen layer, a reordered
+group). With these hooks the state dict is keyed by fully qualified parameter name, exactly the
+format of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``::
+
+    {"state": {"blocks.0.fc1.weight": {"step": t, "exp_avg": DTensor, ...}, ...},
+     "param_groups": [{"lr": ..., ..., "params": ["blocks.0.fc1.weight", ...]}, ...]}
+
+so checkpoints move between world sizes, sharding strategies and torch FSDP2. Sharded state
+tensors carry the same DCP row metadata as their parameter. ``load_state_dict`` accepts this
+format (translating names back to positions) and torch's integer format unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from mfsdp_checkpoint.chunks import annotate
+from mfsdp_checkpoint.optim_placeholders import PlaceholderLedger, make_placeholders
+from mfsdp_checkpoint.param_index import ParamIndex, ParamRef
+from mfsdp_hooks import dist_param_of
+
+_HOOKS_ATTR = "_mfsdp_checkpoint_hooks"
+
+
+def _names_by_param(model: nn.Module) -> dict[int, str]:
+    """Canonical name of every parameter object of ``model`` (dist params and plain ones)."""
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        dist_param = dist_param_of(param)
+        names.setdefault(id(param if dist_param is None else dist_param), name)
+    return names
+
+
+class OptimizerCheckpointHooks:
+    """The state-dict hooks of one optimizer over the parameters of one model."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+        self.optimizer = optimizer
+        self.index = ParamIndex(model)
+        self.names = _names_by_param(model)
+        unknown = [
+            position for position, param in enumerate(self.params()) if id(param) not in self.names
+        ]
+        if unknown:
+            raise ValueError(
+                f"optimizer: parameters at positions {unknown} are not parameters of the model "
+                "given to enable_dcp; build the optimizer from that model's parameters"
+            )
+        self.ledger = PlaceholderLedger()
+        self.handles: list[RemovableHandle] = [
+            optimizer.register_state_dict_post_hook(self.after_state_dict),
+            optimizer.register_load_state_dict_pre_hook(self.before_load),
+        ]
+
+    def params(self) -> list[nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _name(self, param: nn.Parameter) -> str:
+        name = self.names.get(id(param))
+        if name is None:
+            raise ValueError(
+                "optimizer: a parameter added after enable_dcp is not a parameter of the model; "
+                "call enable_dcp again after changing the optimizer's parameters"
+            )
+        return name
+
+    def _annotated(self, entry: dict[str, Any], ref: ParamRef | None, name: str) -> dict[str, Any]:
+        if ref is None:
+            return dict(entry)
+        return {
+            key: annotate(value, ref.chunk, ref.group, f"optimizer state {name}.{key}")
+            if isinstance(value, torch.Tensor)
+            else value
+            for key, value in entry.items()
+        }
+
+    def after_state_dict(
+        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> dict[str, Any]:
+        params = self.params()
+        positional = state_dict["state"]
+        missing = [p for i, p in enumerate(params) if p.requires_grad and not positional.get(i)]
+        placeholders = dict(
+            zip((id(p) for p in missing), make_placeholders(optimizer, missing), strict=True)
+        )
+        self.ledger.clear()
+        state: dict[str, Any] = {}
+        for position, param in enumerate(params):
+            name = self._name(param)
+            entry = positional.get(position)
+            if not entry:
+                entry = placeholders.get(id(param))
+                if not entry:
+                    continue
+                self.ledger.record(name, entry)
+            state[name] = self._annotated(entry, self.index.ref_of(param), name)
+        groups = [
+            {**group, "params": [self._name(params[i]) for i in group["params"]]}
+            for group in state_dict["param_groups"]
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def before_load(
+        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> dict[str, Any]:
+        saved_groups = state_dict.get("param_groups", [])
+        if not any(isinstance(n, str) for g in saved_groups for n in g.get("params", [])):
+            return state_dict  # torch's positional format: nothing to translate
+        params = self.params()
+        position = {self._name(p): i for i, p in enumerate(params)}
+        groups = optimizer.param_groups
+        if len(saved_groups) != len(groups):
+            raise ValueError(
+                f"optimizer.load_state_dict: the state dict has {len(saved_groups)} parameter "
+                f"groups, the optimizer {len(groups)}"
+            )
+        translated_groups = []
+        for number, (saved, current) in enumerate(zip(saved_groups, groups, strict=True)):
+            names = [self._name(p) for p in current["params"]]
+            missing = sorted(set(names) - set(saved["params"]))
+            unexpected = sorted(set(saved["params"]) - set(names))
+            if missing or unexpected:
+                raise ValueError(
+                    f"optimizer.load_state_dict: parameter group {number} differs; missing "
+                    f"parameters {missing}, unexpected parameters {unexpected}"
+                )
+            translated_groups.append({**saved, "params": [position[n] for n in names]})
+        state: dict[int, Any] = {}
+        for name, entry in state_dict.get("state", {}).items():
+            if name not in position:
+                raise ValueError(
+                    f"optimizer.load_state_dict: state for {name!r}, which is not a parameter "
+                    "of this optimizer"
+                )
+            if self.ledger.never_loaded(name, entry):
+                continue  # a placeholder nothing was loaded into: the parameter stays fresh
+            state[position[name]] = entry
+        self.ledger.clear()
+        return {"state": state, "param_groups": translated_groups}
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.optimizer.__dict__.pop(_HOOKS_ATTR, None)
+
+
+def install_optimizer_hooks(
+    optimizer: torch.optim.Optimizer, model: nn.Module
+) -> OptimizerCheckpointHooks:
+    """Install the hooks on ``optimizer`` (replacing hooks bound to an older parameter list)."""
+    existing = optimizer.__dict__.get(_HOOKS_ATTR)
+    if isinstance(existing, OptimizerCheckpointHooks):
+        existing.remove()
+    hooks = OptimizerCheckpointHooks(optimizer, model)
+    optimizer.__dict__[_HOOKS_ATTR] = hooks
+    return hooks

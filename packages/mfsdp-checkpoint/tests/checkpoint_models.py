@@ -1,0 +1,166 @@
+"""The engine tests' toy model and training loop, plus helpers the checkpoint tests share.
+
+Copied from ``mfsdp-hooks/tests/hooks_models.py`` (test helpers are not importable across
+packages): tied embedding/head, a frozen layer, odd 7x15 shapes cut unevenly over 2, 3 and 4
+ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mfsdp_hooks import MegatronFSDP, fully_shard
+
+VOCAB, WIDTH, HIDDEN = 11, 15, 7
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.fc1 = nn.Linear(WIDTH, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+
+class ToyModel(nn.Module):
+    def __init__(self, n_blocks: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.frozen = nn.Linear(WIDTH, WIDTH)
+        self.frozen.requires_grad_(False)
+        self.blocks = nn.ModuleList(Block() for _ in range(n_blocks))
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.value = nn.Linear(WIDTH, 1)
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.frozen(self.embed(tokens))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x), self.value(x)
+
+
+def make_model(seed: int = 0, **kwargs: Any) -> ToyModel:
+    torch.manual_seed(seed)
+    return ToyModel(**kwargs)
+
+
+def loss_fn(outputs: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    logits, value = outputs
+    ce = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+    return ce + value.float().pow(2).mean()
+
+
+def make_batches(steps: int, global_batch: int = GLOBAL_BATCH, seq: int = 5) -> list[Any]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randint(0, VOCAB, (global_batch, seq), generator=generator),
+            torch.randint(0, VOCAB, (global_batch, seq), generator=generator),
+        )
+        for _ in range(steps)
+    ]
+
+
+def local_slice(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    per_rank = batch.shape[0] // world
+    return batch[rank * per_rank : (rank + 1) * per_rank]
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def shard(model: nn.Module, strategy: int, api: str = "megatron", **options: Any) -> nn.Module:
+    """Shard ``model`` with the wrapper (names get ``module.``) or per module (names kept)."""
+    if api == "megatron":
+        return MegatronFSDP(
+            model,
+            fsdp_unit_modules=[Block],
+            sharding_strategy=strategy,
+            sync_model_each_microbatch=True,
+            **options,
+        )
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, sharding_strategy=strategy, **options)
+    return fully_shard(model, sharding_strategy=strategy, **options)
+
+
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[Any],
+    rank: int,
+    world: int,
+) -> list[float]:
+    """Data-parallel steps on the global batch; returns the global mean loss of each step."""
+    losses = []
+    for tokens, targets in batches:
+        loss = loss_fn(model(local_slice(tokens, rank, world)), local_slice(targets, rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def reference_train(batches: list[Any], model_fn: Callable[[], nn.Module] = make_model) -> Any:
+    model = model_fn()
+    optimizer = make_optimizer(model)
+    losses = []
+    for tokens, targets in batches:
+        loss = loss_fn(model(tokens), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return model, optimizer, losses
+
+
+def assert_rel(got: list[float], want: list[float], rtol: float, what: str) -> None:
+    assert len(got) == len(want), f"{what}: {len(got)} values vs {len(want)}"
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert abs(a - b) <= rtol * abs(b), f"{what} step {step}: {a!r} vs {b!r} (rtol {rtol})"
+
+
+def assert_states_equal(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, rtol: float = 0.0
+) -> None:
+    assert sorted(got) == sorted(want), f"{what}: keys {sorted(got)} != {sorted(want)}"
+    for key, value in want.items():
+        other = got[key]
+        assert other.shape == value.shape and other.dtype == value.dtype, f"{what}: {key}"
+        if rtol == 0.0:
+            assert torch.equal(other, value), f"{what}: {key} differs"
+        else:
+            torch.testing.assert_close(other, value, rtol=rtol, atol=rtol, msg=f"{what}: {key}")
+
+
+def pack(value: Any) -> bytes:
+    """Tensors cannot leave a rank as tensors (they travel as shared memory that dies with the
+    rank); ship them as ``torch.save`` bytes instead."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def unpack(blob: bytes) -> Any:
+    import io
+
+    return torch.load(io.BytesIO(blob), weights_only=False)

@@ -1,0 +1,75 @@
+"""Public lookups from parameters to the engine objects that own them.
+
+Upper layers (checkpoints, FP8) go through these instead of private attributes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mfsdp_hooks.param_group import ParameterGroup
+
+_GROUP_ATTR = "_mfsdp_group"
+_INDEX_ATTR = "_mfsdp_index"
+_DIST_ATTR = "_mfsdp_dist_param"
+_MODEL_ATTR = "_mfsdp_model_ref"
+
+
+@dataclass(frozen=True)
+class ParamLocation:
+    """Where a distributed parameter lives: its group and its index in that group."""
+
+    group: ParameterGroup
+    index: int
+
+    @property
+    def dist_param(self) -> nn.Parameter:
+        return self.group.dist_params[self.index]
+
+
+def register_group_params(group: ParameterGroup) -> None:
+    """Tag a group's parameters once, at wrap time, so lookups cost one attribute read."""
+    for index, (dist_param, unsharded) in enumerate(
+        zip(group.dist_params, group.unsharded_params, strict=True)
+    ):
+        setattr(dist_param, _GROUP_ATTR, group)
+        setattr(dist_param, _INDEX_ATTR, index)
+        setattr(unsharded, _DIST_ATTR, dist_param)
+
+
+def dist_param_of(param: torch.Tensor) -> nn.Parameter | None:
+    """The distributed parameter behind ``param`` (itself, or its unsharded compute twin)."""
+    twin = getattr(param, _DIST_ATTR, None)
+    if isinstance(twin, nn.Parameter):
+        return twin
+    if isinstance(param, nn.Parameter) and isinstance(
+        getattr(param, _GROUP_ATTR, None), ParameterGroup
+    ):
+        return param
+    return None
+
+
+def locate(param: torch.Tensor) -> ParamLocation | None:
+    """Group and index of a distributed or unsharded parameter; None for anything else."""
+    dist_param = dist_param_of(param)
+    if dist_param is None:
+        return None
+    group = getattr(dist_param, _GROUP_ATTR)
+    index = getattr(dist_param, _INDEX_ATTR)
+    assert isinstance(group, ParameterGroup) and isinstance(index, int)
+    return ParamLocation(group, index)
+
+
+def set_owning_model(group: ParameterGroup, model: nn.Module) -> None:
+    """Remember the outermost wrapped module, whose names the state dicts use."""
+    setattr(group, _MODEL_ATTR, weakref.ref(model))
+
+
+def owning_model(group: ParameterGroup) -> nn.Module | None:
+    """The outermost module wrapped around ``group`` so far (None once it is gone)."""
+    ref = getattr(group, _MODEL_ATTR, None)
+    return ref() if ref is not None else None
