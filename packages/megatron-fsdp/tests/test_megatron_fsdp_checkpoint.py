@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from mfsdp_collectives.testing import run_distributed
 from torch import nn
 
 from megatron_fsdp import fully_shard_model, fully_shard_optimizer
+from mfsdp_collectives.testing import run_distributed
 
 
 class Layer(nn.Module):
