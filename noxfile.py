@@ -30,7 +30,14 @@ LAYERS = [
 ]
 LOCAL_TORCH = "2.13"
 TORCH_VERSIONS = [LOCAL_TORCH, "2.11", "2.12", "2.15"]
-TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "numpy", "safetensors>=0.4"]
+TEST_TOOLS = [
+    "pytest>=8",
+    "pytest-timeout>=2.3",
+    "hypothesis>=6.100",
+    "numpy",
+    "safetensors>=0.4",
+    "transformers>=4.40",
+]
 if "PIP_FIND_LINKS" in os.environ and "UV_FIND_LINKS" not in os.environ:
     os.environ["UV_FIND_LINKS"] = os.environ["PIP_FIND_LINKS"]
 
