@@ -50,7 +50,7 @@ class Sizes:
 
     sharded_weights: int  # persistent model/main weights the optimizer steps on
     full_weights: int  # persistent whole model buffers (strategies 0-2)
-    grad_shards: int  # persistent main-grad buffers
+    grad_shards: int  # reduced gradients, alive from backward until zero_grad
     root_unsharded: int
     root_grad: int  # the root's reduce buffer fills over the whole backward
     max_unit_unsharded: int
@@ -78,8 +78,8 @@ def _sizes(model: nn.Module) -> Sizes:
             s, f = _weight_bytes(group)
             sharded += s
             full += f
-            if group.main_grad is not None:
-                grads += group.layout.shard_numel * group.main_grad.dtype.itemsize
+            if group.grads is not None:
+                grads += group.grads.numel * group.grads.dtype.itemsize
 
     def unsharded(unit: FSDPUnit) -> int:
         return sum(g.layout.padded_numel * g.compute_dtype.itemsize for g in unit.groups)
@@ -133,28 +133,36 @@ def _memory_worker(rank: int, world: int, strategy: int) -> dict[str, tuple[int,
         zero = tracker.mark("zero_grad")
 
     sizes = _sizes(model.module)
-    persistent = sizes.sharded_weights + sizes.full_weights + sizes.grad_shards
+    weights = sizes.sharded_weights + sizes.full_weights
+    grads = sizes.grad_shards
     optimizer_state = 2 * sizes.sharded_weights if sizes.sharded_weights else 2 * sizes.full_weights
     gathered = 2 * sizes.max_unit_unsharded if strategy == 3 else 0  # current + prefetched
     # Two reductions in flight + one unit filling, the root's buffer, and the gradients
     # autograd holds around one AccumulateGrad (incoming, its copy, the next layer's).
     in_flight_grads = 3 * sizes.max_unit_grad + sizes.root_grad + 3 * sizes.max_param_grad
     bounds = {
-        "init": (init.live, persistent + SLACK),
-        "forward": (forward.live, persistent + sizes.root_unsharded + activations + SLACK),
+        # No gradient memory before the first backward, none after zero_grad(set_to_none).
+        "init": (init.live, weights + SLACK),
+        "forward": (forward.live, weights + sizes.root_unsharded + activations + SLACK),
         "forward_peak": (
             forward.peak,
-            persistent + sizes.root_unsharded + gathered + activations + SLACK,
+            weights + sizes.root_unsharded + gathered + activations + SLACK,
         ),
         # The backend may hold the input of the last reduction (the root's) a moment after
         # wait() returns, while its worker thread finishes.
-        "backward": (backward.live, persistent + sizes.root_grad + SLACK),
+        "backward": (backward.live, weights + grads + sizes.root_grad + SLACK),
         "backward_peak": (
             backward.peak,
-            persistent + sizes.root_unsharded + gathered + activations + in_flight_grads + SLACK,
+            weights
+            + grads
+            + sizes.root_unsharded
+            + gathered
+            + activations
+            + in_flight_grads
+            + SLACK,
         ),
-        "step": (step.live, persistent + optimizer_state + SLACK),
-        "zero_grad": (zero.live, persistent + optimizer_state + SLACK),
+        "step": (step.live, weights + grads + optimizer_state + SLACK),
+        "zero_grad": (zero.live, weights + optimizer_state + SLACK),
     }
     for phase, (live, bound) in bounds.items():
         assert live <= bound, f"strategy {strategy} world {world}: {phase} {live} > bound {bound}"

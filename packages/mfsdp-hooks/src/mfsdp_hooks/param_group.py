@@ -38,6 +38,7 @@ from mfsdp_collectives import (
     reduce_scatter_into,
 )
 from mfsdp_hooks.dtensor_views import replicated_dtensor, sharded_dtensor
+from mfsdp_hooks.grad_shard import GradShard
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.strategy import ShardingStrategy
@@ -120,7 +121,7 @@ class ParameterGroup:
                 sharded=strategy.shards_optimizer_state,
                 name=f"{names[0]}:main",
             )
-        self.main_grad: DataParallelBuffer | None = None
+        self.grads: GradShard | None = None
         if self.requires_grad:
             grad_dtype = policy.grad_dtype(self.original_dtype)
             if grad_dtype != optimizer_dtype:
@@ -129,25 +130,25 @@ class ParameterGroup:
                     f"optimizer weights' dtype {optimizer_dtype} for {names[0]!r}: optimizers "
                     "need gradients in the dtype of their parameters; leave main_grads_dtype None"
                 )
-            self.main_grad = DataParallelBuffer(
+            assert topology.shard_mesh is not None, "FSDPTopology without a shard mesh"
+            self.grads = GradShard(
                 self.layout,
                 rank,
                 dtype=grad_dtype,
                 device=device,
-                role=BufferRole.MAIN_GRAD,
                 sharded=strategy.shards_optimizer_state,
-                name=f"{names[0]}:grad",
+                mesh=topology.shard_mesh,
             )
         self._grad_allocator: Allocator = grad_allocator or PlainAllocator()
         self._fill_buffers(params)
         self.unsharded_params = self._adopt_params(params)
         self.dist_params = self._make_dist_params()
-        self.dist_grads = self._make_dist_grads()
         self._gaps = self._padding_gaps()
         self._grad_buffer: torch.Tensor | None = None
         self._grad_filled = [False] * len(self.shapes)
         self.weights_dirty = False
         self.pending: PendingReduction | None = None
+        self._no_shard_target: tuple[torch.Tensor, bool] | None = None
         self.grads_received = 0
         self.expected_grads = len(self.shapes) if self.requires_grad else 0
 
@@ -197,11 +198,6 @@ class ParameterGroup:
             nn.Parameter(self._make_dtensor(buffer, i), requires_grad=self.requires_grad)
             for i in range(len(self.shapes))
         ]
-
-    def _make_dist_grads(self) -> list[torch.Tensor]:
-        if self.main_grad is None:
-            return []
-        return [self._make_dtensor(self.main_grad, i) for i in range(len(self.shapes))]
 
     def _padding_gaps(self) -> list[tuple[int, int]]:
         gaps, cursor = [], 0
@@ -310,30 +306,16 @@ class ParameterGroup:
                     buffer[placement.offset : placement.offset + placement.numel].zero_()
         return buffer
 
-    def _accumulate_into_installed_grads(self) -> bool:
-        """Follow torch semantics: add to gradients the user kept, overwrite cleared ones."""
-        present = [p.grad is not None for p in self.dist_params]
-        if all(present):
-            return True
-        if not any(present):
-            return False
-        with torch.no_grad():
-            for dist_grad, has_grad in zip(self.dist_grads, present, strict=True):
-                if not has_grad:
-                    dist_grad._local_tensor.zero_()  # type: ignore[attr-defined]
-        return True
-
     def reduce_grads(self, streams: CommStreams | None = None) -> PendingReduction:
-        """Issue this group's gradient reduction; the result lands in the main-grad buffer."""
-        assert self.main_grad is not None, "frozen parameter groups have no gradients to reduce"
+        """Issue this group's gradient reduction into the gradients the optimizer reads."""
+        assert self.grads is not None, "frozen parameter groups have no gradients to reduce"
         if self.pending is not None:
             self.pending.wait()
         buffer = self._complete_grad_buffer()
-        accumulate = self._accumulate_into_installed_grads()
+        target, accumulate = self.grads.prepare(self.dist_params)
         average, pre_scale = self.reduce_config.collective_args(self.topology.shard_size)
-        self.install_grads()
         if self.strategy == ShardingStrategy.NO_SHARD:
-            self._accumulate_no_shard = accumulate
+            self._no_shard_target = (target, accumulate)
             handle = all_reduce_(
                 buffer,
                 self.topology.shard_group,
@@ -346,7 +328,7 @@ class ParameterGroup:
             return self.pending
         handle = reduce_scatter_into(
             buffer,
-            self.main_grad.shard,
+            target,
             self.topology.shard_group,
             average=average,
             pre_scale=pre_scale,
@@ -361,21 +343,18 @@ class ParameterGroup:
         buffer = self._grad_buffer
         assert buffer is not None
         if no_shard:
-            assert self.main_grad is not None
-            full = self.main_grad.materialize()
+            assert self._no_shard_target is not None
+            target, accumulate = self._no_shard_target
+            self._no_shard_target = None
             with torch.no_grad():
-                if self._accumulate_no_shard:
-                    full.add_(buffer)
+                if accumulate:
+                    target.add_(buffer)
                 else:
-                    full.copy_(buffer)
+                    target.copy_(buffer)
         self._grad_allocator.free(("grad", id(self)), buffer)
         self._grad_buffer = None
         self._grad_filled = [False] * len(self.shapes)
         self.pending = None
-
-    def install_grads(self) -> None:
-        for dist_param, dist_grad in zip(self.dist_params, self.dist_grads, strict=True):
-            dist_param.grad = dist_grad
 
     def mark_weights_dirty(self) -> None:
         """Say the optimizer-facing weights changed outside ``optimizer.step()`` (e.g. a load):
@@ -383,18 +362,11 @@ class ParameterGroup:
         self.weights_dirty = True
 
     def zero_main_grads(self) -> None:
-        if self.main_grad is not None:
-            with torch.no_grad():
-                self.main_grad.shard.zero_()
-                if not self.main_grad.sharded:
-                    self.main_grad.materialize().zero_()
+        """Zero the reduced gradients in place, if the parameters still hold them."""
+        if self.grads is not None:
+            self.grads.zero_()
 
     def grad_nan_flags(self) -> torch.Tensor:
         """One flag per parameter: 1 when its local reduced gradient holds NaN or Inf."""
-        assert self.main_grad is not None
-        flags = torch.zeros(len(self.shapes), dtype=torch.float32, device=self.model.device)
-        for index in range(len(self.shapes)):
-            local = self._local_rows(self.main_grad, index)
-            if local.numel() and not bool(torch.isfinite(local).all()):
-                flags[index] = 1.0
-        return flags
+        assert self.grads is not None
+        return self.grads.nonfinite_flags()
