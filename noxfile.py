@@ -65,7 +65,15 @@ def tests(session: nox.Session, torch: str) -> None:
     if torch != LOCAL_TORCH and not _selected_explicitly(f"tests(torch='{torch}')"):
         session.skip(f"select with: nox -s \"tests(torch='{torch}')\"")
     _install_workspace(session, torch)
-    session.run("python", "-m", "pytest", "packages", "tests", *session.posargs)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "packages",
+        "tests",
+        "benchmarks/test_trackers.py",
+        *session.posargs,
+    )
 
 
 @nox.session
@@ -80,9 +88,10 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on each package's sources, one package at a time."""
     _install_workspace(session)
-    session.install("mypy>=1.10")
+    session.install("mypy>=1.10", "matplotlib")
     for layer in LAYERS:
         session.run("mypy", "--strict", str(ROOT / "packages" / layer / "src"))
+    session.run("mypy", "--strict", str(ROOT / "benchmarks"))
 
 
 def _build_all(session: nox.Session, dist: Path) -> None:

@@ -137,9 +137,12 @@ def _memory_worker(rank: int, world: int, strategy: int) -> dict[str, tuple[int,
     grads = sizes.grad_shards
     optimizer_state = 2 * sizes.sharded_weights if sizes.sharded_weights else 2 * sizes.full_weights
     gathered = 2 * sizes.max_unit_unsharded if strategy == 3 else 0  # current + prefetched
-    # Two reductions in flight + one unit filling, the root's buffer, and the gradients
-    # autograd holds around one AccumulateGrad (incoming, its copy, the next layer's).
-    in_flight_grads = 3 * sizes.max_unit_grad + sizes.root_grad + 3 * sizes.max_param_grad
+    # The reductions allowed in flight + one unit filling, the root's buffer, and the
+    # gradients autograd holds around one AccumulateGrad (incoming, its copy, the next one's).
+    in_flight = fsdp_units(model.module)[0].options.max_inflight_reductions
+    in_flight_grads = (
+        (in_flight + 1) * sizes.max_unit_grad + sizes.root_grad + 3 * sizes.max_param_grad
+    )
     bounds = {
         # No gradient memory before the first backward, none after zero_grad(set_to_none).
         "init": (init.live, weights + SLACK),

@@ -23,9 +23,10 @@ Open it before building the model.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -43,11 +44,38 @@ _original_resize: Callable[..., Any] | None = None
 
 @dataclass(frozen=True)
 class PhaseMark:
-    """Live bytes at the end of a phase and the peak reached during it."""
+    """Live bytes at the end of a phase and the peak reached during it.
+
+    ``peak_by_site``: at the moment of that peak, live bytes per allocation site (the
+    innermost Python frame outside torch's core that created the storage), when the tracker
+    attributes; autograd's own outputs show up under the frame that called ``backward()``.
+    """
 
     name: str
     live: int
     peak: int
+    peak_by_site: dict[str, int] | None = None
+
+
+_SKIP_PARTS = (
+    "/torch/",
+    "live_memory.py",
+    "/contextlib.py",
+    "/functools.py",
+)
+_KEEP_PARTS = ("/torch/distributed/fsdp/", "/torch/optim/", "/torch/nn/modules/")
+
+
+def _allocation_site(skip: tuple[str, ...]) -> str:
+    """``dir/file.py:function`` of the innermost frame that is not torch plumbing."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if any(k in path for k in _KEEP_PARTS) or not any(k in path for k in skip):
+            parts = path.replace("\\", "/").split("/")
+            return f"{'/'.join(parts[-2:])}:{frame.f_code.co_name}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return "?"
 
 
 def _tracked_resize(storage: torch.UntypedStorage, size: int) -> Any:
@@ -103,10 +131,17 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     subtracted and the tracker can be re-entered with a consistent count.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, attribute: bool = False, skip_sites: Sequence[str] = ()) -> None:
+        """``attribute``: record allocation sites; ``skip_sites``: more file-name parts to look
+        past when attributing (e.g. another dispatch mode stacked on this one)."""
         super().__init__()  # type: ignore[no-untyped-call]
+        self.attribute = attribute
+        self._skip = _SKIP_PARTS + tuple(skip_sites)
         self._lock = threading.RLock()  # a finalizer may fire while we hold it (GC)
         self._sizes: dict[int, int] = {}
+        self._site_of: dict[int, str] = {}
+        self._by_site: dict[str, int] = {}
+        self._phase_peak_by_site: dict[str, int] = {}
         self.live = 0
         self.peak = 0
         """Highest ``live`` since the tracker opened (never reset)."""
@@ -151,36 +186,44 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             old = self._sizes.get(key)
             if old is None:
                 weakref.finalize(storage, self._release, key)
+                if self.attribute:
+                    self._site_of[key] = _allocation_site(self._skip)
                 old = 0
             elif old == nbytes:
                 return
             self._sizes[key] = nbytes
-            self._add(nbytes - old)
+            self._add(nbytes - old, self._site_of.get(key))
 
     def _release(self, key: int) -> None:
         with self._lock:
             nbytes = self._sizes.pop(key, 0)
-            self._add(-nbytes)
+            self._add(-nbytes, self._site_of.pop(key, None))
 
-    def _add(self, delta: int) -> None:
+    def _add(self, delta: int, site: str | None) -> None:
         self.live += delta
+        if site is not None:
+            self._by_site[site] = self._by_site.get(site, 0) + delta
         if self.live > self.peak:
             self.peak = self.live
         if self.live > self.phase_peak:
             self.phase_peak = self.live
+            if self.attribute:
+                self._phase_peak_by_site = {k: v for k, v in self._by_site.items() if v}
 
     # ------------------------------------------------------------------ phases
     def reset_phase(self) -> None:
         """Start a new phase window: its peak starts from the bytes live now."""
         with self._lock:
             self.phase_peak = self.live
+            self._phase_peak_by_site = {k: v for k, v in self._by_site.items() if v}
 
     def mark(self, name: str) -> PhaseMark:
         """Close the current phase: record live bytes and the phase's peak, start the next."""
         with self._lock:
-            mark = PhaseMark(name, self.live, self.phase_peak)
+            by_site = dict(self._phase_peak_by_site) if self.attribute else None
+            mark = PhaseMark(name, self.live, self.phase_peak, by_site)
             self.marks.append(mark)
-            self.phase_peak = self.live
+            self.reset_phase()
         return mark
 
     @property

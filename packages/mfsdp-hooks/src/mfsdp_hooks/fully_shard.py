@@ -154,7 +154,7 @@ def fully_shard(
     gradient_scaling_factor: float | None = None,
     calculate_per_token_loss: bool = False,
     report_nan_in_param_grad: bool = False,
-    max_inflight_reductions: int = 2,
+    max_inflight_reductions: int = 1,
     grad_buffer_allocator: str | Allocator = "plain",
     **unsupported: Any,
 ) -> nn.Module:

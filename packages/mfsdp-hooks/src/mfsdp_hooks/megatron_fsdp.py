@@ -81,7 +81,7 @@ class MegatronFSDP(nn.Module):
         # One gradient-buffer allocator for the whole model, so pools are shared by its units.
         shard_options["grad_buffer_allocator"] = make_grad_allocator(
             shard_options.get("grad_buffer_allocator", "plain"),
-            shard_options.get("max_inflight_reductions", 2),
+            shard_options.get("max_inflight_reductions", 1),
         )
         targets = [m for m in module.modules() if classes and isinstance(m, classes)]
         for sub in reversed(targets):

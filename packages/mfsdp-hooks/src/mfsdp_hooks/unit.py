@@ -40,7 +40,7 @@ class UnitOptions:
     overlap_grad_reduce: bool = True
     sync_model_each_microbatch: bool = True
     report_nan_in_param_grad: bool = False
-    max_inflight_reductions: int = 2
+    max_inflight_reductions: int = 1
     grad_allocator: Allocator | None = None
 
 

@@ -1,0 +1,98 @@
+"""What one benchmark run is: the model, the precision, the implementation, the world.
+
+Everything a rank needs travels in one frozen, picklable ``RunSpec``, so a run is
+reproducible from its JSON record alone and the parent never shares state with the ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+IMPLS = ("ours", "fsdp2", "local")
+"""``ours``: mfsdp_hooks.fully_shard; ``fsdp2``: torch's fully_shard; ``local``: the same
+per-rank computation with no communication (the overlap-efficiency reference)."""
+
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A GPT-like transformer and the per-rank batch it trains on."""
+
+    name: str
+    width: int
+    depth: int
+    heads: int
+    seq: int
+    batch: int
+    """Sequences per rank per step (the same on every implementation)."""
+    vocab: int = 256
+
+    @property
+    def tokens_per_rank(self) -> int:
+        return self.batch * self.seq
+
+    def params(self) -> int:
+        """Parameter count: blocks (attention + 4x MLP + 2 norms), embeddings, final norm, head."""
+        w = self.width
+        block = (3 * w * w + 3 * w) + (w * w + w) + (4 * w * w + 4 * w) + (4 * w * w + w) + 4 * w
+        return self.depth * block + self.vocab * w + self.seq * w + 2 * w + w * self.vocab
+
+    def describe(self) -> str:
+        return (
+            f"w{self.width} d{self.depth} h{self.heads} seq{self.seq} b{self.batch} "
+            f"({self.params() / 1e6:.1f}M params, {self.tokens_per_rank} tok/rank)"
+        )
+
+
+# Sized for a 2-core CPU with one torch thread per rank (README.md, "Sizing"): at world
+# size 2, default takes about a second per fp32 step (9.9M parameters, 1024 tokens per
+# rank); comm moves 14.6M parameters (58 MB in fp32 per gather) for 64 tokens per rank;
+# compute runs a 1.1M-parameter model on 2048 tokens per rank with 512-token attention.
+CONFIGS: dict[str, ModelConfig] = {
+    "default": ModelConfig("default", width=512, depth=3, heads=8, seq=256, batch=4),
+    "comm": ModelConfig("comm", width=768, depth=2, heads=12, seq=32, batch=2),
+    "compute": ModelConfig("compute", width=192, depth=2, heads=4, seq=512, batch=4),
+}
+
+QUICK_CONFIGS: dict[str, ModelConfig] = {
+    "default": ModelConfig("default", width=64, depth=2, heads=2, seq=32, batch=2),
+    "comm": ModelConfig("comm", width=128, depth=2, heads=2, seq=8, batch=1),
+    "compute": ModelConfig("compute", width=32, depth=2, heads=2, seq=64, batch=4),
+}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One process world: one implementation on one model, precision and world size."""
+
+    impl: str
+    model: ModelConfig
+    precision: str
+    world_size: int
+    warmup: int
+    steps: int
+    device_type: str = "cpu"
+    instrument: bool = False
+    """Run construction and one extra step under the memory tracker and collective counter
+    (untimed); the timed steps always run without any instrumentation."""
+    instrument_warmup: int = 2
+    profile_dir: str | None = None
+    """When set, profile ``steps`` steps with torch.profiler instead of timing them."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"need steps >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
+
+    def replace(self, **changes: object) -> RunSpec:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @property
+    def label(self) -> str:
+        return f"{self.model.name}/{self.precision}/ws{self.world_size}/{self.impl}"

@@ -1,0 +1,68 @@
+"""The issue's targets, checked against a run's figures (reported, never asserted)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from benchmarks.stats import CellSummary
+
+TIME_TARGET = 0.80
+MEMORY_TARGET = 0.77
+NO_SLOWER = 1.00
+OVERLAP_TARGET = 1.15
+HEADLINE = ("default", 2)
+"""The cell the time and memory targets are stated for: (config, world size)."""
+
+
+@dataclass(frozen=True)
+class GoalCheck:
+    goal: str
+    cell: str
+    target: float
+    measured: float | None
+
+    @property
+    def ok(self) -> bool | None:
+        return None if self.measured is None else self.measured <= self.target
+
+    @property
+    def verdict(self) -> str:
+        if self.measured is None:
+            return "not measured"
+        if self.ok:
+            return "met"
+        return f"missed by {100 * (self.measured / self.target - 1):.0f}%"
+
+
+def check_goals(cells: list[CellSummary]) -> list[GoalCheck]:
+    """One line per (goal, cell) the run covered, headline cells first."""
+    checks: list[GoalCheck] = []
+    config, world = HEADLINE
+    for cell in cells:
+        if (cell.config, cell.world_size) != (config, world):
+            continue
+        checks.append(
+            GoalCheck("step time ours/FSDP2", cell.key, TIME_TARGET, cell.ratio("step_s"))
+        )
+        checks.append(
+            GoalCheck(
+                "peak live-tensor memory ours/FSDP2",
+                cell.key,
+                MEMORY_TARGET,
+                cell.ratio("live_peak_mib"),
+            )
+        )
+    for cell in cells:
+        checks.append(
+            GoalCheck("no config slower than FSDP2", cell.key, NO_SLOWER, cell.ratio("step_s"))
+        )
+    for cell in cells:
+        checks.append(
+            GoalCheck(
+                "overlap efficiency (ours)",
+                cell.key,
+                OVERLAP_TARGET,
+                cell.overlap_efficiency("ours"),
+            )
+        )
+    return checks

@@ -1,0 +1,143 @@
+"""The three things a rank can train, behind one small interface.
+
+* ``ours``: ``mfsdp_hooks.fully_shard`` on each block, then on the root;
+* ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` with the same call pattern;
+* ``local``: no sharding and no communication: the per-rank computation FSDP cannot avoid
+  (forward and backward of the whole model on the per-rank batch, AdamW on a 1/world share of
+  the elements, fp32 master weights in bf16 mode). Its step time is the denominator of the
+  overlap efficiency, so everything FSDP adds on top, exposed communication, copies and
+  framework overhead, shows up in that ratio.
+
+All three use ``torch.optim.AdamW`` with the same hyper-parameters over the parameters the
+model exposes, and the same fp32 loss.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from benchmarks.configs import RunSpec
+from benchmarks.model import GPT, loss_fn
+
+LR = 1e-3
+WEIGHT_DECAY = 0.01
+
+
+class Trainer:
+    """One training step split into the phases the benchmark times and measures."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return loss_fn(self.model(x), y)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()  # type: ignore[no-untyped-call]
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _adamw(params: list[torch.Tensor] | list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def build_ours(model: GPT, spec: RunSpec) -> Trainer:
+    import mfsdp_hooks
+
+    policy = (
+        mfsdp_hooks.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        if spec.precision == "bf16"
+        else None
+    )
+    for block in model.blocks:
+        mfsdp_hooks.fully_shard(block, sharding_strategy=3, mp_policy=policy)
+    mfsdp_hooks.fully_shard(model, sharding_strategy=3, mp_policy=policy)
+    return Trainer(model, _adamw(list(model.parameters())))
+
+
+def build_fsdp2(model: GPT, spec: RunSpec, device: torch.device) -> Trainer:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (spec.world_size,))
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        if spec.precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    # reshard_after_forward left at its default: True for blocks, False for the root (whose
+    # parameters backward needs at once), which is what our engine does too.
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return Trainer(model, _adamw(list(model.parameters())))
+
+
+def _share(flat: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's contiguous 1/world of a flat tensor (possibly shorter on the last rank)."""
+    chunk = -(-flat.numel() // world)
+    return flat[rank * chunk : (rank + 1) * chunk]
+
+
+class LocalTrainer(Trainer):
+    """Unsharded model; AdamW on this rank's 1/world share of every parameter's elements.
+
+    fp32: AdamW steps in place on views of the parameters, as FSDP2 steps on its shards.
+    bf16: the model computes in bf16; AdamW steps on fp32 master shares that are cast back
+    into the bf16 weights after the step, as both FSDPs do with their main weights.
+    """
+
+    def __init__(self, model: GPT, spec: RunSpec, rank: int) -> None:
+        self.rank, self.world = rank, spec.world_size
+        self.bf16 = spec.precision == "bf16"
+        self.params = list(model.parameters())
+        with torch.no_grad():
+            masters = [
+                self._share(p).float().clone() if self.bf16 else self._share(p) for p in self.params
+            ]
+            if self.bf16:
+                model.to(torch.bfloat16)  # swaps .data: the Parameter objects stay
+        self.masters = masters
+        super().__init__(model, _adamw(masters))
+
+    def _share(self, t: torch.Tensor) -> torch.Tensor:
+        return _share(t.detach().view(-1), self.rank, self.world)
+
+    def step(self) -> None:
+        for param, master in zip(self.params, self.masters, strict=True):
+            grad = param.grad
+            if grad is None:
+                master.grad = None
+            else:
+                piece = _share(grad.view(-1), self.rank, self.world)
+                master.grad = piece.float() if self.bf16 else piece
+        self.optimizer.step()
+        if self.bf16:
+            with torch.no_grad():
+                for param, master in zip(self.params, self.masters, strict=True):
+                    self._share(param).copy_(master)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+
+
+def build(spec: RunSpec, rank: int, device: torch.device) -> Trainer:
+    """The model (same seed on every rank and implementation) wrapped as ``spec.impl`` says."""
+    torch.manual_seed(spec.seed)
+    model = GPT(spec.model).to(device)
+    if spec.impl == "ours":
+        return build_ours(model, spec)
+    if spec.impl == "fsdp2":
+        return build_fsdp2(model, spec, device)
+    return LocalTrainer(model, spec, rank)
+
+
+__all__ = ["LocalTrainer", "Trainer", "build"]
