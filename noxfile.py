@@ -7,9 +7,12 @@ downloading multi-GB CUDA builds.
 
 from __future__ import annotations
 
+import email.parser
 import os
+import re
 import shutil
 import sys
+import zipfile
 from pathlib import Path
 
 import nox
@@ -111,16 +114,49 @@ def _build_all(session: nox.Session, dist: Path) -> None:
         )
 
 
+def _wheel_requirements(dist: Path) -> dict[str, list[str]]:
+    """``Requires-Dist`` of every wheel in ``dist``, by normalised project name."""
+    found: dict[str, list[str]] = {}
+    for wheel in sorted(dist.glob("*.whl")):
+        with zipfile.ZipFile(wheel) as archive:
+            meta = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+            message = email.parser.Parser().parsestr(archive.read(meta).decode())
+        name = message["Name"].lower().replace("_", "-")
+        found[name] = [r for r in message.get_all("Requires-Dist") or [] if "extra ==" not in r]
+    return found
+
+
+def _third_party_requirements(dist: Path, package: str) -> list[str]:
+    """What ``package`` needs from outside this workspace, following our own dependencies."""
+    ours = _wheel_requirements(dist)
+    needed: list[str] = []
+    todo, seen = [package], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for requirement in ours[name]:
+            dep = re.split(r"[\s=<>!~;\[(]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+            if dep in ours:
+                todo.append(dep)
+            elif requirement not in needed and dep != "torch":
+                needed.append(requirement)
+    return needed
+
+
 def _install_from_dist(
     session: nox.Session, python: str, dist: Path, package: str, *tools: str
 ) -> None:
     """Install ``package`` and the layers it depends on from ``dist`` only.
 
-    Third-party requirements (torch, test tools) go in first from the usual indexes; ours then
-    resolve with ``--no-index``, so a same-named project on PyPI can never stand in for them.
+    Third-party requirements (torch, what our wheels declare, test tools) go in first from the
+    usual indexes; ours then resolve with ``--no-index``, so a same-named project on PyPI can
+    never stand in for them.
     """
     uv_install = ["uv", "pip", "install", "--quiet", "--python", python]
-    session.run(*uv_install, _torch_requirement(LOCAL_TORCH), *tools, external=True)
+    third_party = _third_party_requirements(dist, package)
+    session.run(*uv_install, _torch_requirement(LOCAL_TORCH), *third_party, *tools, external=True)
     session.run(
         *uv_install, "--refresh", "--no-index", "--find-links", str(dist), package, external=True
     )
