@@ -91,11 +91,11 @@ def test_unshard_hands_out_views_and_copies_nothing() -> None:
     assert run_distributed(_zero_copy_worker, 2, timeout=60) == [0, 0]
 
 
-def _prefetch_worker(rank: int, world: int, overlap: bool) -> list[int]:
+def _prefetch_worker(rank: int, world: int, overlap: bool, depth: int = 1) -> list[int]:
     model = make_model()
     for block in model.blocks:
-        fully_shard(block, overlap_param_gather=overlap)
-    fully_shard(model, overlap_param_gather=overlap)
+        fully_shard(block, overlap_param_gather=overlap, prefetch_depth=depth)
+    fully_shard(model, overlap_param_gather=overlap, prefetch_depth=depth)
     tokens, targets = make_batches(1, 4)[0]
     seen: list[int] = []
     tracer = CommTracer()
@@ -117,6 +117,8 @@ def test_next_unit_is_gathered_while_the_current_one_computes() -> None:
     # the all-gather of block 1 has already been issued.
     assert run_distributed(_prefetch_worker, 2, True, timeout=60) == [[4], [4]]
     assert run_distributed(_prefetch_worker, 2, False, timeout=60) == [[3], [3]]
+    # prefetch_depth=2: blocks 1 and 2 are both in flight when block 0 starts.
+    assert run_distributed(_prefetch_worker, 2, True, 2, timeout=60) == [[5], [5]]
 
 
 def _trace_pool_worker(rank: int, world: int) -> tuple[str, int, int, int]:

@@ -155,12 +155,17 @@ def fully_shard(
     calculate_per_token_loss: bool = False,
     report_nan_in_param_grad: bool = False,
     max_inflight_reductions: int = 1,
+    prefetch_depth: int = 1,
     grad_buffer_allocator: str | Allocator = "plain",
     **unsupported: Any,
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not owned by an already-sharded child) in place.
 
     Returns the same module object, whose class now also derives from ``FSDPModule``.
+    Overlap is bounded in units: ``prefetch_depth`` units are gathered ahead (forward and
+    backward, after the first iteration recorded the order) and at most
+    ``max_inflight_reductions`` gradient reductions are in flight. ``grad_buffer_allocator``
+    serves the temporary reduce buffers: ``"plain"``, ``"double_buffer"`` or ``"trace_pool"``.
     """
     if unsupported:
         names = ", ".join(sorted(unsupported))
@@ -187,6 +192,13 @@ def fully_shard(
             f"max_inflight_reductions={max_inflight_reductions}: at least 1 reduction must be "
             "allowed in flight (use overlap_grad_reduce=False to wait for each one)"
         )
+    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int):
+        raise TypeError(f"prefetch_depth must be an int, got {prefetch_depth!r}")
+    if prefetch_depth < 1:
+        raise ValueError(
+            f"prefetch_depth={prefetch_depth}: gather at least the next unit ahead, or turn "
+            "prefetching off with overlap_param_gather=False"
+        )
     grad_allocator = make_grad_allocator(grad_buffer_allocator, max_inflight_reductions)
     for param in module.parameters():
         if param.device.type == "meta":
@@ -209,6 +221,7 @@ def fully_shard(
         sync_model_each_microbatch=sync_model_each_microbatch,
         report_nan_in_param_grad=report_nan_in_param_grad,
         max_inflight_reductions=max_inflight_reductions,
+        prefetch_depth=prefetch_depth,
         grad_allocator=grad_allocator,
     )
     owners = _shared_owner_registry(module)

@@ -62,10 +62,10 @@ class FSDPRoot:
 
     def _finalize_order(self) -> None:
         """Fix the prefetch targets once, from the order the first iteration ran in."""
-        order = self.forward_order
-        self._next = {id(u): order[i + 1 : i + 2] for i, u in enumerate(order)}
+        order, depth = self.forward_order, self.options.prefetch_depth
+        self._next = {id(u): order[i + 1 : i + 1 + depth] for i, u in enumerate(order)}
         self._previous = {
-            id(u): [p for p in order[max(i - 1, 0) : i] if p is not self.root_unit]
+            id(u): [p for p in reversed(order[max(i - depth, 0) : i]) if p is not self.root_unit]
             for i, u in enumerate(order)
         }
         self.order_final = True

@@ -41,6 +41,7 @@ class UnitOptions:
     sync_model_each_microbatch: bool = True
     report_nan_in_param_grad: bool = False
     max_inflight_reductions: int = 1
+    prefetch_depth: int = 1
     grad_allocator: Allocator | None = None
 
 
