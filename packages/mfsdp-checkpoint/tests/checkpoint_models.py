@@ -1,8 +1,6 @@
-"""The engine tests' toy model and training loop, plus helpers the checkpoint tests share.
+"""The engine's toy model (from ``mfsdp_hooks.testing``) and the checkpoint tests' loop.
 
-Copied from ``mfsdp-hooks/tests/hooks_models.py`` (test helpers are not importable across
-packages): tied embedding/head, a frozen layer, odd 7x15 shapes cut unevenly over 2, 3 and 4
-ranks.
+Tied embedding/head, a frozen layer, odd 7x15 shapes cut unevenly over 2, 3 and 4 ranks.
 """
 
 from __future__ import annotations
@@ -12,69 +10,39 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from mfsdp_hooks import MegatronFSDP, fully_shard
+from mfsdp_hooks.testing import (
+    WIDTH,
+    Block,
+    ToyModel,
+    local_slice,
+    loss_fn,
+    make_batches,
+    make_model,
+)
 
-VOCAB, WIDTH, HIDDEN = 11, 15, 7
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
 
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(WIDTH)
-        self.fc1 = nn.Linear(WIDTH, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
-
-
-class ToyModel(nn.Module):
-    def __init__(self, n_blocks: int = 3) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.frozen = nn.Linear(WIDTH, WIDTH)
-        self.frozen.requires_grad_(False)
-        self.blocks = nn.ModuleList(Block() for _ in range(n_blocks))
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-        self.head.weight = self.embed.weight
-        self.value = nn.Linear(WIDTH, 1)
-
-    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.frozen(self.embed(tokens))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x), self.value(x)
-
-
-def make_model(seed: int = 0, **kwargs: Any) -> ToyModel:
-    torch.manual_seed(seed)
-    return ToyModel(**kwargs)
-
-
-def loss_fn(outputs: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
-    logits, value = outputs
-    ce = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
-    return ce + value.float().pow(2).mean()
-
-
-def make_batches(steps: int, global_batch: int = GLOBAL_BATCH, seq: int = 5) -> list[Any]:
-    generator = torch.Generator().manual_seed(1)
-    return [
-        (
-            torch.randint(0, VOCAB, (global_batch, seq), generator=generator),
-            torch.randint(0, VOCAB, (global_batch, seq), generator=generator),
-        )
-        for _ in range(steps)
-    ]
-
-
-def local_slice(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    per_rank = batch.shape[0] // world
-    return batch[rank * per_rank : (rank + 1) * per_rank]
+__all__ = [
+    "GLOBAL_BATCH",
+    "WIDTH",
+    "Block",
+    "ToyModel",
+    "assert_rel",
+    "assert_states_equal",
+    "local_slice",
+    "loss_fn",
+    "make_batches",
+    "make_model",
+    "make_optimizer",
+    "pack",
+    "reference_train",
+    "shard",
+    "train",
+    "unpack",
+]
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
