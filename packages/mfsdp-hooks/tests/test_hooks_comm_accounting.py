@@ -186,3 +186,26 @@ def test_explicit_prefetch_list_and_manual_unshard() -> None:
         run_distributed(_explicit_prefetch_worker, 2, timeout=60)
         == [[False, True, True, False]] * 2
     )
+
+
+def _per_unit_trace_pools_worker(rank: int, world: int) -> list[str]:
+    from mfsdp_buffers import TracePoolAllocator
+
+    model = make_model()
+    for block in model.blocks:
+        fully_shard(block, grad_buffer_allocator="trace_pool")
+    fully_shard(model, grad_buffer_allocator="trace_pool")
+    tokens, targets = make_batches(1, 4)[0]
+    for _ in range(3):
+        loss_fn(model(tokens), targets).backward()
+    phases = []
+    for unit in fsdp_units(model):
+        allocator = unit.options.grad_allocator
+        assert isinstance(allocator, TracePoolAllocator)
+        phases.append(allocator.phase.name)
+    return phases
+
+
+def test_every_units_own_trace_pool_is_told_when_an_iteration_ends() -> None:
+    # Per-module calls give each unit its own pool; the root must end the iteration of all.
+    assert run_distributed(_per_unit_trace_pools_worker, 2, timeout=60) == [["REPLAY"] * 4] * 2

@@ -7,6 +7,7 @@ from mfsdp_hooks.fully_shard import (
     fully_shard,
     is_fully_sharded,
 )
+from mfsdp_hooks.grad_allocator import GRAD_ALLOCATORS, make_grad_allocator
 from mfsdp_hooks.lookup import ParamLocation, dist_param_of, locate, owning_model
 from mfsdp_hooks.megatron_fsdp import MegatronFSDP, resolve_unit_modules
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
@@ -20,6 +21,7 @@ from mfsdp_hooks.unit import FSDPUnit, UnitOptions
 __version__ = "0.1.0"
 
 __all__ = [
+    "GRAD_ALLOCATORS",
     "FSDPModule",
     "FSDPUnit",
     "GradReduceConfig",
@@ -38,6 +40,7 @@ __all__ = [
     "fully_shard",
     "is_fully_sharded",
     "locate",
+    "make_grad_allocator",
     "optimizer_groups",
     "owning_model",
     "parse_strategy",

@@ -33,7 +33,7 @@ def make_grad_allocator(choice: str | Allocator, max_inflight_reductions: int) -
     )
 
 
-def end_iteration(allocator: Allocator) -> None:
+def end_iteration(allocator: object) -> None:
     """Tell iteration-aware allocators (the trace pool) that one training iteration ended."""
     hook = getattr(allocator, "end_iteration", None)
     if callable(hook):

@@ -118,10 +118,19 @@ class FSDPRoot:
                 raise RuntimeError(f"FSDP units left unsharded after backward: {left}")
             if not self.order_final:
                 self._finalize_order()
-            if self.options.grad_allocator is not None:
-                end_iteration(self.options.grad_allocator)
+            for allocator in self._grad_allocators():
+                end_iteration(allocator)
         finally:
             self.in_backward = False
+
+    def _grad_allocators(self) -> list[object]:
+        """Each distinct gradient-buffer allocator of the tree once (units may share one)."""
+        found: dict[int, object] = {}
+        for unit in self.units:
+            allocator = unit.options.grad_allocator
+            if allocator is not None:
+                found.setdefault(id(allocator), allocator)
+        return list(found.values())
 
     def finish_grad_sync(self) -> None:
         """Reduce whatever is still local (``no_sync`` windows) and wait for every reduction."""
