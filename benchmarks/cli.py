@@ -65,6 +65,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also profile ours, FSDP2 and the reference (default config, first world size)",
     )
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument(
+        "--grad-allocator",
+        choices=("plain", "double_buffer", "trace_pool"),
+        default="plain",
+        help="ours: allocator of the gradient reduce buffers (one instance shared by all units)",
+    )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per world")

@@ -81,6 +81,8 @@ class RunSpec:
     profile_dir: str | None = None
     """When set, profile ``steps`` steps with torch.profiler instead of timing them."""
     seed: int = 0
+    grad_allocator: str = "plain"
+    """Ours only: the allocator of the temporary gradient reduce buffers."""
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:

@@ -56,9 +56,12 @@ def build_ours(model: GPT, spec: RunSpec) -> Trainer:
         if spec.precision == "bf16"
         else None
     )
-    for block in model.blocks:
-        mfsdp_hooks.fully_shard(block, sharding_strategy=3, mp_policy=policy)
-    mfsdp_hooks.fully_shard(model, sharding_strategy=3, mp_policy=policy)
+    # One allocator for the whole model, so a pool is shared by its units.
+    allocator = mfsdp_hooks.make_grad_allocator(spec.grad_allocator, max_inflight_reductions=1)
+    for module in [*model.blocks, model]:
+        mfsdp_hooks.fully_shard(
+            module, sharding_strategy=3, mp_policy=policy, grad_buffer_allocator=allocator
+        )
     return Trainer(model, _adamw(list(model.parameters())))
 
 

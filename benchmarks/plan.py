@@ -60,6 +60,7 @@ def benchmark_worlds(args: argparse.Namespace, s: Settings) -> list[tuple[int, R
                             device_type=s.device,
                             instrument=rep == 0,
                             instrument_warmup=1,
+                            grad_allocator=args.grad_allocator,
                         )
                         plan.append((rep, spec))
     return plan
@@ -80,6 +81,7 @@ def profile_worlds(args: argparse.Namespace, s: Settings, out_dir: str) -> list[
             steps=args.profile_steps,
             device_type=s.device,
             profile_dir=out_dir,
+            grad_allocator=args.grad_allocator,
         )
         for precision in args.precisions
         for impl in ("ours", "fsdp2", "local")
