@@ -1,10 +1,12 @@
 """One FSDP unit's parameters of one dtype: their flat buffers and the parameters users see.
 
-A ``ParameterGroup`` owns three flat buffers laid out by one ``FlatLayout``:
+A ``ParameterGroup`` owns, laid out by one ``FlatLayout``:
 
-* model weights in the compute dtype: sharded for ZeRO-3, whole otherwise;
+* model weights in the compute dtype: sharded for ZeRO-3 (nothing persists when fp32 main
+  weights exist: the main shard is cast in before each gather), whole otherwise;
 * main weights in the optimizer dtype, only when that differs from the compute dtype;
-* main gradients in the optimizer dtype: sharded for ZeRO-1/2/3, whole for ``no_shard``.
+* reduced gradients in the optimizer dtype (a ``GradShard``): sharded for ZeRO-1/2/3, whole
+  for ``no_shard``, owned by the distributed parameters' ``.grad``.
 
 It also owns two sets of ``nn.Parameter`` objects created once: the unsharded parameters
 (zero-copy views into the unsharded model-weight buffer, used by forward and backward) and
