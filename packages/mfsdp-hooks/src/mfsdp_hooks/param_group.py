@@ -142,6 +142,7 @@ class ParameterGroup:
                 mesh=topology.shard_mesh,
             )
         self._grad_allocator: Allocator = grad_allocator or PlainAllocator()
+        self._average, self._input_scale = reduce_config.collective_args(topology.shard_size)
         self._fill_buffers(params)
         self.unsharded_params = self._adopt_params(params)
         self.dist_params = self._make_dist_params()
@@ -279,12 +280,18 @@ class ParameterGroup:
             )
         placement = self.layout.placements[index]
         slot = self._grad_buffer[placement.offset : placement.offset + placement.numel]
+        flat_grad = grad.reshape(-1)
+        scale = self._input_scale
         with torch.no_grad():
+            # A pre-scale (1/N, gradient_scaling_factor) rides on the copy we make anyway,
+            # instead of a separate scaled copy of the whole bucket before the collective.
             if self._grad_filled[index]:
-                slot.add_(grad.reshape(-1))
+                slot.add_(flat_grad, alpha=1.0 if scale is None else scale)
+            elif scale is None:
+                slot.copy_(flat_grad)
             else:
-                slot.copy_(grad.reshape(-1))
-                self._grad_filled[index] = True
+                torch.mul(flat_grad, scale, out=slot)
+            self._grad_filled[index] = True
         self.grads_received += 1
         return self.grads_received >= self.expected_grads
 
@@ -315,14 +322,12 @@ class ParameterGroup:
             self.pending.wait()
         buffer = self._complete_grad_buffer()
         target, accumulate = self.grads.prepare(self.dist_params)
-        average, pre_scale = self.reduce_config.collective_args(self.topology.shard_size)
         if self.strategy == ShardingStrategy.NO_SHARD:
             self._no_shard_target = (target, accumulate)
             handle = all_reduce_(
                 buffer,
                 self.topology.shard_group,
-                average=average,
-                pre_scale=pre_scale,
+                average=self._average,
                 async_op=True,
                 stream=streams,
             )
@@ -332,8 +337,7 @@ class ParameterGroup:
             buffer,
             target,
             self.topology.shard_group,
-            average=average,
-            pre_scale=pre_scale,
+            average=self._average,
             accumulate=accumulate,
             async_op=True,
             stream=streams,
