@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mfsdp_buffers import (
@@ -142,7 +143,10 @@ class ParameterGroup:
                 mesh=topology.shard_mesh,
             )
         self._grad_allocator: Allocator = grad_allocator or PlainAllocator()
-        self._average, self._input_scale = reduce_config.collective_args(topology.shard_size)
+        native_average = dist.get_backend(topology.shard_group) != "gloo"
+        self._average, self._input_scale = reduce_config.collective_args(
+            topology.shard_size, native_average
+        )
         self._fill_buffers(params)
         self.unsharded_params = self._adopt_params(params)
         self.dist_params = self._make_dist_params()

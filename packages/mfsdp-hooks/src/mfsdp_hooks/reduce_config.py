@@ -26,12 +26,19 @@ class GradReduceConfig:
                 "per-token loss sums gradients unscaled; pass only one of them"
             )
 
-    def collective_args(self, world_size: int) -> tuple[bool, float | None]:
-        """``(average, pre_scale)`` for the reduction collective."""
+    def collective_args(
+        self, world_size: int, native_average: bool = True
+    ) -> tuple[bool, float | None]:
+        """``(average, pre_scale)`` for the reduction collective.
+
+        ``native_average``: whether the backend averages inside the collective. Gloo's AVG is
+        a sum followed by a divide pass over the output; there a 1/N pre-scale folded into
+        the gradient copy-in gives the same mean for free.
+        """
         if self.calculate_per_token_loss:
             return False, None
         if self.gradient_scaling_factor is not None:
             return False, self.gradient_scaling_factor
-        if self.average_in_collective:
+        if self.average_in_collective and native_average:
             return True, None
         return False, 1.0 / world_size
