@@ -88,7 +88,6 @@ class ParameterGroup:
         self.root: FSDPRoot | None = None
         self.topology = topology
         self.strategy = strategy
-        self.reduce_config = reduce_config
         self.requires_grad = params[0].requires_grad
         self.original_dtype = params[0].dtype
         self.shapes = [p.shape for p in params]
