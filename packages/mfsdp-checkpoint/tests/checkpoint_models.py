@@ -21,6 +21,7 @@ from mfsdp_hooks.testing import (
     loss_fn,
     make_batches,
     make_model,
+    train_single_process,
 )
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
@@ -89,14 +90,7 @@ def train(
 def reference_train(batches: list[Any], model_fn: Callable[[], nn.Module] = make_model) -> Any:
     model = model_fn()
     optimizer = make_optimizer(model)
-    losses = []
-    for tokens, targets in batches:
-        loss = loss_fn(model(tokens), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return model, optimizer, losses
+    return model, optimizer, train_single_process(model, optimizer, batches)
 
 
 def assert_rel(got: list[float], want: list[float], rtol: float, what: str) -> None:

@@ -22,6 +22,7 @@ from mfsdp_hooks.testing import (
     loss_fn,
     make_batches,
     make_model,
+    train_single_process,
 )
 
 __all__ = [
@@ -56,13 +57,7 @@ def reference_training(
     """Single-process training on the global batch: the ground truth for parity tests."""
     model = model_fn()
     optimizer = make_optimizer(optimizer_name, [p for p in model.parameters() if p.requires_grad])
-    losses = []
-    for tokens, targets in batches:
-        loss = loss_fn(model(tokens), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_single_process(model, optimizer, batches)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

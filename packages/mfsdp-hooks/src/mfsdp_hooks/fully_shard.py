@@ -119,6 +119,13 @@ def _require_unit(module: nn.Module, argument: str) -> FSDPUnit:
     return unit
 
 
+def _require_positive_int(value: object, argument: str, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{argument} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{argument}={value}: {fix}")
+
+
 def _topology(mesh: DeviceMesh | FSDPTopology | None, module: nn.Module) -> FSDPTopology:
     if isinstance(mesh, FSDPTopology):
         return mesh
@@ -185,20 +192,18 @@ def fully_shard(
             f"mp_policy must be an mfsdp_hooks.MixedPrecisionPolicy, got {type(mp_policy).__name__}"
         )
     strategy = parse_strategy(sharding_strategy, "sharding_strategy")
-    if isinstance(max_inflight_reductions, bool) or not isinstance(max_inflight_reductions, int):
-        raise TypeError(f"max_inflight_reductions must be an int, got {max_inflight_reductions!r}")
-    if max_inflight_reductions < 1:
-        raise ValueError(
-            f"max_inflight_reductions={max_inflight_reductions}: at least 1 reduction must be "
-            "allowed in flight (use overlap_grad_reduce=False to wait for each one)"
-        )
-    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int):
-        raise TypeError(f"prefetch_depth must be an int, got {prefetch_depth!r}")
-    if prefetch_depth < 1:
-        raise ValueError(
-            f"prefetch_depth={prefetch_depth}: gather at least the next unit ahead, or turn "
-            "prefetching off with overlap_param_gather=False"
-        )
+    _require_positive_int(
+        max_inflight_reductions,
+        "max_inflight_reductions",
+        "at least 1 reduction must be allowed in flight "
+        "(use overlap_grad_reduce=False to wait for each one)",
+    )
+    _require_positive_int(
+        prefetch_depth,
+        "prefetch_depth",
+        "gather at least the next unit ahead, or turn prefetching off with "
+        "overlap_param_gather=False",
+    )
     grad_allocator = make_grad_allocator(grad_buffer_allocator, max_inflight_reductions)
     for param in module.parameters():
         if param.device.type == "meta":

@@ -84,6 +84,22 @@ def make_batches(
     ]
 
 
+def train_single_process(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[float]:
+    """Plain training on whole batches: the ground truth sharded runs are compared with."""
+    losses = []
+    for tokens, targets in batches:
+        loss = loss_fn(model(tokens), targets)
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def local_slice(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """This rank's equal share of a global batch (so the mean of local means is the global one)."""
     per_rank = batch.shape[0] // world
