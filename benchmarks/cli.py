@@ -71,6 +71,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="plain",
         help="ours: allocator of the gradient reduce buffers (one instance shared by all units)",
     )
+    p.add_argument(
+        "--host-transport",
+        choices=("auto", "shm", "gloo"),
+        default="auto",
+        help="ours on CPU: shared-memory collectives between the ranks of this host, or gloo's",
+    )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per world")

@@ -82,6 +82,7 @@ class RunSpec:
     """When set, profile ``steps`` steps with torch.profiler instead of timing them."""
     seed: int = 0
     grad_allocator: str = "plain"
+    host_transport: str = "auto"
     """Ours only: the allocator of the temporary gradient reduce buffers."""
 
     def __post_init__(self) -> None:

@@ -60,7 +60,11 @@ def build_ours(model: GPT, spec: RunSpec) -> Trainer:
     allocator = mfsdp_hooks.make_grad_allocator(spec.grad_allocator, max_inflight_reductions=1)
     for module in [*model.blocks, model]:
         mfsdp_hooks.fully_shard(
-            module, sharding_strategy=3, mp_policy=policy, grad_buffer_allocator=allocator
+            module,
+            sharding_strategy=3,
+            mp_policy=policy,
+            grad_buffer_allocator=allocator,
+            host_transport=spec.host_transport,
         )
     return Trainer(model, _adamw(list(model.parameters())))
 

@@ -129,7 +129,8 @@ class Outputs:
         print("\n== summary: ours/FSDP2 (< 1 is better) ==")
         for c in self.cells:
             print(
-                f"{c.key:20s} step time {fmt(c.ratio('step_s'))}  peak live mem "
+                f"{c.key:20s} step time {fmt(c.ratio('step_s'))}  CPU time "
+                f"{fmt(c.ratio('cpu_s'))}  peak live mem "
                 f"{fmt(c.ratio('live_peak_mib'))}  overlap efficiency ours "
                 f"{fmt(c.overlap_efficiency('ours'), '')} / FSDP2 "
                 f"{fmt(c.overlap_efficiency('fsdp2'), '')}"

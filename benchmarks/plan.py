@@ -61,6 +61,7 @@ def benchmark_worlds(args: argparse.Namespace, s: Settings) -> list[tuple[int, R
                             instrument=rep == 0,
                             instrument_warmup=1,
                             grad_allocator=args.grad_allocator,
+                            host_transport=args.host_transport,
                         )
                         plan.append((rep, spec))
     return plan
@@ -82,6 +83,7 @@ def profile_worlds(args: argparse.Namespace, s: Settings, out_dir: str) -> list[
             device_type=s.device,
             profile_dir=out_dir,
             grad_allocator=args.grad_allocator,
+            host_transport=args.host_transport,
         )
         for precision in args.precisions
         for impl in ("ours", "fsdp2", "local")

@@ -52,14 +52,16 @@ def figures_table(cells: list[CellSummary]) -> str:
 def ratio_table(cells: list[CellSummary]) -> str:
     """ours/FSDP2 per cell (< 1 is better for us), plus the loss agreement check."""
     rows = [
-        "| config | prec | ws | model | step time ours/FSDP2 | peak live mem ours/FSDP2 "
+        "| config | prec | ws | model | step time ours/FSDP2 | CPU time/step ours/FSDP2 "
+        "| peak live mem ours/FSDP2 "
         "| RSS HWM ours/FSDP2 | overlap eff ours | overlap eff FSDP2 | max abs loss diff |",
-        "|" + "---|" * 10,
+        "|" + "---|" * 11,
     ]
     for c in cells:
         rows.append(
             f"| {c.config} | {c.precision} | {c.world_size} | {c.model} "
-            f"| {_f(c.ratio('step_s'), '{:.2f}')} | {_f(c.ratio('live_peak_mib'), '{:.2f}')} "
+            f"| {_f(c.ratio('step_s'), '{:.2f}')} | {_f(c.ratio('cpu_s'), '{:.2f}')} "
+            f"| {_f(c.ratio('live_peak_mib'), '{:.2f}')} "
             f"| {_f(c.ratio('rss_timed_hwm_mib'), '{:.2f}')} "
             f"| {_f(c.overlap_efficiency('ours'), '{:.2f}')} "
             f"| {_f(c.overlap_efficiency('fsdp2'), '{:.2f}')} "

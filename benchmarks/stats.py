@@ -37,6 +37,7 @@ class ImplSummary:
     step_s_reps: list[float]
     tokens_per_s: float
     phase_ms: dict[str, float]
+    cpu_s: float | None = None
     live_peak_mib: float | None = None
     live_run_peak_mib: float | None = None
     memory_phases: list[tuple[str, float, float]] = field(default_factory=list)
@@ -90,6 +91,14 @@ def _rep_step_time(ranks: list[RankResult]) -> float:
     return float(statistics.median(per_step))
 
 
+def _rep_cpu_time(ranks: list[RankResult]) -> float | None:
+    """Median over steps of the mean CPU seconds a rank spends on one step."""
+    series = [r.cpu_times for r in ranks]
+    if not all(series):
+        return None
+    return float(statistics.median(statistics.fmean(v) for v in zip(*series, strict=True)))
+
+
 def _rep_phase_ms(ranks: list[RankResult]) -> dict[str, float]:
     out: dict[str, float] = {}
     for phase in PHASES:
@@ -122,6 +131,8 @@ def summarize_impl(reps: list[RepResult]) -> ImplSummary:
             if any(p in d for d in phases_per_rep)
         },
     )
+    cpu = [c for c in (_rep_cpu_time(r.ranks) for r in timed) if c is not None]
+    summary.cpu_s = statistics.median(cpu) if cpu else None
     rss = [max(rank.rss_lifetime_max_kib for rank in r.ranks) / 1024 for r in timed]
     summary.rss_lifetime_mib = statistics.median(rss) if rss else None
     hwm = [

@@ -54,6 +54,8 @@ class MemoryReport:
 class RankResult:
     rank: int
     step_times: list[float] = field(default_factory=list)
+    cpu_times: list[float] = field(default_factory=list)
+    """Process CPU seconds per timed step: every thread of the rank (compute, gloo, shm)."""
     phase_times: dict[str, list[float]] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
     memory: MemoryReport | None = None
@@ -128,15 +130,37 @@ def _instrumented(spec: RunSpec, rank: int, device: torch.device, out: RankResul
             out.comm_tracer = tracer.summary()
         marks = [m for m in probe.marks if m.name != "start"]
         top = max(marks, key=lambda m: m.peak)
+        # The shared-memory mailboxes are mapped, not allocated by torch: the tracker cannot
+        # see them, so their bytes are added to every figure of ours, at every phase.
+        staged = _transport_staging_bytes(step.trainer.model) if device.type == "cpu" else 0
+        by_site = dict(top.peak_by_site or {})
+        if staged:
+            by_site[STAGING_SITE] = staged
         out.memory = MemoryReport(
-            phases=[(start.name, start.live, start.live)]
-            + [(m.name, m.live, m.peak) for m in marks],
-            step_peak=top.peak,
-            run_peak=probe.peak,
+            phases=[(start.name, start.live + staged, start.live + staged)]
+            + [(m.name, m.live + staged, m.peak + staged) for m in marks],
+            step_peak=top.peak + staged,
+            run_peak=probe.peak + staged,
             peak_phase=top.name,
-            peak_by_site=dict(top.peak_by_site or {}),
+            peak_by_site=by_site,
         )
     return step
+
+
+STAGING_SITE = "mfsdp_collectives/shm.py:mailbox"
+
+
+def _transport_staging_bytes(model: torch.nn.Module) -> int:
+    """Bytes of this rank's shared-memory mailboxes (0 for FSDP2 and the reference)."""
+    from mfsdp_collectives import host_transport_of
+    from mfsdp_hooks import fsdp_units
+
+    groups = {
+        id(u.options.topology.shard_group): u.options.topology.shard_group
+        for u in fsdp_units(model)
+    }
+    transports = {id(t): t for t in map(host_transport_of, groups.values()) if t is not None}
+    return sum(t.mapped_bytes for t in transports.values())
 
 
 class _PhaseClock:
@@ -162,12 +186,15 @@ def _timed(spec: RunSpec, step: _Step, device: torch.device, out: RankResult) ->
         clock = _PhaseClock()
         _sync(device)
         clock.start()
+        cpu_start = time.process_time()
         loss = step.run(clock.boundary)
         _sync(device)
         clock.stamps[-1] = time.perf_counter()
+        cpu_s = time.process_time() - cpu_start
         out.losses.append(loss)
         if index >= spec.warmup:
             out.step_times.append(clock.stamps[-1] - clock.stamps[0])
+            out.cpu_times.append(cpu_s)
             for phase, (begin, end) in zip(PHASES, itertools.pairwise(clock.stamps), strict=True):
                 out.phase_times[phase].append(end - begin)
     out.rss_timed_high_water_kib = rss_high_water_kib()

@@ -18,8 +18,9 @@ from hooks_models import (
     reference_training,
 )
 
+from mfsdp_collectives import host_transport_of
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, fully_shard
+from mfsdp_hooks import MegatronFSDP, fsdp_units, fully_shard
 
 STEPS = 10
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4
@@ -35,14 +36,17 @@ def _train_sharded(
         fully_shard(model, sharding_strategy=strategy)
         trained: torch.nn.Module = model
     else:
-        allocator = api.partition(":")[2] or "plain"
+        _, allocator, transport = [*api.split(":"), "", ""][:3]
         trained = MegatronFSDP(
             model,
             fsdp_unit_modules=[Block],
             sharding_strategy=strategy,
             sync_model_each_microbatch=True,
-            grad_buffer_allocator=allocator,
+            grad_buffer_allocator=allocator or "plain",
+            host_transport=transport or "auto",
         )
+        shard_group = fsdp_units(model)[0].options.topology.shard_group
+        assert (host_transport_of(shard_group) is None) == (transport == "gloo")
     optimizer = make_optimizer(optimizer_name, [p for p in trained.parameters() if p.requires_grad])
     losses = []
     for tokens, targets in make_batches(STEPS, GLOBAL_BATCH):
@@ -88,3 +92,11 @@ def test_parity_per_module_api(strategy: int) -> None:
 @pytest.mark.parametrize("strategy", [0, 3])
 def test_parity_with_pooled_gradient_buffers(strategy: int, allocator: str) -> None:
     run_distributed(_parity_worker, 2, [(strategy, "adamw", f"megatron:{allocator}")], timeout=240)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_parity_through_gloo_and_through_shared_memory(world: int) -> None:
+    """The tests above run on the default transport (shared memory on one host); this keeps
+    gloo's own collectives at parity too, and pins that the choice is the one taken."""
+    configs = [(3, "adamw", "megatron::gloo"), (2, "adamw", "megatron::shm")]
+    run_distributed(_parity_worker, world, configs, timeout=240)

@@ -111,6 +111,7 @@ def fully_shard_model(
     fsdp_manual_registration: bool = False,
     disable_symmetric_registration: bool = False,
     fsdp_double_buffer: bool = False,
+    host_transport: str = "auto",
 ) -> MegatronFSDP:
     """Shard ``module`` (every ``fsdp_unit_modules`` match, then the root) and wrap it."""
     _reject_not_yet(
@@ -152,6 +153,7 @@ def fully_shard_model(
         # Persistent double buffers for the reduce-scatter inputs; gathered weights keep one
         # storage per unit whose bytes are freed after use (autograd holds views of it).
         grad_buffer_allocator="double_buffer" if fsdp_double_buffer else "plain",
+        host_transport=host_transport,
     )
     if preproc_state_dict_for_dcp_ckpt:
         enable_dcp(wrapped)

@@ -2,7 +2,8 @@
 
 Process-group topology (from a DeviceMesh, explicit groups or the world),
 async collectives on flat buffers (all-gather, reduce-scatter, all-reduce,
-HSDP two-level reduction, broadcast) returning handles that include their
+HSDP two-level reduction, broadcast; a shared-memory transport for the ranks
+of one host) returning handles that include their
 post-processing, side streams for overlap on accelerators, NCCL user buffers,
 communication accounting, and the multi-rank test harness
 (``mfsdp_collectives.testing``). It works on plain tensors and knows nothing
@@ -21,6 +22,7 @@ from .ops import (
     hsdp_reduce_scatter_into,
     reduce_scatter_into,
 )
+from .shm import HOST_TRANSPORTS, SharedMemoryTransport, enable_host_transport, host_transport_of
 from .streams import CommStreams
 from .topology import FSDPTopology, default_device
 from .tracer import CommRecord, CommTracer
@@ -33,13 +35,17 @@ __all__ = [
     "CommStreams",
     "CommTracer",
     "FSDPTopology",
+    "HOST_TRANSPORTS",
+    "SharedMemoryTransport",
     "UserBufferPool",
     "__version__",
     "all_gather_into",
     "all_reduce_",
     "broadcast_",
     "default_device",
+    "enable_host_transport",
     "group_name",
+    "host_transport_of",
     "hsdp_reduce_scatter_into",
     "reduce_scatter_into",
     "register_group_name",

@@ -32,6 +32,7 @@ from ._launch import Stage, launch
 from ._reduce import ReduceSpec, finish_into, prepare_input, reduce_op
 from .handle import CommHandle
 from .naming import group_name
+from .shm import host_transport_of
 from .streams import CommStreams
 from .tracer import record_comm
 
@@ -140,7 +141,11 @@ def all_gather_into(
         return CommHandle.completed()
     record_comm("all_gather", group_name(group), n, shard.dtype)
 
+    transport = host_transport_of(group) if shard.device.type == "cpu" else None
+
     def issue() -> Work | None:
+        if transport is not None:
+            return transport.all_gather(unsharded, shard)
         return all_gather_single(unsharded, shard, group, async_op=True)
 
     return launch(
@@ -184,6 +189,9 @@ class _ReduceScatterStage:
             self.out if direct else self.out.new_empty(self.out.shape, dtype=self.spec.reduce_dtype)
         )
         self.send, self.recv = send, recv
+        transport = host_transport_of(self.group) if send.device.type == "cpu" else None
+        if transport is not None and self.op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            return transport.reduce_scatter(recv, send, average=self.op == dist.ReduceOp.AVG)
         return reduce_scatter_single(recv, send, self.op, self.group, async_op=True)
 
     def result(self) -> torch.Tensor:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from mfsdp_buffers import Allocator
-from mfsdp_collectives import FSDPTopology
+from mfsdp_collectives import HOST_TRANSPORTS, FSDPTopology, enable_host_transport
 from mfsdp_hooks.grad_allocator import make_grad_allocator
 from mfsdp_hooks.lookup import set_owning_model
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
@@ -164,6 +164,7 @@ def fully_shard(
     max_inflight_reductions: int = 1,
     prefetch_depth: int = 1,
     grad_buffer_allocator: str | Allocator = "plain",
+    host_transport: str = "auto",
     **unsupported: Any,
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not owned by an already-sharded child) in place.
@@ -173,6 +174,9 @@ def fully_shard(
     backward, after the first iteration recorded the order) and at most
     ``max_inflight_reductions`` gradient reductions are in flight. ``grad_buffer_allocator``
     serves the temporary reduce buffers: ``"plain"``, ``"double_buffer"`` or ``"trace_pool"``.
+    ``host_transport`` picks how CPU all-gathers and reduce-scatters travel: ``"auto"``
+    (shared memory when every rank of the shard group is on this host, else gloo),
+    ``"shm"`` (shared memory or an error) or ``"gloo"``.
     """
     if unsupported:
         names = ", ".join(sorted(unsupported))
@@ -205,14 +209,22 @@ def fully_shard(
         "overlap_param_gather=False",
     )
     grad_allocator = make_grad_allocator(grad_buffer_allocator, max_inflight_reductions)
+    if host_transport not in HOST_TRANSPORTS:
+        raise ValueError(
+            f"host_transport={host_transport!r} is not one of {HOST_TRANSPORTS}: pass 'auto' "
+            "(shared memory when all ranks share a host), 'shm' or 'gloo'"
+        )
     for param in module.parameters():
         if param.device.type == "meta":
             raise NotImplementedError(
                 "module has parameters on the meta device: meta-device initialisation "
                 "(init_model_with_meta_device) is not supported yet; materialise the model first"
             )
+    topology = _topology(mesh, module)
+    if topology.device.type == "cpu":
+        enable_host_transport(topology.shard_group, host_transport)
     options = UnitOptions(
-        topology=_topology(mesh, module),
+        topology=topology,
         strategy=strategy,
         policy=mp_policy or MixedPrecisionPolicy(),
         reduce_config=GradReduceConfig(

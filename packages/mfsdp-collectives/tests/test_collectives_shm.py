@@ -1,0 +1,194 @@
+"""The shared-memory host transport: same results as gloo, bounded staging, clear failures.
+
+Every collective is run twice on the same inputs, once through the transport and once
+through gloo itself (a second group over the same ranks keeps gloo's path), and the two
+results are compared exactly: the transport adds the ranks' pieces in rank order, so sums
+of two terms are bitwise equal and longer sums agree to rounding.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mfsdp_collectives import (
+    CommTracer,
+    all_gather_into,
+    enable_host_transport,
+    host_transport_of,
+    reduce_scatter_into,
+)
+from mfsdp_collectives.shm import _HostFacts, _unsuitable
+from mfsdp_collectives.testing import run_distributed
+
+CHUNK = 4096  # forces many steps and a ragged last one on the sizes below
+
+
+def _inputs(world: int, numel: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    return [
+        torch.randn(numel, generator=torch.Generator().manual_seed(seed * 100 + r)).to(dtype)
+        for r in range(world)
+    ]
+
+
+def _same_as_gloo(rank: int, world: int) -> int:
+    shm_group = dist.new_group(list(range(world)))
+    gloo_group = dist.new_group(list(range(world)))
+    transport = enable_host_transport(shm_group, "shm", chunk_bytes=CHUNK)
+    assert transport is not None and host_transport_of(shm_group) is transport
+    assert host_transport_of(gloo_group) is None
+    assert enable_host_transport(shm_group, "auto") is transport  # idempotent, no collective
+    checked = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for numel in (1, 1000, 3 * CHUNK + 17):
+            shards = _inputs(world, numel, dtype, seed=numel)
+            results = []
+            for group in (shm_group, gloo_group):
+                out = torch.full((numel * world,), float("nan"), dtype=dtype)
+                all_gather_into(shards[rank], out, group).wait()
+                results.append(out)
+            assert torch.equal(results[0], torch.cat(shards))
+            assert torch.equal(results[0], results[1])
+            # in place: the shard already sits in its slot of the unsharded buffer
+            inplace = torch.cat(shards).clone()
+            inplace[: rank * numel].fill_(float("nan"))
+            inplace[(rank + 1) * numel :].fill_(float("nan"))
+            mine = inplace[rank * numel : (rank + 1) * numel]
+            all_gather_into(mine, inplace, shm_group).wait()
+            assert torch.equal(inplace, torch.cat(shards))
+
+            grads = _inputs(world, numel * world, dtype, seed=numel + 7)
+            for kwargs in (
+                {"average": True},
+                {"average": False},
+                {"average": True, "pre_scale": 0.5, "post_scale": 3.0},
+                {"average": True, "reduce_dtype": torch.float32},
+            ):
+                outs = []
+                for group in (shm_group, gloo_group):
+                    out = torch.ones(numel, dtype=dtype)
+                    reduce_scatter_into(grads[rank], out, group, accumulate=True, **kwargs).wait()
+                    outs.append(out)
+                expected = torch.stack([g.float() for g in grads]).sum(0)
+                if kwargs.get("average"):
+                    expected /= world
+                expected = expected * kwargs.get("pre_scale", 1.0) * kwargs.get("post_scale", 1.0)
+                want = 1 + expected[rank * numel : (rank + 1) * numel]
+                if dtype == torch.bfloat16:
+                    # summed in fp32 and rounded once (then once more by accumulate), where
+                    # gloo rounds after every addition
+                    torch.testing.assert_close(outs[0].float(), want, rtol=8e-3, atol=1.6e-2)
+                    torch.testing.assert_close(outs[1].float(), want, rtol=0.05, atol=0.05)
+                elif world == 2:
+                    assert torch.equal(outs[0], outs[1])  # a + b: no order to disagree on
+                else:
+                    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_results_match_gloo_exactly_or_to_rounding(world: int) -> None:
+    assert run_distributed(_same_as_gloo, world, timeout=240) == [24] * world
+
+
+def _many_in_flight(rank: int, world: int) -> list[float]:
+    group = dist.group.WORLD
+    assert group is not None
+    enable_host_transport(group, "shm", chunk_bytes=CHUNK)
+    numel = 2 * CHUNK
+    shards = _inputs(world, numel, torch.float32, seed=3)
+    grads = _inputs(world, numel * world, torch.float32, seed=4)
+    gathers = [torch.empty(numel * world) for _ in range(3)]
+    reduced = [torch.empty(numel) for _ in range(3)]
+    with CommTracer() as tracer:
+        handles = []
+        for i in range(3):
+            handles.append(all_gather_into(shards[rank] + i, gathers[i], group))
+            handles.append(reduce_scatter_into(grads[rank] * (i + 1), reduced[i], group))
+        for handle in reversed(handles):  # waiting out of order is fine: they run in order
+            handle.wait()
+    totals: dict[str, dict[str, int]] = {}
+    for key, entry in tracer.summary().items():
+        totals[key.rsplit("/", 1)[1]] = entry
+    assert totals["all_gather"] == {"calls": 3, "bytes": 3 * numel * 4}
+    assert totals["reduce_scatter"] == {"calls": 3, "bytes": 3 * numel * world * 4}
+    mean = torch.stack(grads).mean(0)[rank * numel : (rank + 1) * numel]
+    for i in range(3):
+        assert torch.equal(gathers[i], torch.cat(shards) + i)
+        torch.testing.assert_close(reduced[i], mean * (i + 1))
+    return [float(reduced[2].sum())]
+
+
+def test_async_ops_in_flight_complete_in_issue_order_and_are_counted() -> None:
+    run_distributed(_many_in_flight, 2, timeout=120)
+
+
+def _mailboxes_leave_no_files(rank: int, world: int) -> int:
+    group = dist.group.WORLD
+    assert group is not None
+    before = set(os.listdir("/dev/shm"))
+    transport = enable_host_transport(group, "auto")
+    assert transport is not None
+    assert transport.mapped_bytes == 64 + 2 * transport.chunk_bytes
+    dist.barrier()
+    leaked = {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("mfsdp-")}
+    assert not leaked, leaked
+    assert enable_host_transport(dist.new_group([0, 1]), "gloo") is None
+    return 1
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_auto_takes_shared_memory_on_one_host_and_unlinks_the_mailboxes() -> None:
+    run_distributed(_mailboxes_leave_no_files, 2, timeout=60)
+
+
+def _peer_stops_issuing(rank: int, world: int) -> str:
+    group = dist.group.WORLD
+    assert group is not None
+    enable_host_transport(group, "shm", timeout_s=2.0)
+    if rank == 1:
+        return "skipped"
+    out = torch.empty(8 * world)
+    try:
+        all_gather_into(torch.ones(8), out, group).wait()
+    except TimeoutError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_rank_that_stops_issuing_collectives_is_a_timeout_not_a_hang() -> None:
+    message, skipped = run_distributed(_peer_stops_issuing, 2, timeout=60)
+    assert skipped == "skipped"
+    assert "waited 2s for rank 1" in message and "different order" in message
+
+
+def _bad_choice(rank: int, world: int) -> str:
+    group = dist.group.WORLD
+    assert group is not None
+    for kwargs, fragment in (
+        ({"transport": "nvlink"}, "host_transport='nvlink' is not one of"),
+        ({"transport": "shm", "chunk_bytes": 100}, "chunk_bytes=100 must be"),
+    ):
+        with pytest.raises(ValueError, match=fragment):
+            enable_host_transport(group, **kwargs)  # type: ignore[arg-type]
+    return "ok"
+
+
+def test_bad_choices_raise_before_any_collective() -> None:
+    # rank 1 never calls a collective: a check that communicated first would hang it
+    assert run_distributed(_bad_choice, 2, timeout=60) == ["ok", "ok"]
+
+
+def _fact(host: str = "h/boot", arch_ok: bool = True, path: str | None = "/p") -> _HostFacts:
+    return _HostFacts(host=host, arch_ok=arch_ok, shm_dir="/dev/shm", path=path)
+
+
+def test_groups_that_do_not_qualify_are_named_with_the_reason() -> None:
+    assert _unsuitable([_fact(), _fact()]) is None
+    assert "more than one host" in str(_unsuitable([_fact(), _fact(host="other/boot")]))
+    assert "x86-64" in str(_unsuitable([_fact(), _fact(arch_ok=False)]))
+    assert "mailbox" in str(_unsuitable([_fact(), _fact(path=None)]))
