@@ -26,6 +26,7 @@ wait fail after ``timeout_s`` instead of hanging.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import mmap
@@ -163,15 +164,16 @@ class SharedMemoryTransport:
         self._step = 0
         self._name = group_name(group)
         self._failed: BaseException | None = None
-        self._queue: queue.SimpleQueue[tuple[Future[None], Callable[[], None]]] = (
-            queue.SimpleQueue()
-        )
+        self._queue: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         # A daemon thread: a rank that exits with a collective still waiting for its peers
         # must not be held at interpreter exit.
         worker = threading.Thread(
             target=_serve, args=(self._queue,), name=f"mfsdp-shm-{self._name}", daemon=True
         )
         worker.start()
+        # Stop an idle worker before the interpreter finalises, so no thread of ours is
+        # parked there while torch and gloo tear down.
+        atexit.register(_stop, self._queue, worker)
 
     @property
     def mapped_bytes(self) -> int:
@@ -291,10 +293,21 @@ class SharedMemoryTransport:
                 out.copy_(acc)
 
 
-def _serve(jobs: queue.SimpleQueue[tuple[Future[None], Callable[[], None]]]) -> None:
+_Job = tuple[Future[None], Callable[[], None]] | None
+
+
+def _stop(jobs: queue.SimpleQueue[_Job], worker: threading.Thread) -> None:
+    jobs.put(None)
+    worker.join(timeout=1.0)  # a worker stuck waiting for a dead peer stays a daemon
+
+
+def _serve(jobs: queue.SimpleQueue[_Job]) -> None:
     """The worker loop: run each collective in issue order, completing its future."""
     while True:
-        future, job = jobs.get()
+        item = jobs.get()
+        if item is None:
+            return
+        future, job = item
         try:
             job()
         except BaseException as exc:
@@ -302,7 +315,7 @@ def _serve(jobs: queue.SimpleQueue[tuple[Future[None], Callable[[], None]]]) -> 
         else:
             future.set_result(None)
         # Drop the job before blocking on the next one: it holds the collective's tensors.
-        del future, job
+        del future, job, item
 
 
 def src_index(dst: int, src: int) -> int:
