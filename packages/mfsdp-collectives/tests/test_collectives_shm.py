@@ -192,3 +192,37 @@ def test_groups_that_do_not_qualify_are_named_with_the_reason() -> None:
     assert "more than one host" in str(_unsuitable([_fact(), _fact(host="other/boot")]))
     assert "x86-64" in str(_unsuitable([_fact(), _fact(arch_ok=False)]))
     assert "mailbox" in str(_unsuitable([_fact(), _fact(path=None)]))
+
+
+def _one_rank_cannot_map(rank: int, world: int) -> list[str]:
+    import mfsdp_collectives.shm as shm
+
+    real = shm._Mailbox.__init__
+
+    def refuse_peers(self: object, path: str, slot_bytes: int, *, create: bool) -> None:
+        if not create:
+            raise PermissionError(13, "Permission denied")
+        real(self, path, slot_bytes, create=create)  # type: ignore[arg-type]
+
+    if rank == 1:
+        shm._Mailbox.__init__ = refuse_peers  # type: ignore[method-assign]
+    outcomes = []
+    group = dist.new_group(list(range(world)))
+    outcomes.append("gloo" if enable_host_transport(group, "auto") is None else "shm")
+    strict = dist.new_group(list(range(world)))
+    try:
+        enable_host_transport(strict, "shm")
+        outcomes.append("no error")
+    except ValueError as exc:
+        outcomes.append(str(exc))
+    # the groups still work, through gloo
+    out = torch.empty(2 * world)
+    all_gather_into(torch.full((2,), float(rank)), out, group).wait()
+    assert out.tolist() == [float(r) for r in range(world) for _ in range(2)]
+    return outcomes
+
+
+def test_a_rank_that_cannot_map_a_mailbox_makes_every_rank_keep_gloo() -> None:
+    for auto, strict in run_distributed(_one_rank_cannot_map, 2, timeout=60):
+        assert auto == "gloo"
+        assert "rank 1:" in strict and "Permission denied" in strict and "'gloo'" in strict

@@ -377,18 +377,41 @@ def enable_host_transport(
             )
         return None
     rank = dist.get_rank(group)
-    boxes: list[_Mailbox] = []
-    for peer, fact in enumerate(facts):
-        assert fact.path is not None
-        own = peer == rank
-        box = _OWN_BOXES[fact.path] if own else _Mailbox(fact.path, slot_bytes, create=False)
-        boxes.append(box)
-    dist.barrier(group=group)  # every peer has mapped every mailbox: the names can go
+    boxes, failure = _map_all(facts, rank, slot_bytes)
+    # Every rank learns whether every rank mapped every mailbox (after this, the names can
+    # go), so that a failure on one rank is a decision on all of them, not a hang.
+    failures: list[object] = [None] * len(facts)
+    dist.all_gather_object(failures, failure, group=group)
     _remove_own(facts[rank])
+    failed = [f"rank {r}: {f}" for r, f in enumerate(failures) if f is not None]
+    if failed:
+        if transport == "shm":
+            raise ValueError(
+                f"host_transport='shm' is not possible for group {group_name(group)}: could "
+                f"not map the mailboxes ({'; '.join(failed)}); pass host_transport='auto' or "
+                "'gloo'"
+            )
+        return None
     made = SharedMemoryTransport(group, boxes, rank, chunk_bytes=slot_bytes, timeout_s=timeout_s)
     with _registry_lock:
         _transports[group] = made
     return made
+
+
+def _map_all(
+    facts: list[_HostFacts], rank: int, slot_bytes: int
+) -> tuple[list[_Mailbox], str | None]:
+    boxes: list[_Mailbox] = []
+    for peer, fact in enumerate(facts):
+        assert fact.path is not None
+        if peer == rank:
+            boxes.append(_OWN_BOXES[fact.path])
+            continue
+        try:
+            boxes.append(_Mailbox(fact.path, slot_bytes, create=False))
+        except OSError as exc:
+            return [], f"{fact.path}: {exc.strerror}"
+    return boxes, None
 
 
 def _gather_facts(group: dist.ProcessGroup, slot_bytes: int) -> list[_HostFacts]:
