@@ -184,7 +184,7 @@ def test_bad_choices_raise_before_any_collective() -> None:
 
 
 def _fact(host: str = "h/boot", arch_ok: bool = True, path: str | None = "/p") -> _HostFacts:
-    return _HostFacts(host=host, arch_ok=arch_ok, shm_dir="/dev/shm", path=path)
+    return _HostFacts(host=host, arch_ok=arch_ok, path=path)
 
 
 def test_groups_that_do_not_qualify_are_named_with_the_reason() -> None:

@@ -81,7 +81,6 @@ class _HostFacts:
 
     host: str
     arch_ok: bool
-    shm_dir: str | None
     path: str | None
 
 
@@ -216,9 +215,8 @@ class SharedMemoryTransport:
             raise
 
     def _elements_per_step(self, dtype: torch.dtype, pieces: int) -> int:
-        item = torch.empty((), dtype=dtype).element_size()
         per_piece = (self.chunk_bytes // max(pieces, 1)) // _ALIGN * _ALIGN
-        return max(per_piece // item, 1)
+        return max(per_piece // dtype.itemsize, 1)
 
     def _slot(self, box: _Mailbox, dtype: torch.dtype) -> torch.Tensor:
         return box.slots[self._step % 2].view(dtype)
@@ -428,7 +426,6 @@ def _gather_facts(group: dist.ProcessGroup, slot_bytes: int) -> list[_HostFacts]
         arch_ok=platform.machine().lower() in _X86_64
         and platform.system() == "Linux"
         and _futex.available(),
-        shm_dir=directory,
         path=path,
     )
     facts: list[object] = [None] * dist.get_world_size(group)
