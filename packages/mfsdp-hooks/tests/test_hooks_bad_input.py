@@ -47,6 +47,8 @@ def _bad_input_worker(rank: int, world: int, case: str) -> str:
                 MegatronFSDP(make_model(), fsdp_unit_modules=[42])  # type: ignore[list-item]
             elif case == "unit_path":
                 MegatronFSDP(make_model(), fsdp_unit_modules=["Block"])
+            elif case == "host_transport":
+                fully_shard(Block(), host_transport="tcp")
         except (ValueError, TypeError, NotImplementedError) as error:
             assert tracer.records == [], "a collective ran before the error"
             return f"{type(error).__name__}: {error}"
@@ -66,6 +68,7 @@ def _bad_input_worker(rank: int, world: int, case: str) -> str:
         ("scaling_and_per_token", "ValueError: gradient_scaling_factor and calculate_per_token"),
         ("unit_class", "TypeError: fsdp_unit_modules entries must be nn.Module subclasses"),
         ("unit_path", "ValueError: fsdp_unit_modules: 'Block' is not an import path"),
+        ("host_transport", "ValueError: host_transport='tcp' is not one of"),
     ],
 )
 def test_bad_input_is_rejected_on_every_rank(case: str, expected: str) -> None:

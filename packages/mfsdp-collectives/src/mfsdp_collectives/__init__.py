@@ -22,7 +22,13 @@ from .ops import (
     hsdp_reduce_scatter_into,
     reduce_scatter_into,
 )
-from .shm import HOST_TRANSPORTS, SharedMemoryTransport, enable_host_transport, host_transport_of
+from .shm import (
+    HOST_TRANSPORTS,
+    SharedMemoryTransport,
+    check_host_transport,
+    enable_host_transport,
+    host_transport_of,
+)
 from .streams import CommStreams
 from .topology import FSDPTopology, default_device
 from .tracer import CommRecord, CommTracer
@@ -42,6 +48,7 @@ __all__ = [
     "all_gather_into",
     "all_reduce_",
     "broadcast_",
+    "check_host_transport",
     "default_device",
     "enable_host_transport",
     "group_name",

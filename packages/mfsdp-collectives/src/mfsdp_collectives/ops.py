@@ -32,7 +32,7 @@ from ._launch import Stage, launch
 from ._reduce import ReduceSpec, finish_into, prepare_input, reduce_op
 from .handle import CommHandle
 from .naming import group_name
-from .shm import host_transport_of
+from .shm import SharedMemoryTransport, host_transport_of
 from .streams import CommStreams
 from .tracer import record_comm
 
@@ -55,6 +55,11 @@ def _membership(group: object, arg: str) -> tuple[dist.ProcessGroup, int, int]:
             "only call the op on the ranks of the group"
         )
     return pg, rank, dist.get_world_size(pg)
+
+
+def _host_transport(group: dist.ProcessGroup, x: torch.Tensor) -> SharedMemoryTransport | None:
+    """The shared-memory transport that carries ``group``'s CPU collectives, if enabled."""
+    return host_transport_of(group) if x.device.type == "cpu" else None
 
 
 def _side_stream(stream: object, role: str, device: torch.device) -> torch.Stream | None:
@@ -141,7 +146,7 @@ def all_gather_into(
         return CommHandle.completed()
     record_comm("all_gather", group_name(group), n, shard.dtype)
 
-    transport = host_transport_of(group) if shard.device.type == "cpu" else None
+    transport = _host_transport(group, shard)
 
     def issue() -> Work | None:
         if transport is not None:
@@ -189,7 +194,7 @@ class _ReduceScatterStage:
             self.out if direct else self.out.new_empty(self.out.shape, dtype=self.spec.reduce_dtype)
         )
         self.send, self.recv = send, recv
-        transport = host_transport_of(self.group) if send.device.type == "cpu" else None
+        transport = _host_transport(self.group, send)
         if transport is not None and self.op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             return transport.reduce_scatter(recv, send, average=self.op == dist.ReduceOp.AVG)
         return reduce_scatter_single(recv, send, self.op, self.group, async_op=True)

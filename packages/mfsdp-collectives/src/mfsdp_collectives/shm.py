@@ -53,6 +53,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "HOST_TRANSPORTS",
     "SharedMemoryTransport",
+    "check_host_transport",
     "enable_host_transport",
     "host_transport_of",
 ]
@@ -321,6 +322,15 @@ def src_index(dst: int, src: int) -> int:
     return dst if dst < src else dst - 1
 
 
+def check_host_transport(value: object) -> None:
+    """Raise unless ``value`` names a host transport (local check, no collective)."""
+    if value not in HOST_TRANSPORTS:
+        raise ValueError(
+            f"host_transport={value!r} is not one of {HOST_TRANSPORTS}; pass 'auto' "
+            "(shared memory when all ranks share a host), 'shm' or 'gloo'"
+        )
+
+
 def host_transport_of(group: dist.ProcessGroup) -> SharedMemoryTransport | None:
     """The shared-memory transport serving ``group``, if one was enabled."""
     with _registry_lock:
@@ -343,11 +353,7 @@ def enable_host_transport(
     and otherwise quietly keeps gloo. Every rank reaches the same decision.
     Calling it again for a group that already has a transport returns that one.
     """
-    if transport not in HOST_TRANSPORTS:
-        raise ValueError(
-            f"host_transport={transport!r} is not one of {HOST_TRANSPORTS}; pass 'auto' "
-            "(shared memory when all ranks share a host), 'shm' or 'gloo'"
-        )
+    check_host_transport(transport)
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 4096:
         raise ValueError(f"chunk_bytes={chunk_bytes!r} must be an int >= 4096")
     if transport == "gloo":

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from mfsdp_buffers import Allocator
-from mfsdp_collectives import HOST_TRANSPORTS, FSDPTopology, enable_host_transport
+from mfsdp_collectives import FSDPTopology, check_host_transport, enable_host_transport
 from mfsdp_hooks.grad_allocator import make_grad_allocator
 from mfsdp_hooks.lookup import set_owning_model
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
@@ -209,11 +209,7 @@ def fully_shard(
         "overlap_param_gather=False",
     )
     grad_allocator = make_grad_allocator(grad_buffer_allocator, max_inflight_reductions)
-    if host_transport not in HOST_TRANSPORTS:
-        raise ValueError(
-            f"host_transport={host_transport!r} is not one of {HOST_TRANSPORTS}: pass 'auto' "
-            "(shared memory when all ranks share a host), 'shm' or 'gloo'"
-        )
+    check_host_transport(host_transport)  # before _topology, which may communicate
     for param in module.parameters():
         if param.device.type == "meta":
             raise NotImplementedError(
