@@ -49,6 +49,8 @@ def _bad_input_worker(rank: int, world: int, case: str) -> str:
                 MegatronFSDP(make_model(), fsdp_unit_modules=["Block"])
             elif case == "host_transport":
                 fully_shard(Block(), host_transport="tcp")
+            elif case == "prefetch_fraction":
+                fully_shard(Block(), backward_prefetch_grad_fraction=1.5)
         except (ValueError, TypeError, NotImplementedError) as error:
             assert tracer.records == [], "a collective ran before the error"
             return f"{type(error).__name__}: {error}"
@@ -69,6 +71,7 @@ def _bad_input_worker(rank: int, world: int, case: str) -> str:
         ("unit_class", "TypeError: fsdp_unit_modules entries must be nn.Module subclasses"),
         ("unit_path", "ValueError: fsdp_unit_modules: 'Block' is not an import path"),
         ("host_transport", "ValueError: host_transport='tcp' is not one of"),
+        ("prefetch_fraction", "ValueError: backward_prefetch_grad_fraction=1.5 is outside [0, 1]"),
     ],
 )
 def test_bad_input_is_rejected_on_every_rank(case: str, expected: str) -> None:

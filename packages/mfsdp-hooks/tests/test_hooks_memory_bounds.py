@@ -202,3 +202,53 @@ def test_live_bytes_stay_under_the_layout_bounds(strategy: int, world: int) -> N
         if strategy == 3:
             # Sharding must actually save memory: weights + grads well under one full model.
             assert init_live < full_model * (2 / world + 0.25)
+
+
+class WideBlock(nn.Module):
+    """A block whose backward activations are much wider than its weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 256)
+        self.down = nn.Linear(256, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _backward_peak(fraction: float, batch: torch.Tensor) -> tuple[int, int, list[float]]:
+    """Peak live bytes of a steady-state backward and one unit's unsharded bytes."""
+    torch.manual_seed(0)
+    model = MegatronFSDP(
+        nn.Sequential(*(WideBlock() for _ in range(4))),
+        fsdp_unit_modules=[WideBlock],
+        backward_prefetch_grad_fraction=fraction,
+    )
+    losses = []
+    with LiveTensorTracker() as tracker:
+        for _ in range(2):  # the first iteration records the order backward prefetch follows
+            loss = model(batch).pow(2).mean()
+            tracker.reset_phase()
+            loss.backward()
+            model.finish_grad_sync()
+            losses.append(loss.item())
+            peak = tracker.mark("backward").peak
+            model.zero_grad(set_to_none=True)
+    unit = fsdp_units(model.module)[1]
+    unsharded = sum(g.layout.padded_numel * g.compute_dtype.itemsize for g in unit.groups)
+    return peak, unsharded, losses
+
+
+def _late_prefetch_worker(rank: int, world: int) -> tuple[int, int, int]:
+    batch = torch.randn(1024, 32, generator=torch.Generator().manual_seed(rank))
+    early, unsharded, early_losses = _backward_peak(0.0, batch)
+    late, _, late_losses = _backward_peak(0.5, batch)
+    assert early_losses == late_losses
+    return early, late, unsharded
+
+
+def test_late_backward_prefetch_keeps_the_next_unit_out_of_the_backward_peak() -> None:
+    """With 0.5 the next unit is gathered after this unit's wide activations died; with 0.0
+    (FSDP2's timing) its weights are live alongside them."""
+    for early, late, unsharded in run_distributed(_late_prefetch_worker, 2, timeout=120):
+        assert early - late >= unsharded * 0.9, (early, late, unsharded)

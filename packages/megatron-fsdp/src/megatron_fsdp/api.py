@@ -112,6 +112,7 @@ def fully_shard_model(
     disable_symmetric_registration: bool = False,
     fsdp_double_buffer: bool = False,
     host_transport: str = "auto",
+    backward_prefetch_grad_fraction: float = 0.5,
 ) -> MegatronFSDP:
     """Shard ``module`` (every ``fsdp_unit_modules`` match, then the root) and wrap it."""
     _reject_not_yet(
@@ -154,6 +155,7 @@ def fully_shard_model(
         # storage per unit whose bytes are freed after use (autograd holds views of it).
         grad_buffer_allocator="double_buffer" if fsdp_double_buffer else "plain",
         host_transport=host_transport,
+        backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
     )
     if preproc_state_dict_for_dcp_ckpt:
         enable_dcp(wrapped)

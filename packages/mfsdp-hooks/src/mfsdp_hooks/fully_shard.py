@@ -126,6 +126,16 @@ def _require_positive_int(value: object, argument: str, fix: str) -> None:
         raise ValueError(f"{argument}={value}: {fix}")
 
 
+def _require_fraction(value: object, argument: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{argument} must be a float in [0, 1], got {value!r}")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(
+            f"{argument}={value} is outside [0, 1]: 0.0 prefetches at the unit's pre-backward, "
+            "1.0 once all of its gradients arrived"
+        )
+
+
 def _topology(mesh: DeviceMesh | FSDPTopology | None, module: nn.Module) -> FSDPTopology:
     if isinstance(mesh, FSDPTopology):
         return mesh
@@ -163,6 +173,7 @@ def fully_shard(
     report_nan_in_param_grad: bool = False,
     max_inflight_reductions: int = 1,
     prefetch_depth: int = 1,
+    backward_prefetch_grad_fraction: float = 0.5,
     grad_buffer_allocator: str | Allocator = "plain",
     host_transport: str = "auto",
     **unsupported: Any,
@@ -172,7 +183,11 @@ def fully_shard(
     Returns the same module object, whose class now also derives from ``FSDPModule``.
     Overlap is bounded in units: ``prefetch_depth`` units are gathered ahead (forward and
     backward, after the first iteration recorded the order) and at most
-    ``max_inflight_reductions`` gradient reductions are in flight. ``grad_buffer_allocator``
+    ``max_inflight_reductions`` gradient reductions are in flight. In backward a unit issues
+    its prefetch once ``backward_prefetch_grad_fraction`` of its gradient elements arrived:
+    0.0 gathers at the unit's pre-backward as FSDP2 does; the default 0.5 lets the unit's
+    widest backward activations die first, so the next unit's weights do not add to the
+    backward peak. ``grad_buffer_allocator``
     serves the temporary reduce buffers: ``"plain"``, ``"double_buffer"`` or ``"trace_pool"``.
     ``host_transport`` picks how CPU all-gathers and reduce-scatters travel: ``"auto"``
     (shared memory when every rank of the shard group is on this host, else gloo),
@@ -208,6 +223,7 @@ def fully_shard(
         "gather at least the next unit ahead, or turn prefetching off with "
         "overlap_param_gather=False",
     )
+    _require_fraction(backward_prefetch_grad_fraction, "backward_prefetch_grad_fraction")
     grad_allocator = make_grad_allocator(grad_buffer_allocator, max_inflight_reductions)
     check_host_transport(host_transport)  # before _topology, which may communicate
     for param in module.parameters():
@@ -235,6 +251,7 @@ def fully_shard(
         report_nan_in_param_grad=report_nan_in_param_grad,
         max_inflight_reductions=max_inflight_reductions,
         prefetch_depth=prefetch_depth,
+        backward_prefetch_grad_fraction=float(backward_prefetch_grad_fraction),
         grad_allocator=grad_allocator,
     )
     owners = _shared_owner_registry(module)

@@ -42,6 +42,7 @@ class UnitOptions:
     report_nan_in_param_grad: bool = False
     max_inflight_reductions: int = 1
     prefetch_depth: int = 1
+    backward_prefetch_grad_fraction: float = 0.5
     grad_allocator: Allocator | None = None
 
 
@@ -88,6 +89,8 @@ class FSDPUnit:
         self.forward_prefetch: list[FSDPUnit] | None = None
         self.backward_prefetch: list[FSDPUnit] | None = None
         self._pending_unshard: list[CommHandle] = []
+        self._deferred_prefetch: list[FSDPUnit] = []
+        self._grad_numel_received = 0
         self.post_backward_done = False
         self.requires_gradient_sync = True
         slots = _collect_slots(module)
@@ -100,6 +103,7 @@ class FSDPUnit:
                     "module instead of each user"
                 )
         self.groups: list[ParameterGroup] = []
+        self._grad_numel_expected = 0
         self._group_slots: list[list[list[Slot]]] = []
         entries = list(slots.values())
         keys = [
@@ -118,6 +122,8 @@ class FSDPUnit:
                 grad_allocator=options.grad_allocator,
             )
             self.groups.append(group)
+            if group.requires_grad:
+                self._grad_numel_expected += sum(p.numel() for p, _, _ in members)
             self._group_slots.append([s for _, _, s in members])
             for param, name, _ in members:
                 owner_of[id(param)] = f"{self.name}({name})"
@@ -245,8 +251,26 @@ class FSDPUnit:
             return
         self.state = TrainingState.PRE_BACKWARD
         self.unshard()
+        self._grad_numel_received = 0
         if self.options.overlap_param_gather:
-            for target in self.root.backward_prefetch_targets(self):
+            self._deferred_prefetch = list(self.root.backward_prefetch_targets(self))
+            self._maybe_issue_backward_prefetch()
+
+    def _maybe_issue_backward_prefetch(self, force: bool = False) -> None:
+        """Gather the next units of backward once enough of this unit's gradient arrived.
+
+        Waiting for ``backward_prefetch_grad_fraction`` of the gradient elements lets the
+        widest activations of this unit's backward die before the next unit's weights are
+        allocated, so the two do not add up in the backward peak.
+        """
+        if not self._deferred_prefetch:
+            return
+        threshold = self.options.backward_prefetch_grad_fraction * self._grad_numel_expected
+        if not force and self._grad_numel_received < threshold:
+            return
+        targets, self._deferred_prefetch = self._deferred_prefetch, []
+        for target in targets:
+            if target.state is TrainingState.IDLE and not target.post_backward_done:
                 target.unshard_async()
 
     def _on_grad_ready(self, group: ParameterGroup, index: int, param: torch.Tensor) -> None:
@@ -255,7 +279,10 @@ class FSDPUnit:
             return
         complete = group.accumulate_grad(index, grad)
         param.grad = None
+        self._grad_numel_received += grad.numel()
+        self._maybe_issue_backward_prefetch()
         if complete and all(g.grads_received >= g.expected_grads for g in self.groups):
+            self._maybe_issue_backward_prefetch(force=True)
             self.post_backward()
 
     def post_backward(self) -> None:
@@ -273,6 +300,7 @@ class FSDPUnit:
 
     def end_backward(self) -> None:
         self.state = TrainingState.IDLE
+        self._deferred_prefetch = []
         self.post_backward_done = False
         for group in self.groups:
             group.begin_backward()
