@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mfsdp_buffers import FlatPieces, LiveTensorTracker
 from mfsdp_collectives import (
     CommTracer,
     all_gather_into,
@@ -93,6 +94,56 @@ def _same_as_gloo(rank: int, world: int) -> int:
 @pytest.mark.parametrize("world", [2, 4])
 def test_results_match_gloo_exactly_or_to_rounding(world: int) -> None:
     assert run_distributed(_same_as_gloo, world, timeout=240) == [24] * world
+
+
+def _as_pieces(dense: torch.Tensor, dtype: torch.dtype) -> tuple[FlatPieces, torch.Tensor]:
+    """Irregular pieces of ``dense`` with zeroed gaps between them, and the dense equivalent."""
+    numel, pieces, cursor, size = dense.numel(), [], 0, 1
+    with_gaps = torch.zeros_like(dense)
+    while cursor < numel:
+        end = min(cursor + size, numel)
+        pieces.append((cursor, dense[cursor:end].to(dtype)))
+        with_gaps[cursor:end] = dense[cursor:end].to(dtype).to(dense.dtype)
+        cursor, size = end + size % 5, size * 3 + 1  # a gap of 0-4 elements after each
+    return FlatPieces(numel, pieces, dtype=dense.dtype, device=dense.device), with_gaps
+
+
+def _pieces_same_as_dense(rank: int, world: int) -> int:
+    shm_group = dist.new_group(list(range(world)))
+    gloo_group = dist.new_group(list(range(world)))
+    enable_host_transport(shm_group, "shm", chunk_bytes=CHUNK)
+    numel = 3 * CHUNK + 17
+    checked = 0
+    for piece_dtype in (torch.float32, torch.bfloat16):
+        for kwargs in ({"average": True}, {"average": False, "post_scale": 0.25}):
+            for group in (shm_group, gloo_group):
+                outs, added = [], []
+                # Everything is made under the tracker, which counts a storage made before it
+                # opened as new when an op first touches it.
+                with LiveTensorTracker() as mem:
+                    grad = _inputs(world, numel * world, torch.float32, seed=11)[rank]
+                    pieces, dense = _as_pieces(grad, piece_dtype)
+                    for inp in (pieces, dense):
+                        out = torch.ones(numel)
+                        before = mem.live
+                        mem.reset_phase()
+                        with CommTracer() as tracer:
+                            reduce_scatter_into(inp, out, group, accumulate=True, **kwargs).wait()
+                        added.append(mem.phase_peak - before)
+                        outs.append(out)
+                        sent = sum(e["bytes"] for e in tracer.summary().values())
+                        assert sent == numel * world * 4
+                assert torch.equal(outs[0], outs[1])
+                if group is shm_group:  # read (and cast) straight from the pieces
+                    assert added[0] <= numel * 4, added  # at most the receive buffer
+                else:  # gloo needs the whole flat input first
+                    assert added[0] >= numel * world * 4, added
+                checked += 1
+    return checked
+
+
+def test_reduce_scatter_of_flat_pieces_equals_the_dense_input() -> None:
+    assert run_distributed(_pieces_same_as_dense, 2, timeout=120) == [8, 8]
 
 
 def _many_in_flight(rank: int, world: int) -> list[float]:

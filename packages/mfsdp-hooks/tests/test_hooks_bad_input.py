@@ -77,3 +77,17 @@ def _bad_input_worker(rank: int, world: int, case: str) -> str:
 def test_bad_input_is_rejected_on_every_rank(case: str, expected: str) -> None:
     messages = run_distributed(_bad_input_worker, 2, case, timeout=60)
     assert all(m.startswith(expected) for m in messages), messages
+
+
+def _gloo_after_shm(rank: int, world: int) -> str:
+    fully_shard(Block(), host_transport="shm")
+    try:
+        fully_shard(Block(), host_transport="gloo")
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_gloo_cannot_be_asked_for_a_group_already_on_shared_memory() -> None:
+    for message in run_distributed(_gloo_after_shm, 2, timeout=60):
+        assert message.startswith("host_transport='gloo', but an earlier fully_shard"), message

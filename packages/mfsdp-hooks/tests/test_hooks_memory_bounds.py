@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 from torch import nn
 
-from mfsdp_buffers import LiveTensorTracker
+from mfsdp_buffers import LiveTensorTracker, PlainAllocator
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import MegatronFSDP, ParameterGroup, fsdp_units
 from mfsdp_hooks.unit import FSDPUnit
@@ -216,6 +219,26 @@ class WideBlock(nn.Module):
         return x + self.down(torch.relu(self.up(x)))
 
 
+def _steady_backward_peak(
+    model: MegatronFSDP,
+    batch: torch.Tensor,
+    tracker: LiveTensorTracker,
+    before_backward: Callable[[], object] = lambda: None,
+) -> tuple[int, list[float]]:
+    """Peak live bytes of the second backward (the first records the prefetch order)."""
+    losses, peak = [], 0
+    for _ in range(2):
+        loss = model(batch).pow(2).mean()
+        before_backward()
+        tracker.reset_phase()
+        loss.backward()
+        model.finish_grad_sync()
+        losses.append(loss.item())
+        peak = tracker.mark("backward").peak
+        model.zero_grad(set_to_none=True)
+    return peak, losses
+
+
 def _backward_peak(fraction: float, batch: torch.Tensor) -> tuple[int, int, list[float]]:
     """Peak live bytes of a steady-state backward and one unit's unsharded bytes."""
     torch.manual_seed(0)
@@ -224,16 +247,8 @@ def _backward_peak(fraction: float, batch: torch.Tensor) -> tuple[int, int, list
         fsdp_unit_modules=[WideBlock],
         backward_prefetch_grad_fraction=fraction,
     )
-    losses = []
     with LiveTensorTracker() as tracker:
-        for _ in range(2):  # the first iteration records the order backward prefetch follows
-            loss = model(batch).pow(2).mean()
-            tracker.reset_phase()
-            loss.backward()
-            model.finish_grad_sync()
-            losses.append(loss.item())
-            peak = tracker.mark("backward").peak
-            model.zero_grad(set_to_none=True)
+        peak, losses = _steady_backward_peak(model, batch, tracker)
     unit = fsdp_units(model.module)[1]
     unsharded = sum(g.layout.padded_numel * g.compute_dtype.itemsize for g in unit.groups)
     return peak, unsharded, losses
@@ -252,3 +267,42 @@ def test_late_backward_prefetch_keeps_the_next_unit_out_of_the_backward_peak() -
     (FSDP2's timing) its weights are live alongside them."""
     for early, late, unsharded in run_distributed(_late_prefetch_worker, 2, timeout=120):
         assert early - late >= unsharded * 0.9, (early, late, unsharded)
+
+
+def _reduce_buffer_bytes(transport: str) -> tuple[int, int, int, list[float]]:
+    """Bytes of flat reduce buffers requested by one steady-state backward, one unit's
+    unsharded bytes, and the backward's peak live bytes."""
+    batch = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(0))
+    requested = [0]
+    plain_allocate = PlainAllocator.allocate
+
+    def counting(self: PlainAllocator, key: object, numel: int, *args: Any) -> torch.Tensor:
+        requested[0] += numel * 4
+        return plain_allocate(self, key, numel, *args)
+
+    with LiveTensorTracker() as tracker, mock.patch.object(PlainAllocator, "allocate", counting):
+        torch.manual_seed(0)
+        model = MegatronFSDP(MemModel(), fsdp_unit_modules=[MemBlock], host_transport=transport)
+        peak, losses = _steady_backward_peak(
+            model, batch, tracker, before_backward=lambda: requested.__setitem__(0, 0)
+        )
+    unit = fsdp_units(model.module)[1]
+    return requested[0], sum(g.layout.padded_numel * 4 for g in unit.groups), peak, losses
+
+
+def _reduce_buffer_worker(rank: int, world: int) -> list[int]:
+    # gloo first: once a group carries the shared-memory transport it keeps it
+    gloo_flat, _, gloo_peak, gloo_losses = _reduce_buffer_bytes("gloo")
+    shm_flat, unit_bytes, shm_peak, shm_losses = _reduce_buffer_bytes("shm")
+    assert shm_losses == gloo_losses
+    return [shm_flat, gloo_flat, unit_bytes, shm_peak, gloo_peak]
+
+
+def test_shared_memory_reduce_scatter_reads_the_gradients_in_place() -> None:
+    """Through gloo each unit's gradients are copied into a flat reduce buffer; the
+    shared-memory transport reads autograd's gradients where they are."""
+    results = run_distributed(_reduce_buffer_worker, 2, timeout=120)
+    for shm_flat, gloo_flat, unit_bytes, shm_peak, gloo_peak in results:
+        assert shm_flat == 0
+        assert gloo_flat >= len(list(MemModel().blocks)) * unit_bytes
+        assert shm_peak <= gloo_peak

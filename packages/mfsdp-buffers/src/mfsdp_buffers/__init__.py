@@ -21,6 +21,7 @@ from mfsdp_buffers.allocators import (
 )
 from mfsdp_buffers.bucketing import Bucket, BucketKey, build_buckets
 from mfsdp_buffers.buffer import BufferRole, DataParallelBuffer
+from mfsdp_buffers.flat_pieces import FlatPieces
 from mfsdp_buffers.layout import FlatLayout, LocalPiece, ParamPlacement
 from mfsdp_buffers.live_memory import LiveTensorTracker, PhaseMark
 
@@ -34,6 +35,7 @@ __all__ = [
     "DataParallelBuffer",
     "FixedPoolAllocator",
     "FlatLayout",
+    "FlatPieces",
     "Interval",
     "LiveTensorTracker",
     "LocalPiece",

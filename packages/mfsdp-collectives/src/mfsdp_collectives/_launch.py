@@ -35,7 +35,7 @@ def launch(
     device: torch.device,
     finish: Callable[[], None] | None,
     async_op: bool,
-    keep_alive: Sequence[torch.Tensor],
+    keep_alive: Sequence[object],
 ) -> CommHandle:
     """Issue ``stages`` in order and return a handle that completes them and ``finish``."""
     if stages and all(stream is not None for stream, _ in stages):
@@ -52,7 +52,7 @@ def _launch_on_streams(
     *,
     device: torch.device,
     finish: Callable[[], None] | None,
-    keep_alive: Sequence[torch.Tensor],
+    keep_alive: Sequence[object],
 ) -> CommHandle:
     prev = current_stream(device)
     last = prev
@@ -78,7 +78,7 @@ def _launch_on_host(
     stages: Sequence[Stage],
     *,
     finish: Callable[[], None] | None,
-    keep_alive: Sequence[torch.Tensor],
+    keep_alive: Sequence[object],
 ) -> CommHandle:
     pending: Work | None = None
     for _, issue in stages:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mfsdp_buffers import FlatPieces
+
 from ._checks import (
     check_dtype,
     check_flat,
@@ -57,7 +59,9 @@ def _membership(group: object, arg: str) -> tuple[dist.ProcessGroup, int, int]:
     return pg, rank, dist.get_world_size(pg)
 
 
-def _host_transport(group: dist.ProcessGroup, x: torch.Tensor) -> SharedMemoryTransport | None:
+def _host_transport(
+    group: dist.ProcessGroup, x: torch.Tensor | FlatPieces
+) -> SharedMemoryTransport | None:
     """The shared-memory transport that carries ``group``'s CPU collectives, if enabled."""
     return host_transport_of(group) if x.device.type == "cpu" else None
 
@@ -79,7 +83,7 @@ def _side_stream(stream: object, role: str, device: torch.device) -> torch.Strea
 
 
 def _reduce_spec(
-    x: torch.Tensor,
+    x: torch.Tensor | FlatPieces,
     x_arg: str,
     *,
     average: object,
@@ -103,11 +107,11 @@ def _reduce_spec(
 
 
 def _check_shard_sizes(
-    full: torch.Tensor, full_arg: str, shard: torch.Tensor, shard_arg: str, size: int
+    full_numel: int, full_arg: str, shard: torch.Tensor, shard_arg: str, size: int
 ) -> None:
-    if full.numel() != shard.numel() * size:
+    if full_numel != shard.numel() * size:
         raise ValueError(
-            f"{full_arg} has {full.numel()} elements but {shard_arg} has {shard.numel()} and "
+            f"{full_arg} has {full_numel} elements but {shard_arg} has {shard.numel()} and "
             f"the group has {size} ranks: need {full_arg}.numel() == {shard_arg}.numel() * "
             f"{size}; pad the flat buffer to a multiple of the group size"
         )
@@ -134,7 +138,7 @@ def all_gather_into(
             f"shard has dtype {shard.dtype} but unsharded has {unsharded.dtype}; "
             "gather into a buffer of the shard's dtype and cast afterwards"
         )
-    _check_shard_sizes(unsharded, "unsharded", shard, "shard", size)
+    _check_shard_sizes(unsharded.numel(), "unsharded", shard, "shard", size)
     n = shard.numel()
     if overlaps(shard, unsharded) and shard.data_ptr() != unsharded[rank * n :].data_ptr():
         raise ValueError(
@@ -171,32 +175,46 @@ class _ReduceScatterStage:
 
     def __init__(
         self,
-        inp: torch.Tensor,
+        inp: torch.Tensor | FlatPieces,
         out: torch.Tensor,
         spec: ReduceSpec,
         group: dist.ProcessGroup,
         op: dist.ReduceOp.RedOpType,
         accumulate: bool,
+        transport: SharedMemoryTransport | None = None,
     ) -> None:
         self.inp, self.out, self.spec = inp, out, spec
         self.group, self.op, self.accumulate = group, op, accumulate
+        self.transport = transport
         self.recv: torch.Tensor | None = None
-        self.send: torch.Tensor | None = None
+        self.send: torch.Tensor | FlatPieces | None = None
+
+    def _send(self, transport: SharedMemoryTransport | None) -> torch.Tensor | FlatPieces:
+        """What goes on the wire: pieces stay pieces only where the transport reads them."""
+        inp = self.inp
+        if isinstance(inp, FlatPieces):
+            reads_in_place = transport is not None and self.spec.pre_scale is None
+            if reads_in_place and inp.dtype == self.spec.reduce_dtype:
+                return inp
+            inp = inp.materialize()
+        return prepare_input(inp, self.spec)
 
     def __call__(self) -> Work | None:
-        send = prepare_input(self.inp, self.spec)
+        transport = self.transport
+        send = self._send(transport)
+        sent = send.pieces if isinstance(send, FlatPieces) else [send]
         direct = (
             not self.accumulate
             and self.out.dtype == self.spec.reduce_dtype
-            and not overlaps(self.out, send)
+            and not any(overlaps(self.out, t) for t in sent)
         )
         recv = (
             self.out if direct else self.out.new_empty(self.out.shape, dtype=self.spec.reduce_dtype)
         )
         self.send, self.recv = send, recv
-        transport = _host_transport(self.group, send)
-        if transport is not None and self.op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        if transport is not None:
             return transport.reduce_scatter(recv, send, average=self.op == dist.ReduceOp.AVG)
+        assert isinstance(send, torch.Tensor)
         return reduce_scatter_single(recv, send, self.op, self.group, async_op=True)
 
     def result(self) -> torch.Tensor:
@@ -205,8 +223,16 @@ class _ReduceScatterStage:
         return self.recv
 
 
+def _check_pieces(pieces: FlatPieces, arg: str, out: torch.Tensor, out_arg: str) -> FlatPieces:
+    if pieces.device != out.device:
+        raise ValueError(
+            f"{arg} is on {pieces.device} but {out_arg} is on {out.device}; move both to one device"
+        )
+    return pieces
+
+
 def reduce_scatter_into(
-    unsharded_grad: torch.Tensor,
+    unsharded_grad: torch.Tensor | FlatPieces,
     out_shard: torch.Tensor,
     group: dist.ProcessGroup,
     *,
@@ -222,11 +248,18 @@ def reduce_scatter_into(
 
     ``out_shard (+)= post_scale * reduce(pre_scale * unsharded_grad.to(reduce_dtype))``
     where reduce is a mean over the group when ``average`` else a sum.
+    ``unsharded_grad`` may be ``FlatPieces`` (e.g. per-parameter gradients at their layout
+    offsets): the shared-memory transport reads it in place; elsewhere it is copied into one
+    flat tensor first.
     """
-    inp = check_flat(unsharded_grad, "unsharded_grad")
     out = check_flat(out_shard, "out_shard")
+    inp: torch.Tensor | FlatPieces
+    if isinstance(unsharded_grad, FlatPieces):
+        inp = _check_pieces(unsharded_grad, "unsharded_grad", out, "out_shard")
+    else:
+        inp = check_flat(unsharded_grad, "unsharded_grad")
+        check_same_device(inp, "unsharded_grad", out, "out_shard")
     group, _, size = _membership(group, "group")
-    check_same_device(inp, "unsharded_grad", out, "out_shard")
     spec = _reduce_spec(
         inp,
         "unsharded_grad",
@@ -235,21 +268,26 @@ def reduce_scatter_into(
         post_scale=post_scale,
         reduce_dtype=reduce_dtype,
     )
-    _check_shard_sizes(inp, "unsharded_grad", out, "out_shard", size)
-    side = _side_stream(stream, "reduce_scatter", inp.device)
+    numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
+    _check_shard_sizes(numel, "unsharded_grad", out, "out_shard", size)
+    side = _side_stream(stream, "reduce_scatter", out.device)
     if out.numel() == 0:
         return CommHandle.completed()
-    op, factor = reduce_op(group, spec.average)
+    transport = _host_transport(group, out)
+    if transport is not None:  # it averages the output chunk itself
+        op, factor = (dist.ReduceOp.AVG if spec.average else dist.ReduceOp.SUM), 1.0
+    else:
+        op, factor = reduce_op(group, spec.average)
     factor *= spec.post_scale if spec.post_scale is not None else 1.0
-    record_comm("reduce_scatter", group_name(group), inp.numel(), spec.reduce_dtype)
-    stage = _ReduceScatterStage(inp, out, spec, group, op, bool(accumulate))
+    record_comm("reduce_scatter", group_name(group), numel, spec.reduce_dtype)
+    stage = _ReduceScatterStage(inp, out, spec, group, op, bool(accumulate), transport)
 
     def finish() -> None:
         finish_into(stage.result(), out, factor=factor, accumulate=bool(accumulate))
 
     return launch(
         [(side, stage)],
-        device=inp.device,
+        device=out.device,
         finish=finish,
         async_op=async_op,
         keep_alive=(inp, out),
@@ -305,7 +343,7 @@ def hsdp_reduce_scatter_into(
         post_scale=post_scale,
         reduce_dtype=reduce_dtype,
     )
-    _check_shard_sizes(inp, "unsharded_grad", out, "out_shard", size)
+    _check_shard_sizes(inp.numel(), "unsharded_grad", out, "out_shard", size)
     rs_side = _side_stream(stream, "reduce_scatter", inp.device)
     outer_side = _side_stream(stream, "outer", inp.device)
     if out.numel() == 0:
@@ -316,7 +354,8 @@ def hsdp_reduce_scatter_into(
     factor *= spec.post_scale if spec.post_scale is not None else 1.0
     record_comm("reduce_scatter", group_name(shard_group), inp.numel(), spec.reduce_dtype)
     record_comm("all_reduce", group_name(outer_group), out.numel(), spec.reduce_dtype)
-    stage = _ReduceScatterStage(inp, out, spec, shard_group, rs_op, bool(accumulate))
+    transport = _host_transport(shard_group, out)
+    stage = _ReduceScatterStage(inp, out, spec, shard_group, rs_op, bool(accumulate), transport)
 
     def outer_all_reduce() -> Work | None:
         work: Work | None = dist.all_reduce(

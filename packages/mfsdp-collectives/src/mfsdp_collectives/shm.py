@@ -46,6 +46,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mfsdp_buffers import FlatPieces
+
 from . import _futex
 from .naming import group_name
 
@@ -59,7 +61,7 @@ __all__ = [
 ]
 
 HOST_TRANSPORTS = ("auto", "shm", "gloo")
-DEFAULT_CHUNK_BYTES = 2 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_TIMEOUT_S = 600.0
 _CONTROL_BYTES = 64  # one cache line: the published step counter
 _STEP_MASK = 0x7FFFFFFF
@@ -185,9 +187,11 @@ class SharedMemoryTransport:
         return self._submit(self._all_gather, output, shard)
 
     def reduce_scatter(
-        self, output: torch.Tensor, inp: torch.Tensor, average: bool
+        self, output: torch.Tensor, inp: torch.Tensor | FlatPieces, average: bool
     ) -> _SharedMemoryWork:
         """``output = sum_or_mean_i inp_i[rank chunk]`` over the ranks (async).
+
+        ``inp`` may be ``FlatPieces``: its chunks are read straight from the pieces.
 
         The pieces are added in rank order (fp32 for 16-bit dtypes), so the result is
         the same on every run and at least as accurate as gloo's.
@@ -259,7 +263,9 @@ class SharedMemoryTransport:
                     dst = output[peer * n + start : peer * n + stop]
                     dst.copy_(self._slot(box, shard.dtype)[: stop - start])
 
-    def _reduce_scatter(self, output: torch.Tensor, inp: torch.Tensor, average: bool) -> None:
+    def _reduce_scatter(
+        self, output: torch.Tensor, inp: torch.Tensor | FlatPieces, average: bool
+    ) -> None:
         n = output.numel()
         peers = self.size - 1
         per_step = self._elements_per_step(inp.dtype, peers)
@@ -270,7 +276,7 @@ class SharedMemoryTransport:
             self._step += 1
             slot = self._slot(self._own, inp.dtype)
             for i, dst in enumerate(d for d in range(self.size) if d != self.rank):
-                slot[i * width : (i + 1) * width].copy_(inp[dst * n + start : dst * n + stop])
+                _read_into(slot[i * width : (i + 1) * width], inp, dst * n + start)
             self._exchange()
             out = output[start:stop]
             # Low-precision pieces are summed in fp32 and rounded once, into ``out``.
@@ -278,10 +284,10 @@ class SharedMemoryTransport:
             acc = torch.empty(width, dtype=torch.float32) if wide else out
             for j, src in enumerate(range(self.size)):
                 if src == self.rank:
-                    piece = inp[self.rank * n + start : self.rank * n + stop]
-                else:
-                    at = src_index(self.rank, src)
-                    piece = self._slot(self._boxes[src], inp.dtype)[at * width : (at + 1) * width]
+                    _add_into(acc, inp, self.rank * n + start, first=j == 0)
+                    continue
+                at = src_index(self.rank, src)
+                piece = self._slot(self._boxes[src], inp.dtype)[at * width : (at + 1) * width]
                 if j == 0:
                     acc.copy_(piece)
                 else:
@@ -290,6 +296,22 @@ class SharedMemoryTransport:
                 acc.div_(self.size)
             if acc is not out:
                 out.copy_(acc)
+
+
+def _read_into(dst: torch.Tensor, inp: torch.Tensor | FlatPieces, start: int) -> None:
+    if isinstance(inp, FlatPieces):
+        inp.copy_range_into(dst, start)
+    else:
+        dst.copy_(inp[start : start + dst.numel()])
+
+
+def _add_into(acc: torch.Tensor, inp: torch.Tensor | FlatPieces, start: int, first: bool) -> None:
+    if first:
+        _read_into(acc, inp, start)
+    elif isinstance(inp, FlatPieces):
+        inp.add_range_into(acc, start)
+    else:
+        acc.add_(inp[start : start + acc.numel()])
 
 
 _Job = tuple[Future[None], Callable[[], None]] | None

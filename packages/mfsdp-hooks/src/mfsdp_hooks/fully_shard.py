@@ -15,7 +15,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from mfsdp_buffers import Allocator
-from mfsdp_collectives import FSDPTopology, check_host_transport, enable_host_transport
+from mfsdp_collectives import (
+    FSDPTopology,
+    check_host_transport,
+    enable_host_transport,
+    host_transport_of,
+)
 from mfsdp_hooks.grad_allocator import make_grad_allocator
 from mfsdp_hooks.lookup import set_owning_model
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
@@ -234,6 +239,12 @@ def fully_shard(
             )
     topology = _topology(mesh, module)
     if topology.device.type == "cpu":
+        if host_transport == "gloo" and host_transport_of(topology.shard_group) is not None:
+            raise ValueError(
+                "host_transport='gloo', but an earlier fully_shard already put this shard "
+                "group's collectives on shared memory; pass a mesh over a separate process "
+                "group for this model, or the same host_transport as before"
+            )
         enable_host_transport(topology.shard_group, host_transport)
     options = UnitOptions(
         topology=topology,

@@ -11,8 +11,10 @@ A ``ParameterGroup`` owns, laid out by one ``FlatLayout``:
 It also owns two sets of ``nn.Parameter`` objects created once: the unsharded parameters
 (zero-copy views into the unsharded model-weight buffer, used by forward and backward) and
 the distributed parameters (DTensors of the original shapes over the optimizer-facing shard,
-seen by the optimizer and by ``state_dict``). Gradients arrive per parameter into a temporary
-unsharded buffer in the reduce dtype and leave through one collective per group.
+seen by the optimizer and by ``state_dict``). Gradients leave through one collective per
+group. Where the shared-memory host transport carries the reduce-scatter, the group keeps
+autograd's per-parameter gradients and the transport reads them in place (``FlatPieces``);
+elsewhere they are copied on arrival into a temporary unsharded buffer in the reduce dtype.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from mfsdp_buffers import (
     BufferRole,
     DataParallelBuffer,
     FlatLayout,
+    FlatPieces,
     PlainAllocator,
 )
 from mfsdp_collectives import (
@@ -38,6 +41,7 @@ from mfsdp_collectives import (
     FSDPTopology,
     all_gather_into,
     all_reduce_,
+    host_transport_of,
     reduce_scatter_into,
 )
 from mfsdp_hooks.dtensor_views import replicated_dtensor, sharded_dtensor
@@ -142,10 +146,24 @@ class ParameterGroup:
                 mesh=topology.shard_mesh,
             )
         self._grad_allocator: Allocator = grad_allocator or PlainAllocator()
-        native_average = dist.get_backend(topology.shard_group) != "gloo"
+        # Per-parameter gradients are kept as they arrive when the reduce-scatter can read
+        # them in place; a pre-scale then becomes the same post-scale on the output shard.
+        # A pooling allocator asked for by name keeps the flat buffers it exists to serve.
+        self._held: list[torch.Tensor | None] | None = None
+        in_place = (
+            device.type == "cpu"
+            and strategy != ShardingStrategy.NO_SHARD
+            and type(self._grad_allocator) is PlainAllocator
+            and host_transport_of(topology.shard_group) is not None
+        )
+        native_average = in_place or dist.get_backend(topology.shard_group) != "gloo"
         self._average, self._input_scale = reduce_config.collective_args(
             topology.shard_size, native_average
         )
+        self._output_scale: float | None = None
+        if in_place:
+            self._held = [None] * len(self.shapes)
+            self._output_scale, self._input_scale = self._input_scale, None
         self._fill_buffers(params)
         self.unsharded_params = self._adopt_params(params)
         self.dist_params = self._make_dist_params()
@@ -271,19 +289,38 @@ class ParameterGroup:
         self.grads_received = 0
 
     def accumulate_grad(self, index: int, grad: torch.Tensor) -> bool:
-        """Add one parameter's unsharded gradient into the reduce buffer.
+        """Take one parameter's unsharded gradient (kept, or added into the reduce buffer).
 
         Returns True when every gradient of the group has arrived in this backward.
         """
         if self.pending is not None:
             self.pending.wait()
+        if self._held is not None:
+            self._hold_grad(index, grad.reshape(-1))
+        else:
+            self._copy_grad_in(index, grad.reshape(-1))
+        self.grads_received += 1
+        return self.grads_received >= self.expected_grads
+
+    def _hold_grad(self, index: int, flat_grad: torch.Tensor) -> None:
+        """Keep autograd's gradient itself (the caller dropped ``param.grad``: it is ours)."""
+        assert self._held is not None
+        held = self._held[index]
+        if held is None:
+            self._held[index] = flat_grad
+            return
+        if held.dtype != self.reduce_dtype:
+            held = held.to(self.reduce_dtype)
+        with torch.no_grad():
+            self._held[index] = held.add_(flat_grad)
+
+    def _copy_grad_in(self, index: int, flat_grad: torch.Tensor) -> None:
         if self._grad_buffer is None:
             self._grad_buffer = self._grad_allocator.allocate(
                 ("grad", id(self)), self.layout.padded_numel, self.reduce_dtype, self.model.device
             )
         placement = self.layout.placements[index]
         slot = self._grad_buffer[placement.offset : placement.offset + placement.numel]
-        flat_grad = grad.reshape(-1)
         scale = self._input_scale
         with torch.no_grad():
             # A pre-scale (1/N, gradient_scaling_factor) rides on the copy we make anyway,
@@ -295,12 +332,25 @@ class ParameterGroup:
             else:
                 torch.mul(flat_grad, scale, out=slot)
             self._grad_filled[index] = True
-        self.grads_received += 1
-        return self.grads_received >= self.expected_grads
 
     @property
     def has_local_grads(self) -> bool:
+        if self._held is not None:
+            return any(g is not None for g in self._held)
         return self._grad_buffer is not None
+
+    def _held_pieces(self) -> FlatPieces:
+        assert self._held is not None
+        return FlatPieces(
+            self.layout.padded_numel,
+            [
+                (self.layout.placements[i].offset, grad)
+                for i, grad in enumerate(self._held)
+                if grad is not None
+            ],
+            dtype=self.reduce_dtype,
+            device=self.model.device,
+        )
 
     def _complete_grad_buffer(self) -> torch.Tensor:
         """The reduce buffer with padding and missing gradients zeroed."""
@@ -323,12 +373,11 @@ class ParameterGroup:
         assert self.grads is not None, "frozen parameter groups have no gradients to reduce"
         if self.pending is not None:
             self.pending.wait()
-        buffer = self._complete_grad_buffer()
         target, accumulate = self.grads.prepare(self.dist_params)
-        if self.strategy == ShardingStrategy.NO_SHARD:
+        if self._held is None and self.strategy == ShardingStrategy.NO_SHARD:
             self._no_shard_target = (target, accumulate)
             handle = all_reduce_(
-                buffer,
+                self._complete_grad_buffer(),
                 self.topology.shard_group,
                 average=self._average,
                 async_op=True,
@@ -336,11 +385,13 @@ class ParameterGroup:
             )
             self.pending = PendingReduction(self, handle, finish_no_shard=True)
             return self.pending
+        grads = self._held_pieces() if self._held is not None else self._complete_grad_buffer()
         handle = reduce_scatter_into(
-            buffer,
+            grads,
             target,
             self.topology.shard_group,
             average=self._average,
+            post_scale=self._output_scale,
             accumulate=accumulate,
             async_op=True,
             stream=streams,
@@ -349,6 +400,10 @@ class ParameterGroup:
         return self.pending
 
     def finish_reduction(self, no_shard: bool) -> None:
+        self.pending = None
+        if self._held is not None:
+            self._held = [None] * len(self.shapes)
+            return
         buffer = self._grad_buffer
         assert buffer is not None
         if no_shard:

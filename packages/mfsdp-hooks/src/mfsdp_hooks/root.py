@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mfsdp_buffers import PlainAllocator
 from mfsdp_collectives import CommStreams
 from mfsdp_hooks.grad_allocator import end_iteration
 from mfsdp_hooks.param_group import ParameterGroup, PendingReduction
@@ -39,6 +40,12 @@ class FSDPRoot:
         self._previous: dict[int, list[FSDPUnit]] = {}
         self.in_backward = False
         self._pending: deque[PendingReduction] = deque()
+        # Pools plan from the first iteration's alloc/free order; finishing reductions as
+        # soon as they land would make that order vary, and frees nothing from a pool.
+        self._reap_early = all(
+            u.options.grad_allocator is None or type(u.options.grad_allocator) is PlainAllocator
+            for u in self.units
+        )
 
     @staticmethod
     def lazy_init(first: FSDPUnit) -> FSDPRoot:
@@ -96,6 +103,15 @@ class FSDPRoot:
             return
         self._pending.append(pending)
         while len(self._pending) > self.options.max_inflight_reductions:
+            self._pending.popleft().wait()
+
+    def reap_finished_reductions(self) -> None:
+        """Finish the reductions that already landed, freeing their gradients early.
+
+        Without this a unit's gradients live until the next unit's reduction pushes it out
+        of the in-flight window, i.e. through all of that unit's backward.
+        """
+        while self._reap_early and self._pending and self._pending[0].handle.is_completed():
             self._pending.popleft().wait()
 
     def wait_reductions(self) -> None:

@@ -254,7 +254,9 @@ class FSDPUnit:
         self._grad_numel_received = 0
         if self.options.overlap_param_gather:
             self._deferred_prefetch = list(self.root.backward_prefetch_targets(self))
-            self._maybe_issue_backward_prefetch()
+            # The root's own parameters get most of their gradients at the very end of
+            # backward (embeddings): their share says nothing about its progress.
+            self._maybe_issue_backward_prefetch(force=self.root.root_unit is self)
 
     def _maybe_issue_backward_prefetch(self, force: bool = False) -> None:
         """Gather the next units of backward once enough of this unit's gradient arrived.
@@ -277,6 +279,8 @@ class FSDPUnit:
         grad = param.grad
         if grad is None:
             return
+        assert self.root is not None
+        self.root.reap_finished_reductions()
         complete = group.accumulate_grad(index, grad)
         param.grad = None
         self._grad_numel_received += grad.numel()

@@ -1,0 +1,91 @@
+"""A flat vector held as separate pieces: zero wherever no piece lies.
+
+Per-parameter gradients are such a vector: each sits at its parameter's offset in the
+flat layout, with padding and missing gradients in between. A collective that copies its
+input chunk by chunk anyway (the shared-memory reduce-scatter) can read the chunks straight
+from the pieces, so the gradients never need copying into one flat buffer first.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["FlatPieces"]
+
+
+class FlatPieces:
+    """``numel`` elements of ``dtype``: ``pieces[i]`` at ``offsets[i]``, zeros elsewhere.
+
+    Pieces are 1-D, may be of another dtype (reads cast) and must not overlap.
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        pieces: Sequence[tuple[int, torch.Tensor]],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        ordered = sorted(pieces, key=lambda item: item[0])
+        cursor = 0
+        for offset, piece in ordered:
+            if piece.dim() != 1:
+                raise ValueError(f"pieces must be 1-D, got shape {tuple(piece.shape)}")
+            if offset < cursor or offset + piece.numel() > numel:
+                raise ValueError(
+                    f"piece at offset {offset} with {piece.numel()} elements overlaps another "
+                    f"or runs past numel={numel}"
+                )
+            if piece.device != device:
+                raise ValueError(f"piece on {piece.device} but the vector is on {device}")
+            cursor = offset + piece.numel()
+        self.numel = numel
+        self.dtype = dtype
+        self.device = device
+        self._offsets = [offset for offset, _ in ordered]
+        self._ends = [offset + piece.numel() for offset, piece in ordered]
+        self._pieces = [piece for _, piece in ordered]
+
+    @property
+    def pieces(self) -> list[torch.Tensor]:
+        """The pieces, in offset order."""
+        return list(self._pieces)
+
+    def _overlapping(self, start: int, stop: int) -> range:
+        first = bisect.bisect_right(self._ends, start)
+        last = bisect.bisect_left(self._offsets, stop)
+        return range(first, last)
+
+    def copy_range_into(self, dst: torch.Tensor, start: int) -> None:
+        """``dst[:] = self[start : start + dst.numel()]``."""
+        stop = start + dst.numel()
+        cursor = start
+        for i in self._overlapping(start, stop):
+            lo, hi = max(self._offsets[i], start), min(self._ends[i], stop)
+            if lo > cursor:
+                dst[cursor - start : lo - start].zero_()
+            dst[lo - start : hi - start].copy_(
+                self._pieces[i][lo - self._offsets[i] : hi - self._offsets[i]]
+            )
+            cursor = hi
+        if cursor < stop:
+            dst[cursor - start :].zero_()
+
+    def add_range_into(self, dst: torch.Tensor, start: int) -> None:
+        """``dst += self[start : start + dst.numel()]`` (gaps add nothing)."""
+        stop = start + dst.numel()
+        for i in self._overlapping(start, stop):
+            lo, hi = max(self._offsets[i], start), min(self._ends[i], stop)
+            dst[lo - start : hi - start].add_(
+                self._pieces[i][lo - self._offsets[i] : hi - self._offsets[i]]
+            )
+
+    def materialize(self) -> torch.Tensor:
+        """The whole vector as one new flat tensor."""
+        flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        self.copy_range_into(flat, 0)
+        return flat
