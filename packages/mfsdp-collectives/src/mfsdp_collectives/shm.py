@@ -269,6 +269,9 @@ class SharedMemoryTransport:
         n = output.numel()
         peers = self.size - 1
         per_step = self._elements_per_step(inp.dtype, peers)
+        # Low-precision pieces are summed in fp32 and rounded once, into ``output``.
+        wide = output.is_floating_point() and output.element_size() < 4
+        scratch = torch.empty(min(per_step, n), dtype=torch.float32) if wide else None
         # Every rank adds the same ranks' pieces in the same order (0, 1, ...).
         for start in range(0, n, per_step):
             stop = min(start + per_step, n)
@@ -279,9 +282,7 @@ class SharedMemoryTransport:
                 _read_into(slot[i * width : (i + 1) * width], inp, dst * n + start)
             self._exchange()
             out = output[start:stop]
-            # Low-precision pieces are summed in fp32 and rounded once, into ``out``.
-            wide = out.is_floating_point() and out.element_size() < 4
-            acc = torch.empty(width, dtype=torch.float32) if wide else out
+            acc = scratch[:width] if scratch is not None else out
             for j, src in enumerate(range(self.size)):
                 if src == self.rank:
                     _add_into(acc, inp, self.rank * n + start, first=j == 0)
