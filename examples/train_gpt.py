@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard_model, fully_shard_optimizer
+from mfsdp_collectives import disable_host_transport
 
 
 class CausalSelfAttention(nn.Module):
@@ -174,6 +175,7 @@ def main() -> None:
                 sys.stdout.flush()
     if rank == 0:
         print(f"\nloss {first_loss:.3f} -> {last_loss:.3f}", flush=True)
+    disable_host_transport()
     dist.destroy_process_group()
     if not last_loss < first_loss:
         raise SystemExit("loss did not fall")

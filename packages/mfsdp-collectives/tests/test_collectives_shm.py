@@ -9,6 +9,7 @@ of two terms are bitwise equal and longer sums agree to rounding.
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from mfsdp_buffers import FlatPieces, LiveTensorTracker
 from mfsdp_collectives import (
     CommTracer,
     all_gather_into,
+    disable_host_transport,
     enable_host_transport,
     host_transport_of,
     reduce_scatter_into,
@@ -277,3 +279,32 @@ def test_a_rank_that_cannot_map_a_mailbox_makes_every_rank_keep_gloo() -> None:
     for auto, strict in run_distributed(_one_rank_cannot_map, 2, timeout=60):
         assert auto == "gloo"
         assert "rank 1:" in strict and "Permission denied" in strict and "'gloo'" in strict
+
+
+def _disable_then_enable(rank: int, world: int) -> list[int]:
+    group = dist.new_group(list(range(world)))
+    shards = _inputs(world, 3 * CHUNK, torch.float32, seed=5)
+    expected = torch.cat(shards)
+    threads = []
+    for _ in range(2):
+        transport = enable_host_transport(group, "shm", chunk_bytes=CHUNK)
+        assert transport is not None
+        out = torch.empty_like(expected)
+        handle = all_gather_into(shards[rank], out, group)
+        disable_host_transport(group)  # the collective already issued completes first
+        handle.wait()
+        assert torch.equal(out, expected)
+        assert host_transport_of(group) is None
+        threads.append(sum(t.name.startswith("mfsdp-shm-") for t in threading.enumerate()))
+        out = torch.empty_like(expected)
+        all_gather_into(shards[rank], out, group).wait()  # now through gloo
+        assert torch.equal(out, expected)
+    disable_host_transport(group)  # nothing to do, no error
+    enable_host_transport(group, "shm", chunk_bytes=CHUNK)
+    disable_host_transport()  # every group
+    assert host_transport_of(group) is None
+    return threads
+
+
+def test_disabling_a_transport_stops_its_worker_and_returns_the_group_to_gloo() -> None:
+    assert run_distributed(_disable_then_enable, 2, timeout=120) == [[0, 0], [0, 0]]

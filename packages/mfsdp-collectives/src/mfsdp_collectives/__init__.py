@@ -26,6 +26,7 @@ from .shm import (
     HOST_TRANSPORTS,
     SharedMemoryTransport,
     check_host_transport,
+    disable_host_transport,
     enable_host_transport,
     host_transport_of,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "broadcast_",
     "check_host_transport",
     "default_device",
+    "disable_host_transport",
     "enable_host_transport",
     "group_name",
     "host_transport_of",

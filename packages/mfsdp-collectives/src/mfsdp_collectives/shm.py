@@ -56,6 +56,7 @@ __all__ = [
     "HOST_TRANSPORTS",
     "SharedMemoryTransport",
     "check_host_transport",
+    "disable_host_transport",
     "enable_host_transport",
     "host_transport_of",
 ]
@@ -173,9 +174,17 @@ class SharedMemoryTransport:
             target=_serve, args=(self._queue,), name=f"mfsdp-shm-{self._name}", daemon=True
         )
         worker.start()
+        self._worker = worker
         # Stop an idle worker before the interpreter finalises, so no thread of ours is
         # parked there while torch and gloo tear down.
         atexit.register(_stop, self._queue, worker)
+
+    def close(self) -> None:
+        """Finish the queued collectives, stop the worker and drop the mappings."""
+        if self._failed is None:
+            self._failed = RuntimeError("the transport was closed")
+        _stop(self._queue, self._worker, timeout_s=self.timeout_s)
+        self._boxes = []
 
     @property
     def mapped_bytes(self) -> int:
@@ -318,9 +327,9 @@ def _add_into(acc: torch.Tensor, inp: torch.Tensor | FlatPieces, start: int, fir
 _Job = tuple[Future[None], Callable[[], None]] | None
 
 
-def _stop(jobs: queue.SimpleQueue[_Job], worker: threading.Thread) -> None:
+def _stop(jobs: queue.SimpleQueue[_Job], worker: threading.Thread, timeout_s: float = 1.0) -> None:
     jobs.put(None)
-    worker.join(timeout=1.0)  # a worker stuck waiting for a dead peer stays a daemon
+    worker.join(timeout=timeout_s)  # a worker stuck waiting for a dead peer stays a daemon
 
 
 def _serve(jobs: queue.SimpleQueue[_Job]) -> None:
@@ -358,6 +367,25 @@ def host_transport_of(group: dist.ProcessGroup) -> SharedMemoryTransport | None:
     """The shared-memory transport serving ``group``, if one was enabled."""
     with _registry_lock:
         return _transports.get(group)
+
+
+def disable_host_transport(group: dist.ProcessGroup | None = None) -> None:
+    """Return ``group``'s all-gathers and reduce-scatters to gloo (local, no collective).
+
+    Collectives already issued complete first; then the worker thread stops and the
+    mailboxes are unmapped. ``None`` does this for every group that has a transport. Call
+    it on every rank at the same point of the program, e.g. before
+    ``dist.destroy_process_group``; a group without a transport is left as it is.
+    """
+    with _registry_lock:
+        if group is None:
+            closing = list(_transports.values())
+            _transports.clear()
+        else:
+            found = _transports.pop(group, None)
+            closing = [found] if found is not None else []
+    for transport in closing:
+        transport.close()
 
 
 def enable_host_transport(

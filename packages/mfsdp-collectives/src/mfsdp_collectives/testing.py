@@ -36,6 +36,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from .shm import disable_host_transport
+
 __all__ = ["DistributedTestError", "run_distributed"]
 
 T = TypeVar("T")
@@ -207,6 +209,7 @@ def _worker(
         conn.close()
         os._exit(1)  # skip teardown: peers may be stuck in a collective with us
     if dist.is_initialized():
+        disable_host_transport()
         dist.destroy_process_group()
     conn.close()
 
