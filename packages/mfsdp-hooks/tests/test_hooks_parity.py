@@ -18,7 +18,7 @@ from hooks_models import (
     reference_training,
 )
 
-from mfsdp_collectives import host_transport_of
+from mfsdp_collectives import disable_host_transport, host_transport_of
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import MegatronFSDP, fsdp_units, fully_shard
 
@@ -30,6 +30,7 @@ def _train_sharded(
     rank: int, world: int, strategy: int, optimizer_name: str, api: str
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = make_model()
+    transport = ""
     if api == "per_module":
         for block in model.blocks:
             fully_shard(block, sharding_strategy=strategy)
@@ -43,13 +44,16 @@ def _train_sharded(
             sharding_strategy=strategy,
             sync_model_each_microbatch=True,
             grad_buffer_allocator=allocator or "plain",
-            host_transport=transport or "auto",
+            host_transport=(transport or "auto").replace("shm-then-gloo", "shm"),
         )
         shard_group = fsdp_units(model)[0].options.topology.shard_group
         assert (host_transport_of(shard_group) is None) == (transport == "gloo")
     optimizer = make_optimizer(optimizer_name, [p for p in trained.parameters() if p.requires_grad])
     losses = []
-    for tokens, targets in make_batches(STEPS, GLOBAL_BATCH):
+    for step, (tokens, targets) in enumerate(make_batches(STEPS, GLOBAL_BATCH)):
+        if transport == "shm-then-gloo" and step == STEPS // 2:
+            # Units built for shared memory keep working when the group goes back to gloo.
+            disable_host_transport(fsdp_units(model)[0].options.topology.shard_group)
         loss = loss_fn(trained(local_slice(tokens, rank, world)), local_slice(targets, rank, world))
         loss.backward()
         optimizer.step()
@@ -98,5 +102,9 @@ def test_parity_with_pooled_gradient_buffers(strategy: int, allocator: str) -> N
 def test_parity_through_gloo_and_through_shared_memory(world: int) -> None:
     """The tests above run on the default transport (shared memory on one host); this keeps
     gloo's own collectives at parity too, and pins that the choice is the one taken."""
-    configs = [(3, "adamw", "megatron::gloo"), (2, "adamw", "megatron::shm")]
+    configs = [
+        (3, "adamw", "megatron::gloo"),
+        (2, "adamw", "megatron::shm"),
+        (3, "adamw", "megatron::shm-then-gloo"),
+    ]
     run_distributed(_parity_worker, world, configs, timeout=240)
