@@ -77,12 +77,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="auto",
         help="ours on CPU: shared-memory collectives between the ranks of this host, or gloo's",
     )
+    p.add_argument(
+        "--backward-prefetch-fraction",
+        type=float,
+        default=0.5,
+        help="ours: backward_prefetch_grad_fraction (0.0 = FSDP2's pre-backward timing)",
+    )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per world")
     args = p.parse_args(argv)
     if args.reps < 1 or args.steps < 1 or args.warmup < 0:
         p.error("need --reps >= 1, --steps >= 1, --warmup >= 0")
+    if not 0.0 <= args.backward_prefetch_fraction <= 1.0:
+        p.error("--backward-prefetch-fraction must be in [0, 1]")
     return args
 
 

@@ -82,8 +82,11 @@ class RunSpec:
     """When set, profile ``steps`` steps with torch.profiler instead of timing them."""
     seed: int = 0
     grad_allocator: str = "plain"
-    host_transport: str = "auto"
     """Ours only: the allocator of the temporary gradient reduce buffers."""
+    host_transport: str = "auto"
+    """Ours only, CPU: shared-memory collectives or gloo's."""
+    backward_prefetch_grad_fraction: float = 0.5
+    """Ours only: share of a unit's gradient that arrives before it prefetches the next."""
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:

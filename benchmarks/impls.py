@@ -65,6 +65,7 @@ def build_ours(model: GPT, spec: RunSpec) -> Trainer:
             mp_policy=policy,
             grad_buffer_allocator=allocator,
             host_transport=spec.host_transport,
+            backward_prefetch_grad_fraction=spec.backward_prefetch_grad_fraction,
         )
     return Trainer(model, _adamw(list(model.parameters())))
 

@@ -62,6 +62,7 @@ def benchmark_worlds(args: argparse.Namespace, s: Settings) -> list[tuple[int, R
                             instrument_warmup=1,
                             grad_allocator=args.grad_allocator,
                             host_transport=args.host_transport,
+                            backward_prefetch_grad_fraction=args.backward_prefetch_fraction,
                         )
                         plan.append((rep, spec))
     return plan
@@ -84,6 +85,7 @@ def profile_worlds(args: argparse.Namespace, s: Settings, out_dir: str) -> list[
             profile_dir=out_dir,
             grad_allocator=args.grad_allocator,
             host_transport=args.host_transport,
+            backward_prefetch_grad_fraction=args.backward_prefetch_fraction,
         )
         for precision in args.precisions
         for impl in ("ours", "fsdp2", "local")
