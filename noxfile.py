@@ -75,6 +75,7 @@ def tests(session: nox.Session, torch: str) -> None:
         "packages",
         "tests",
         "benchmarks/test_trackers.py",
+        "benchmarks/test_goals.py",
         *session.posargs,
     )
 

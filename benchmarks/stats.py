@@ -71,6 +71,18 @@ class CellSummary:
             return None
         return float(x) / float(y)
 
+    def step_ratio_band(self) -> tuple[float, float] | None:
+        """The widest ours/FSDP2 step-time ratio the repetitions allow: (best, worst)."""
+        a, b = self.impls.get("ours"), self.impls.get("fsdp2")
+        if a is None or b is None or not a.step_s_reps or not b.step_s_reps:
+            return None
+        if min(b.step_s_reps) <= 0:
+            return None
+        return (
+            min(a.step_s_reps) / max(b.step_s_reps),
+            max(a.step_s_reps) / min(b.step_s_reps),
+        )
+
     def overlap_efficiency(self, impl: str) -> float | None:
         return self.ratio("step_s", impl, "local")
 
