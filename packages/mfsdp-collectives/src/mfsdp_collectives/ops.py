@@ -189,11 +189,11 @@ class _ReduceScatterStage:
         self.recv: torch.Tensor | None = None
         self.send: torch.Tensor | FlatPieces | None = None
 
-    def _send(self, transport: SharedMemoryTransport | None) -> torch.Tensor | FlatPieces:
+    def _send(self) -> torch.Tensor | FlatPieces:
         """What goes on the wire: pieces stay pieces only where the transport reads them."""
         inp = self.inp
         if isinstance(inp, FlatPieces):
-            reads_in_place = transport is not None and self.spec.pre_scale is None
+            reads_in_place = self.transport is not None and self.spec.pre_scale is None
             if reads_in_place and inp.dtype == self.spec.reduce_dtype:
                 return inp
             inp = inp.materialize()
@@ -201,7 +201,7 @@ class _ReduceScatterStage:
 
     def __call__(self) -> Work | None:
         transport = self.transport
-        send = self._send(transport)
+        send = self._send()
         sent = send.pieces if isinstance(send, FlatPieces) else [send]
         direct = (
             not self.accumulate

@@ -33,6 +33,15 @@ def make_grad_allocator(choice: str | Allocator, max_inflight_reductions: int) -
     )
 
 
+def pools_memory(allocator: object | None) -> bool:
+    """Whether ``allocator`` keeps memory across frees (a pool, or a user's allocator).
+
+    Such an allocator exists to serve flat reduce buffers, so units keep using them, and
+    its frees stay in a fixed order (the trace pool plans from the first iteration's).
+    """
+    return allocator is not None and type(allocator) is not PlainAllocator
+
+
 def end_iteration(allocator: object) -> None:
     """Tell iteration-aware allocators (the trace pool) that one training iteration ended."""
     hook = getattr(allocator, "end_iteration", None)

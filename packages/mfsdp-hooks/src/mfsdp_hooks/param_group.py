@@ -45,6 +45,7 @@ from mfsdp_collectives import (
     reduce_scatter_into,
 )
 from mfsdp_hooks.dtensor_views import replicated_dtensor, sharded_dtensor
+from mfsdp_hooks.grad_allocator import pools_memory
 from mfsdp_hooks.grad_shard import GradShard
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.reduce_config import GradReduceConfig
@@ -148,12 +149,11 @@ class ParameterGroup:
         self._grad_allocator: Allocator = grad_allocator or PlainAllocator()
         # Per-parameter gradients are kept as they arrive when the reduce-scatter can read
         # them in place; a pre-scale then becomes the same post-scale on the output shard.
-        # A pooling allocator asked for by name keeps the flat buffers it exists to serve.
         self._held: list[torch.Tensor | None] | None = None
         in_place = (
             device.type == "cpu"
             and strategy != ShardingStrategy.NO_SHARD
-            and type(self._grad_allocator) is PlainAllocator
+            and not pools_memory(self._grad_allocator)
             and host_transport_of(topology.shard_group) is not None
         )
         native_average = in_place or dist.get_backend(topology.shard_group) != "gloo"

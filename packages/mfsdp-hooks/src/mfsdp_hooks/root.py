@@ -8,9 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mfsdp_buffers import PlainAllocator
 from mfsdp_collectives import CommStreams
-from mfsdp_hooks.grad_allocator import end_iteration
+from mfsdp_hooks.grad_allocator import end_iteration, pools_memory
 from mfsdp_hooks.param_group import ParameterGroup, PendingReduction
 from mfsdp_hooks.unit import FSDPUnit, unit_of
 
@@ -40,12 +39,9 @@ class FSDPRoot:
         self._previous: dict[int, list[FSDPUnit]] = {}
         self.in_backward = False
         self._pending: deque[PendingReduction] = deque()
-        # Pools plan from the first iteration's alloc/free order; finishing reductions as
-        # soon as they land would make that order vary, and frees nothing from a pool.
-        self._reap_early = all(
-            u.options.grad_allocator is None or type(u.options.grad_allocator) is PlainAllocator
-            for u in self.units
-        )
+        # Finishing reductions as soon as they land would make a pool's free order vary,
+        # and frees nothing from a pool.
+        self._reap_early = not any(pools_memory(u.options.grad_allocator) for u in self.units)
 
     @staticmethod
     def lazy_init(first: FSDPUnit) -> FSDPRoot:
