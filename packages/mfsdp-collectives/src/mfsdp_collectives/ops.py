@@ -59,9 +59,7 @@ def _membership(group: object, arg: str) -> tuple[dist.ProcessGroup, int, int]:
     return pg, rank, dist.get_world_size(pg)
 
 
-def _host_transport(
-    group: dist.ProcessGroup, x: torch.Tensor | FlatPieces
-) -> SharedMemoryTransport | None:
+def _host_transport(group: dist.ProcessGroup, x: torch.Tensor) -> SharedMemoryTransport | None:
     """The shared-memory transport that carries ``group``'s CPU collectives, if enabled."""
     return host_transport_of(group) if x.device.type == "cpu" else None
 

@@ -374,7 +374,7 @@ class ParameterGroup:
         if self.pending is not None:
             self.pending.wait()
         target, accumulate = self.grads.prepare(self.dist_params)
-        if self._held is None and self.strategy == ShardingStrategy.NO_SHARD:
+        if self.strategy == ShardingStrategy.NO_SHARD:  # never held: no transport all-reduce
             self._no_shard_target = (target, accumulate)
             handle = all_reduce_(
                 self._complete_grad_buffer(),
