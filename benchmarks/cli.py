@@ -83,6 +83,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.5,
         help="ours: backward_prefetch_grad_fraction (0.0 = FSDP2's pre-backward timing)",
     )
+    p.add_argument(
+        "--optimizer-step",
+        choices=("contiguous", "per-param"),
+        default="contiguous",
+        help="ours: AdamW through fully_shard_optimizer's contiguous step, or torch's own loop",
+    )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per world")
@@ -216,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         failures=failures,
         speeds=speeds,
         argv=words,
-        settings=settings.describe(args.threads),
+        settings=settings.describe(args.threads, args.optimizer_step),
         wall_s=time.perf_counter() - start,
     )
     results_md = args.results_md

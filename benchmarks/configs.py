@@ -87,6 +87,8 @@ class RunSpec:
     """Ours only, CPU: shared-memory collectives or gloo's."""
     backward_prefetch_grad_fraction: float = 0.5
     """Ours only: share of a unit's gradient that arrives before it prefetches the next."""
+    contiguous_step: bool = True
+    """Ours only: AdamW steps contiguous runs of the sharded buffers, not each parameter."""
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:

@@ -9,7 +9,8 @@
   framework overhead, shows up in that ratio.
 
 All three use ``torch.optim.AdamW`` with the same hyper-parameters over the parameters the
-model exposes, and the same fp32 loss.
+model exposes, and the same fp32 loss. Ours passes it through ``attach_optimizer`` (what the
+seed's ``fully_shard_optimizer`` does), which steps contiguous runs of the sharded buffers.
 """
 
 from __future__ import annotations
@@ -67,7 +68,12 @@ def build_ours(model: GPT, spec: RunSpec) -> Trainer:
             host_transport=spec.host_transport,
             backward_prefetch_grad_fraction=spec.backward_prefetch_grad_fraction,
         )
-    return Trainer(model, _adamw(list(model.parameters())))
+    # The seed's optimizer integration: the same torch AdamW, stepped over contiguous runs of
+    # the sharded buffers unless the run measures torch's per-parameter loop.
+    optimizer = mfsdp_hooks.attach_optimizer(
+        _adamw(list(model.parameters())), contiguous_step=spec.contiguous_step
+    )
+    return Trainer(model, optimizer)
 
 
 def build_fsdp2(model: GPT, spec: RunSpec, device: torch.device) -> Trainer:

@@ -34,12 +34,12 @@ class Settings:
             return cls(device, worlds, QUICK_CONFIGS, QUICK["steps"], QUICK["warmup"], 1)
         return cls(device, worlds, CONFIGS, args.steps, args.warmup, args.reps)
 
-    def describe(self, threads: int) -> str:
+    def describe(self, threads: int, optimizer_step: str) -> str:
         return (
             f"{self.reps} rep(s) per implementation, {self.steps} timed steps after "
             f"{self.warmup} warm-up step(s) (plus 1 warm-up and 1 instrumented step in the"
             f" first rep), {threads} torch thread(s) per rank, ZeRO-3 (FSDP2 default"
-            " reshard_after_forward), AdamW"
+            f" reshard_after_forward), AdamW (ours: {optimizer_step} step)"
         )
 
 
@@ -63,6 +63,7 @@ def benchmark_worlds(args: argparse.Namespace, s: Settings) -> list[tuple[int, R
                             grad_allocator=args.grad_allocator,
                             host_transport=args.host_transport,
                             backward_prefetch_grad_fraction=args.backward_prefetch_fraction,
+                            contiguous_step=args.optimizer_step == "contiguous",
                         )
                         plan.append((rep, spec))
     return plan
@@ -86,6 +87,7 @@ def profile_worlds(args: argparse.Namespace, s: Settings, out_dir: str) -> list[
             grad_allocator=args.grad_allocator,
             host_transport=args.host_transport,
             backward_prefetch_grad_fraction=args.backward_prefetch_fraction,
+            contiguous_step=args.optimizer_step == "contiguous",
         )
         for precision in args.precisions
         for impl in ("ours", "fsdp2", "local")

@@ -83,6 +83,12 @@ def _bad_input(rank: int, world: int, case: str) -> str:
             fully_shard_model(model.module, fsdp_unit_modules=[Layer])
         elif case == "optimizer":
             fully_shard_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+        elif case == "contiguous_step":
+            model = fully_shard_model(_model(), fsdp_unit_modules=[Layer])
+            fully_shard_optimizer(torch.optim.RMSprop(model.parameters()), contiguous_step=True)
+        elif case == "step_chunk_numel":
+            model = fully_shard_model(_model(), fsdp_unit_modules=[Layer])
+            fully_shard_optimizer(torch.optim.Adam(model.parameters()), step_chunk_numel=0)
         elif case == "hsdp":
             fully_shard_model(_model(), fsdp_unit_modules=[Layer], dp_outer_dim="dp_outer")
         elif case == "meta":
@@ -104,6 +110,8 @@ def _bad_input(rank: int, world: int, case: str) -> str:
         ("strategy_name", "ValueError: zero_dp_strategy='zero9' is not a sharding strategy"),
         ("twice", "ValueError: module: it is already fully sharded"),
         ("optimizer", "ValueError: optimizer holds no fully-sharded parameters"),
+        ("contiguous_step", "TypeError: contiguous_step: RMSprop is not one of the elementwise"),
+        ("step_chunk_numel", "ValueError: step_chunk_numel must be a positive int"),
         ("hsdp", "NotImplementedError: dp_outer_dim='dp_outer': hybrid sharding (HSDP)"),
         ("meta", "NotImplementedError: init_model_with_meta_device=True"),
         ("nccl_ub", "NotImplementedError: nccl_ub=True: NCCL user buffers"),

@@ -184,16 +184,21 @@ def _policy(
 
 
 def fully_shard_optimizer(
-    optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: bool = True
+    optimizer: torch.optim.Optimizer,
+    preproc_state_dict_for_dcp_ckpt: bool = True,
+    *,
+    contiguous_step: bool | None = None,
+    step_chunk_numel: int | None = None,
 ) -> torch.optim.Optimizer:
     """Add ``sync_grad_before_optimizer_step``/``install_optimized_model_weights`` to ``step``
     and ``zero_grad_buffer`` to ``zero_grad`` of an optimizer built on the sharded model.
 
     With ``preproc_state_dict_for_dcp_ckpt`` its ``state_dict()`` is keyed by the sharded
     model's parameter names and holds DTensors that ``torch.distributed.checkpoint`` saves
-    and reshards directly.
+    and reshards directly. ``contiguous_step``/``step_chunk_numel``: see
+    :func:`mfsdp_hooks.attach_optimizer`.
     """
-    attach_optimizer(optimizer)
+    attach_optimizer(optimizer, contiguous_step=contiguous_step, step_chunk_numel=step_chunk_numel)
     if preproc_state_dict_for_dcp_ckpt:
         models = {id(m): m for m in (owning_model(g) for g in optimizer_groups(optimizer)) if m}
         for model in models.values():

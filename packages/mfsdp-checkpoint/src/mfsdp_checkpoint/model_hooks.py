@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from mfsdp_checkpoint.chunks import annotate, chunk_of
 from mfsdp_checkpoint.param_index import ParamIndex, ParamRef
-from mfsdp_hooks import FSDPUnit, ParameterGroup
+from mfsdp_hooks import FSDPUnit, ParameterGroup, dtensor_like
 
 _HOOKS_ATTR = "_mfsdp_checkpoint_hooks"
 
@@ -36,29 +36,13 @@ def dcp_view(ref: ParamRef, keep_vars: bool = False) -> torch.Tensor:
     return annotate(tensor, ref.chunk, ref.group, ref.fqn)
 
 
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(stride))
-
-
 def _as_local_rows(value: torch.Tensor, ref: ParamRef) -> torch.Tensor:
     """A DTensor laid out exactly like ``ref.param`` holding ``value``'s rows for this rank."""
     target = ref.param
     assert isinstance(target, DTensor)
     chunk = ref.chunk
     rows = value[chunk.row_start : chunk.row_end]
-    with torch.no_grad():
-        return DTensor.from_local(
-            rows,
-            target.device_mesh,
-            target.placements,
-            run_check=False,
-            shape=target.shape,
-            stride=_contiguous_stride(target.shape),
-        )
+    return dtensor_like(rows, target)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,5 +1,6 @@
 """mfsdp_hooks: the FSDP unit lifecycle, mixed precision and optimizer integration."""
 
+from mfsdp_hooks.dtensor_views import dtensor_like
 from mfsdp_hooks.fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -36,6 +37,7 @@ __all__ = [
     "__version__",
     "attach_optimizer",
     "dist_param_of",
+    "dtensor_like",
     "fsdp_units",
     "fully_shard",
     "is_fully_sharded",

@@ -29,6 +29,20 @@ def sharded_dtensor(local: torch.Tensor, mesh: DeviceMesh, shape: torch.Size) ->
         )
 
 
+def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """A DTensor with ``like``'s mesh, placements and global shape whose local tensor is
+    ``local`` (no copy): state, gradients or loaded values laid out as a parameter."""
+    with torch.no_grad():
+        return DTensor.from_local(
+            local,
+            like.device_mesh,
+            like.placements,
+            run_check=False,
+            shape=like.shape,
+            stride=contiguous_stride(like.shape),
+        )
+
+
 def replicated_dtensor(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     with torch.no_grad():
         return DTensor.from_local(local, mesh, [Replicate()], run_check=False)

@@ -1,0 +1,144 @@
+"""Contiguous optimizer steps: bit-identical to torch's per-parameter loop, on plain chunks."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hooks_models import Block, local_slice, loss_fn, make_batches, make_model
+from torch.distributed.tensor import DTensor
+
+from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks import MegatronFSDP, attach_optimizer
+from mfsdp_hooks.contiguous_step import ContiguousStepper
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "adam-amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, weight_decay=0.05),
+    "adamw-fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+    "adamw-foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True, maximize=True),
+    "sgd-nesterov": lambda p: torch.optim.SGD(
+        p, lr=5e-2, momentum=0.9, nesterov=True, weight_decay=0.01
+    ),
+    "sgd-plain": lambda p: torch.optim.SGD(p, lr=5e-2),
+}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _assert_same(
+    per_param: torch.optim.Optimizer, contiguous: torch.optim.Optimizer, where: str
+) -> None:
+    params_a = [p for g in per_param.param_groups for p in g["params"]]
+    params_b = [p for g in contiguous.param_groups for p in g["params"]]
+    for index, (a, b) in enumerate(zip(params_a, params_b, strict=True)):
+        assert torch.equal(_local(a), _local(b)), f"{where}: weight {index} differs"
+        state_a, state_b = per_param.state.get(a, {}), contiguous.state.get(b, {})
+        assert set(state_a) == set(state_b), f"{where}: state keys of {index} differ"
+        for key, value in state_a.items():
+            assert torch.equal(_local(value), _local(state_b[key])), f"{where}: {key} of {index}"
+            if isinstance(value, DTensor):
+                other = state_b[key]
+                assert isinstance(other, DTensor) and other.placements == value.placements
+                assert other.shape == value.shape, f"{where}: {key} of {index} global shape"
+
+
+def _parity_worker(rank: int, world: int, strategy: int) -> None:
+    batches = make_batches(6, 8)
+    chunk = 13  # cuts chunks inside parameters, and makes runs of several chunks
+    for name, build in OPTIMIZERS.items():
+        models = [
+            MegatronFSDP(make_model(), fsdp_unit_modules=[Block], sharding_strategy=strategy)
+            for _ in range(2)
+        ]
+        per_param = attach_optimizer(build(_trainable(models[0])), contiguous_step=False)
+        contiguous = attach_optimizer(build(_trainable(models[1])), step_chunk_numel=chunk)
+        seen: list[list[torch.Tensor]] = []
+
+        def record(opt: torch.optim.Optimizer, *_: Any, seen: list[Any] = seen) -> None:
+            seen.append([t for g in opt.param_groups for t in g["params"]])
+
+        contiguous.register_step_pre_hook(record)
+        for step, (tokens, targets) in enumerate(batches):
+            local = local_slice(tokens, rank, world), local_slice(targets, rank, world)
+            for model in models:
+                loss_fn(model(local[0]), local[1]).backward()
+            if step == 2:  # a gradient the user replaced: that run takes torch's loop
+                for model in models:
+                    model.finish_grad_sync()
+                for opt in (per_param, contiguous):
+                    first = opt.param_groups[0]["params"][0]
+                    first.grad = first.grad.clone()
+            if step == 3:  # state reloaded from a state dict: adopted by copy
+                for opt in (per_param, contiguous):
+                    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            if step == 4:
+                for opt in (per_param, contiguous):
+                    opt.step(lambda: None)  # a closure: torch's loop, no flat chunks
+            else:
+                per_param.step()
+                contiguous.step()
+            per_param.zero_grad()
+            contiguous.zero_grad()
+            _assert_same(per_param, contiguous, f"{name} strategy {strategy} step {step}")
+        flat_steps = [seen[s] for s in (0, 1, 3, 5)]
+        if name.endswith("-fused"):  # fused groups keep torch's single call over the list
+            assert all(isinstance(t, DTensor) for t in flat_steps[0]) or strategy == 0, name
+            continue
+        for listed in flat_steps:
+            assert not any(isinstance(t, DTensor) for t in listed), name
+            assert all(t.numel() <= chunk for t in listed), name
+        assert any(isinstance(t, DTensor) for t in seen[4]), name
+        restored = [p for g in contiguous.param_groups for p in g["params"]]
+        assert [id(p) for p in restored] == [id(p) for p in _trainable(models[1])], name
+
+
+@pytest.mark.parametrize("strategy", [0, 1, 3])
+def test_contiguous_step_is_bit_identical_to_per_parameter_step(strategy: int) -> None:
+    run_distributed(_parity_worker, 2, strategy, timeout=240)
+
+
+def _dropped_grad_worker(rank: int, world: int) -> None:
+    # A parameter without a gradient is skipped by torch (its step counter stays behind), so
+    # its run cannot share one counter: it must keep taking the per-parameter loop, correctly.
+    batches = make_batches(4, 8)
+    models = [MegatronFSDP(make_model(), fsdp_unit_modules=[Block]) for _ in range(2)]
+    per_param = attach_optimizer(OPTIMIZERS["adamw"](_trainable(models[0])), contiguous_step=False)
+    contiguous = attach_optimizer(OPTIMIZERS["adamw"](_trainable(models[1])))
+    for step, (tokens, targets) in enumerate(batches):
+        local = local_slice(tokens, rank, world), local_slice(targets, rank, world)
+        for model in models:
+            loss_fn(model(local[0]), local[1]).backward()
+        if step == 1:
+            for model in models:
+                model.finish_grad_sync()
+            for opt in (per_param, contiguous):
+                opt.param_groups[0]["params"][1].grad = None
+        per_param.step()
+        contiguous.step()
+        per_param.zero_grad()
+        contiguous.zero_grad()
+        _assert_same(per_param, contiguous, f"dropped grad, step {step}")
+    steps = {float(s["step"]) for s in contiguous.state.values()}
+    assert steps == {3.0, 4.0}, steps
+
+
+def test_contiguous_step_with_a_dropped_gradient() -> None:
+    run_distributed(_dropped_grad_worker, 2, timeout=120)
+
+
+def test_contiguous_step_rejects_bad_arguments() -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="contiguous_step=False"):
+        ContiguousStepper(torch.optim.RMSprop(model.parameters()), lambda p: True)
+    with pytest.raises(ValueError, match="step_chunk_numel"):
+        ContiguousStepper(torch.optim.SGD(model.parameters(), lr=0.1), lambda p: True, 0)
