@@ -84,6 +84,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="ours: backward_prefetch_grad_fraction (0.0 = FSDP2's pre-backward timing)",
     )
     p.add_argument(
+        "--prefetch-depth", type=int, default=1, help="ours: units gathered ahead (>= 1)"
+    )
+    p.add_argument(
         "--optimizer-step",
         choices=("contiguous", "per-param"),
         default="contiguous",
@@ -95,6 +98,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.reps < 1 or args.steps < 1 or args.warmup < 0:
         p.error("need --reps >= 1, --steps >= 1, --warmup >= 0")
+    if args.prefetch_depth < 1:
+        p.error("--prefetch-depth must be >= 1")
     if not 0.0 <= args.backward_prefetch_fraction <= 1.0:
         p.error("--backward-prefetch-fraction must be in [0, 1]")
     return args

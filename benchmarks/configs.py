@@ -89,6 +89,8 @@ class RunSpec:
     """Ours only: share of a unit's gradient that arrives before it prefetches the next."""
     contiguous_step: bool = True
     """Ours only: AdamW steps contiguous runs of the sharded buffers, not each parameter."""
+    prefetch_depth: int = 1
+    """Ours only: units gathered ahead in forward and backward."""
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:

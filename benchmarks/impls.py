@@ -67,6 +67,7 @@ def build_ours(model: GPT, spec: RunSpec) -> Trainer:
             grad_buffer_allocator=allocator,
             host_transport=spec.host_transport,
             backward_prefetch_grad_fraction=spec.backward_prefetch_grad_fraction,
+            prefetch_depth=spec.prefetch_depth,
         )
     # The seed's optimizer integration: the same torch AdamW, stepped over contiguous runs of
     # the sharded buffers unless the run measures torch's per-parameter loop.

@@ -64,6 +64,7 @@ def benchmark_worlds(args: argparse.Namespace, s: Settings) -> list[tuple[int, R
                             host_transport=args.host_transport,
                             backward_prefetch_grad_fraction=args.backward_prefetch_fraction,
                             contiguous_step=args.optimizer_step == "contiguous",
+                            prefetch_depth=args.prefetch_depth,
                         )
                         plan.append((rep, spec))
     return plan
@@ -88,6 +89,7 @@ def profile_worlds(args: argparse.Namespace, s: Settings, out_dir: str) -> list[
             host_transport=args.host_transport,
             backward_prefetch_grad_fraction=args.backward_prefetch_fraction,
             contiguous_step=args.optimizer_step == "contiguous",
+            prefetch_depth=args.prefetch_depth,
         )
         for precision in args.precisions
         for impl in ("ours", "fsdp2", "local")
