@@ -32,6 +32,9 @@ class GoalCheck:
         if self.measured is None:
             return "not measured"
         if self.ok:
+            if self.band is not None and self.band[1] > self.target:
+                low, high = self.band
+                return f"met (but the reps' spread, {low:.2f}-{high:.2f}, reaches past the target)"
             return "met"
         missed = f"missed by {100 * (self.measured / self.target - 1):.0f}%"
         if self.band is not None and self.band[0] <= self.target:

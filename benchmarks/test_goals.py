@@ -1,4 +1,4 @@
-"""The goal verdicts say when a miss is inside the repetitions' own spread."""
+"""The goal verdicts say when a miss, or a hit, is inside the repetitions' own spread."""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ def test_a_miss_inside_the_spread_says_so_with_the_range() -> None:
     assert verdict == "missed by 1% (within the reps' spread, 0.88-1.22)"
 
 
-def test_a_clear_miss_and_a_met_goal_carry_no_spread_note() -> None:
+def test_a_hit_inside_the_spread_says_so_with_the_range() -> None:
+    verdict = _no_slower(_cell([0.80, 0.85, 0.95], [0.90, 1.00, 1.05]))
+    assert verdict == "met (but the reps' spread, 0.76-1.06, reaches past the target)"
+
+
+def test_a_clear_miss_and_a_clear_hit_carry_no_spread_note() -> None:
     assert _no_slower(_cell([1.30, 1.31, 1.32], [1.00, 1.01, 1.02])) == "missed by 30%"
     assert _no_slower(_cell([0.90, 0.91, 0.92], [1.00, 1.01, 1.02])) == "met"
