@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 from benchmarks.goals import GoalCheck
 from benchmarks.stats import MIB, CellSummary, ImplSummary
 
@@ -53,18 +55,26 @@ def figures_table(cells: list[CellSummary]) -> str:
     return "\n".join(rows)
 
 
+def _paired(ratios: list[float]) -> str:
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
 def ratio_table(cells: list[CellSummary]) -> str:
     """ours/FSDP2 per cell (< 1 is better for us), plus the loss agreement check."""
     rows = [
-        "| config | prec | ws | model | step time ours/FSDP2 | CPU time/step ours/FSDP2 "
+        "| config | prec | ws | model | step time ours/FSDP2 "
+        "| paired per rep: median (min-max) | CPU time/step ours/FSDP2 "
         "| peak live mem ours/FSDP2 "
         "| RSS HWM ours/FSDP2 | overlap eff ours | overlap eff FSDP2 | max abs loss diff |",
-        "|" + "---|" * 11,
+        "|" + "---|" * 12,
     ]
     for c in cells:
         rows.append(
             f"| {c.config} | {c.precision} | {c.world_size} | {c.model} "
-            f"| {_f(c.ratio('step_s'), '{:.2f}')} | {_f(c.ratio('cpu_s'), '{:.2f}')} "
+            f"| {_f(c.ratio('step_s'), '{:.2f}')} | {_paired(c.paired_step_ratios())} "
+            f"| {_f(c.ratio('cpu_s'), '{:.2f}')} "
             f"| {_f(c.ratio('live_peak_mib'), '{:.2f}')} "
             f"| {_f(c.ratio('rss_timed_hwm_mib'), '{:.2f}')} "
             f"| {_f(c.overlap_efficiency('ours'), '{:.2f}')} "

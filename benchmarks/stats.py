@@ -71,6 +71,19 @@ class CellSummary:
             return None
         return float(x) / float(y)
 
+    def paired_step_ratios(self) -> list[float]:
+        """ours/FSDP2 step time within each repetition, sorted.
+
+        The two worlds of a repetition run back to back, so a ratio taken inside one
+        repetition cancels the drift of the machine's speed between repetitions, which on a
+        shared box is larger than the effects measured.
+        """
+        a, b = self.impls.get("ours"), self.impls.get("fsdp2")
+        if a is None or b is None:
+            return []
+        pairs = zip(a.step_s_reps, b.step_s_reps, strict=False)
+        return sorted(x / y for x, y in pairs if y > 0)
+
     def step_ratio_band(self) -> tuple[float, float] | None:
         """The widest ours/FSDP2 step-time ratio the repetitions allow: (best, worst)."""
         a, b = self.impls.get("ours"), self.impls.get("fsdp2")

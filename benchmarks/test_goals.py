@@ -32,6 +32,12 @@ def test_a_hit_inside_the_spread_says_so_with_the_range() -> None:
     assert verdict == "met (but the reps' spread, 0.76-1.06, reaches past the target)"
 
 
+def test_paired_ratios_divide_within_each_repetition() -> None:
+    cell = _cell([1.0, 2.0, 3.0], [2.0, 2.0, 2.0])
+    assert cell.paired_step_ratios() == [0.5, 1.0, 1.5]
+    assert _cell([1.0], []).paired_step_ratios() == []
+
+
 def test_a_clear_miss_and_a_clear_hit_carry_no_spread_note() -> None:
     assert _no_slower(_cell([1.30, 1.31, 1.32], [1.00, 1.01, 1.02])) == "missed by 30%"
     assert _no_slower(_cell([0.90, 0.91, 0.92], [1.00, 1.01, 1.02])) == "met"
