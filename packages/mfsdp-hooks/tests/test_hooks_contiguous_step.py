@@ -12,7 +12,7 @@ from hooks_models import Block, local_slice, loss_fn, make_batches, make_model
 from torch.distributed.tensor import DTensor
 
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, attach_optimizer
+from mfsdp_hooks import MegatronFSDP, MixedPrecisionPolicy, attach_optimizer, fully_shard
 from mfsdp_hooks.contiguous_step import ContiguousStepper
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -81,6 +81,12 @@ def _parity_worker(rank: int, world: int, strategy: int) -> None:
             if step == 3:  # state reloaded from a state dict: adopted by copy
                 for opt in (per_param, contiguous):
                     opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            if step == 5:  # a parameter moved out of the planned buffer: the run is re-planned
+                for opt in (per_param, contiguous):
+                    first = opt.param_groups[0]["params"][0]
+                    moved = first._local_tensor if isinstance(first, DTensor) else first
+                    with torch.no_grad():
+                        moved.set_(moved.clone())
             if step == 4:
                 for opt in (per_param, contiguous):
                     opt.step(lambda: None)  # a closure: torch's loop, no flat chunks
@@ -105,6 +111,34 @@ def _parity_worker(rank: int, world: int, strategy: int) -> None:
 @pytest.mark.parametrize("strategy", [0, 1, 3])
 def test_contiguous_step_is_bit_identical_to_per_parameter_step(strategy: int) -> None:
     run_distributed(_parity_worker, 2, strategy, timeout=240)
+
+
+def _bf16_worker(rank: int, world: int) -> None:
+    # bf16 compute weights are re-cast from the fp32 main weights the chunks update in place.
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    models = []
+    for _ in range(2):
+        model = make_model()
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        models.append(model)
+    per_param = attach_optimizer(OPTIMIZERS["adamw"](_trainable(models[0])), contiguous_step=False)
+    contiguous = attach_optimizer(OPTIMIZERS["adamw"](_trainable(models[1])), step_chunk_numel=29)
+    for step, (tokens, targets) in enumerate(make_batches(4, 8)):
+        local = local_slice(tokens, rank, world), local_slice(targets, rank, world)
+        losses = [loss_fn(model(local[0]), local[1]) for model in models]
+        assert torch.equal(losses[0], losses[1]), f"bf16 step {step}: losses differ"
+        for loss in losses:
+            loss.backward()
+        for opt in (per_param, contiguous):
+            opt.step()
+            opt.zero_grad()
+        _assert_same(per_param, contiguous, f"bf16 step {step}")
+
+
+def test_contiguous_step_under_bf16_compute() -> None:
+    run_distributed(_bf16_worker, 2, timeout=120)
 
 
 def _dropped_grad_worker(rank: int, world: int) -> None:

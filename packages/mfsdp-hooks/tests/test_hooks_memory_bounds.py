@@ -21,7 +21,7 @@ from torch import nn
 
 from mfsdp_buffers import LiveTensorTracker, PlainAllocator
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, ParameterGroup, fsdp_units
+from mfsdp_hooks import MegatronFSDP, ParameterGroup, attach_optimizer, fsdp_units
 from mfsdp_hooks.unit import FSDPUnit
 
 WIDTH, BLOCKS, BATCH = 128, 6, 4
@@ -137,13 +137,17 @@ def _settle(tracker: LiveTensorTracker, bound: int, timeout: float = 5.0) -> Non
         time.sleep(0.01)
 
 
-def _memory_worker(rank: int, world: int, strategy: int) -> dict[str, tuple[int, int]]:
+def _memory_worker(
+    rank: int, world: int, strategy: int, optimizer_mode: str
+) -> dict[str, tuple[int, int]]:
     batch = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank))
     activations = _activation_bytes(batch)
     with LiveTensorTracker() as tracker:
         torch.manual_seed(0)
         model = MegatronFSDP(MemModel(), fsdp_unit_modules=[MemBlock], sharding_strategy=strategy)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        if optimizer_mode == "contiguous":
+            attach_optimizer(optimizer)
         init = tracker.mark("init")
         loss = model(batch).pow(2).mean()
         forward = tracker.mark("forward")
@@ -188,6 +192,10 @@ def _memory_worker(rank: int, world: int, strategy: int) -> dict[str, tuple[int,
             + SLACK,
         ),
         "step": (step.live, weights + grads + optimizer_state + SLACK),
+        # The first step creates the state. On top: the optimizer's temporaries (a parameter's
+        # or a chunk's) and, for the contiguous step, one run's state key while it is
+        # gathered into the run's flat buffer; a unit's gradient bytes bound each.
+        "step_peak": (step.peak, weights + grads + optimizer_state + 4 * sizes.max_unit_grad),
         "zero_grad": (zero.live, weights + optimizer_state + SLACK),
     }
     for phase, (live, bound) in bounds.items():
@@ -195,10 +203,13 @@ def _memory_worker(rank: int, world: int, strategy: int) -> dict[str, tuple[int,
     return bounds
 
 
+@pytest.mark.parametrize("optimizer_mode", ["torch", "contiguous"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("strategy", [1, 2, 3])
-def test_live_bytes_stay_under_the_layout_bounds(strategy: int, world: int) -> None:
-    results = run_distributed(_memory_worker, world, strategy, timeout=120)
+def test_live_bytes_stay_under_the_layout_bounds(
+    strategy: int, world: int, optimizer_mode: str
+) -> None:
+    results = run_distributed(_memory_worker, world, strategy, optimizer_mode, timeout=120)
     for bounds in results:
         init_live, _ = bounds["init"]
         full_model = sum(p.numel() * 4 for p in MemModel().parameters())

@@ -130,6 +130,15 @@ class _Run:
     def numel(self) -> int:
         return self.weights.numel()
 
+    def weights_in_place(self) -> bool:
+        """Whether the parameters still tile the buffer the run was planned on."""
+        flat = _flat_over([_local(param) for param in self.params])
+        return (
+            flat is not None
+            and flat.data_ptr() == self.weights.data_ptr()
+            and flat.numel() == self.numel
+        )
+
     def flat_grads(self) -> torch.Tensor | None:
         grads: list[torch.Tensor] = []
         for param in self.params:
@@ -323,7 +332,7 @@ class ContiguousStepper:
         while len(self._plans) <= index:
             self._plans.append(_GroupPlan((), []))
         plan = self._plans[index]
-        if plan.key != key:
+        if plan.key != key or not all(run.weights_in_place() for run in plan.runs):
             runs = _plan_runs(params, self.eligible, self._chunk_numel_for(params))
             plan = self._plans[index] = _GroupPlan(key, runs)
         return plan
