@@ -35,7 +35,8 @@ def test_a_hit_inside_the_spread_says_so_with_the_range() -> None:
 def test_paired_ratios_divide_within_each_repetition() -> None:
     cell = _cell([1.0, 2.0, 3.0], [2.0, 2.0, 2.0])
     assert cell.paired_step_ratios() == [0.5, 1.0, 1.5]
-    assert _cell([1.0], []).paired_step_ratios() == []
+    only_ours = CellSummary("compute", "fp32", 4, "m", {"ours": _impl("ours", [1.0])})
+    assert only_ours.paired_step_ratios() == []
 
 
 def test_a_clear_miss_and_a_clear_hit_carry_no_spread_note() -> None:
