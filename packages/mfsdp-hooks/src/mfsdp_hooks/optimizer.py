@@ -126,10 +126,12 @@ def attach_optimizer(
                 stepper.hand_back()
             result = original_step(*args, **kwargs)
         else:
-            with stepper.stepping():
-                result = original_step(*args, **kwargs)
-            for group in current:
-                group.mark_weights_dirty()
+            try:
+                with stepper.stepping():
+                    result = original_step(*args, **kwargs)
+            finally:  # even a step that failed half-way may have changed weights
+                for group in current:
+                    group.mark_weights_dirty()
         if install_optimized_model_weights:
             for group in current:
                 handle = group.install_weights()
