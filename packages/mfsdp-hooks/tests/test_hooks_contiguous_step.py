@@ -141,6 +141,43 @@ def test_contiguous_step_under_bf16_compute() -> None:
     run_distributed(_bf16_worker, 2, timeout=120)
 
 
+def _param_groups_worker(rank: int, world: int) -> list[int]:
+    # The usual GPT recipe: no weight decay on 1-D parameters, a learning-rate schedule.
+    # Group membership alternates inside a unit's buffer, so runs are short but still flat.
+    models = [MegatronFSDP(make_model(), fsdp_unit_modules=[Block]) for _ in range(2)]
+    optimizers = []
+    for index, model in enumerate(models):
+        params = _trainable(model)
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 3e-3},
+        ]
+        optimizer = attach_optimizer(torch.optim.AdamW(groups, lr=1e-2), contiguous_step=index == 1)
+        optimizers.append((optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)))
+    stepped_dtensors: list[int] = []
+
+    def record(opt: torch.optim.Optimizer, *_: Any) -> None:
+        listed = [t for g in opt.param_groups for t in g["params"]]
+        stepped_dtensors.append(sum(isinstance(t, DTensor) for t in listed))
+
+    optimizers[1][0].register_step_pre_hook(record)
+    for step, (tokens, targets) in enumerate(make_batches(5, 8)):
+        local = local_slice(tokens, rank, world), local_slice(targets, rank, world)
+        for model in models:
+            loss_fn(model(local[0]), local[1]).backward()
+        for optimizer, schedule in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+            schedule.step()
+        _assert_same(optimizers[0][0], optimizers[1][0], f"param groups, step {step}")
+    return stepped_dtensors
+
+
+def test_contiguous_step_with_param_groups_and_a_schedule() -> None:
+    for stepped_dtensors in run_distributed(_param_groups_worker, 2, timeout=120):
+        assert stepped_dtensors == [0] * 5, stepped_dtensors
+
+
 def _dropped_grad_worker(rank: int, world: int) -> None:
     # A parameter without a gradient is skipped by torch (its step counter stays behind), so
     # its run cannot share one counter: it must keep taking the per-parameter loop, correctly.
