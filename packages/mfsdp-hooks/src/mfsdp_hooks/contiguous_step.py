@@ -11,6 +11,9 @@ in cache makes the optimizer's several passes over it cheaper.
 ``p``, into the run's flat state buffers, and one step counter shared by the run. A run whose
 picture breaks (a gradient the user replaced or dropped, state loaded from a checkpoint)
 re-adopts what is consistent, or takes torch's per-parameter loop for that step.
+
+During ``step()`` the groups' ``"params"`` lists hold the chunks, so optimizer step hooks
+see chunks there; the lists are restored before ``step()`` returns, or raises.
 """
 
 from __future__ import annotations
