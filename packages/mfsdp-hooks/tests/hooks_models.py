@@ -40,7 +40,13 @@ __all__ = [
     "make_model",
     "make_optimizer",
     "reference_training",
+    "trainable",
 ]
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters an optimizer should step (the toy model has a frozen layer)."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
@@ -56,7 +62,7 @@ def reference_training(
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process training on the global batch: the ground truth for parity tests."""
     model = model_fn()
-    optimizer = make_optimizer(optimizer_name, [p for p in model.parameters() if p.requires_grad])
+    optimizer = make_optimizer(optimizer_name, trainable(model))
     losses = train_single_process(model, optimizer, batches)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from hooks_models import Block, local_slice, loss_fn, make_batches, make_model
+from hooks_models import Block, local_slice, loss_fn, make_batches, make_model, trainable
 from torch.distributed.tensor import DTensor
 
 from mfsdp_collectives.testing import run_distributed
@@ -29,10 +29,6 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _assert_same(
@@ -60,8 +56,8 @@ def _parity_worker(rank: int, world: int, strategy: int) -> None:
             MegatronFSDP(make_model(), fsdp_unit_modules=[Block], sharding_strategy=strategy)
             for _ in range(2)
         ]
-        per_param = attach_optimizer(build(_trainable(models[0])), contiguous_step=False)
-        contiguous = attach_optimizer(build(_trainable(models[1])), step_chunk_numel=chunk)
+        per_param = attach_optimizer(build(trainable(models[0])), contiguous_step=False)
+        contiguous = attach_optimizer(build(trainable(models[1])), step_chunk_numel=chunk)
         seen: list[list[torch.Tensor]] = []
 
         def record(opt: torch.optim.Optimizer, *_: Any, seen: list[Any] = seen) -> None:
@@ -105,7 +101,7 @@ def _parity_worker(rank: int, world: int, strategy: int) -> None:
             assert all(t.numel() <= chunk for t in listed), name
         assert any(isinstance(t, DTensor) for t in seen[4]), name
         restored = [p for g in contiguous.param_groups for p in g["params"]]
-        assert [id(p) for p in restored] == [id(p) for p in _trainable(models[1])], name
+        assert [id(p) for p in restored] == [id(p) for p in trainable(models[1])], name
 
 
 @pytest.mark.parametrize("strategy", [0, 1, 3])
@@ -123,8 +119,8 @@ def _bf16_worker(rank: int, world: int) -> None:
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         models.append(model)
-    per_param = attach_optimizer(OPTIMIZERS["adamw"](_trainable(models[0])), contiguous_step=False)
-    contiguous = attach_optimizer(OPTIMIZERS["adamw"](_trainable(models[1])), step_chunk_numel=29)
+    per_param = attach_optimizer(OPTIMIZERS["adamw"](trainable(models[0])), contiguous_step=False)
+    contiguous = attach_optimizer(OPTIMIZERS["adamw"](trainable(models[1])), step_chunk_numel=29)
     for step, (tokens, targets) in enumerate(make_batches(4, 8)):
         local = local_slice(tokens, rank, world), local_slice(targets, rank, world)
         losses = [loss_fn(model(local[0]), local[1]) for model in models]
@@ -147,7 +143,7 @@ def _param_groups_worker(rank: int, world: int) -> list[int]:
     models = [MegatronFSDP(make_model(), fsdp_unit_modules=[Block]) for _ in range(2)]
     optimizers = []
     for index, model in enumerate(models):
-        params = _trainable(model)
+        params = trainable(model)
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 3e-3},
@@ -183,8 +179,8 @@ def _dropped_grad_worker(rank: int, world: int) -> None:
     # its run cannot share one counter: it must keep taking the per-parameter loop, correctly.
     batches = make_batches(4, 8)
     models = [MegatronFSDP(make_model(), fsdp_unit_modules=[Block]) for _ in range(2)]
-    per_param = attach_optimizer(OPTIMIZERS["adamw"](_trainable(models[0])), contiguous_step=False)
-    contiguous = attach_optimizer(OPTIMIZERS["adamw"](_trainable(models[1])))
+    per_param = attach_optimizer(OPTIMIZERS["adamw"](trainable(models[0])), contiguous_step=False)
+    contiguous = attach_optimizer(OPTIMIZERS["adamw"](trainable(models[1])))
     for step, (tokens, targets) in enumerate(batches):
         local = local_slice(tokens, rank, world), local_slice(targets, rank, world)
         for model in models:

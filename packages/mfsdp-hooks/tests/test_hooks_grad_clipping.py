@@ -12,6 +12,7 @@ from hooks_models import (
     make_batches,
     make_model,
     make_optimizer,
+    trainable,
 )
 from torch.distributed.tensor import DTensor
 
@@ -21,26 +22,22 @@ from mfsdp_hooks import fully_shard
 MAX_NORM = 0.05
 
 
-def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 def _clipping_worker(rank: int, world: int, strategy: int) -> list[float]:
     batches = make_batches(4, 8)
     reference = make_model()
-    ref_opt = make_optimizer("adamw", _trainable(reference))
+    ref_opt = make_optimizer("adamw", trainable(reference))
     model = make_model()
     for block in model.blocks:
         fully_shard(block, sharding_strategy=strategy)
     fully_shard(model, sharding_strategy=strategy)
-    optimizer = make_optimizer("adamw", _trainable(model))
+    optimizer = make_optimizer("adamw", trainable(model))
     norms = []
     for tokens, targets in batches:
         loss_fn(reference(tokens), targets).backward()
-        expected = torch.nn.utils.clip_grad_norm_(_trainable(reference), MAX_NORM)
+        expected = torch.nn.utils.clip_grad_norm_(trainable(reference), MAX_NORM)
         local = local_slice(tokens, rank, world), local_slice(targets, rank, world)
         loss_fn(model(local[0]), local[1]).backward()
-        total = torch.nn.utils.clip_grad_norm_(_trainable(model), MAX_NORM)
+        total = torch.nn.utils.clip_grad_norm_(trainable(model), MAX_NORM)
         got = total.full_tensor() if isinstance(total, DTensor) else total
         assert_close_rel(got, expected, 1e-5, f"strategy {strategy}: total gradient norm")
         norms.append(float(expected))
