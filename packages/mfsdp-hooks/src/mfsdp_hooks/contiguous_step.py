@@ -192,13 +192,16 @@ class _Run:
         self.install(state)
         return True
 
-    def adopt_created(self, state: dict[torch.Tensor, Any]) -> bool:
-        """Take over the per-chunk state torch created at the run's first step."""
+    def adopt_created(self, state: dict[torch.Tensor, Any]) -> None:
+        """Take over, and install per parameter, the state torch created at the first step."""
         created = [state.get(chunk) or {} for chunk in self.chunks]
         by_key = _tensor_entries(created)
         split = None if by_key is None else _split_state(by_key, [c.shape for c in self.chunks])
-        if split is None:
-            return False
+        if split is None:  # the weights were already stepped: losing this state is not an option
+            raise RuntimeError(
+                f"contiguous_step: {sorted(created[0])} is not elementwise state; "
+                "pass contiguous_step=False for this optimizer"
+            )
         elementwise, scalars = split
         keys = list(elementwise)
         del by_key, split, elementwise
@@ -213,7 +216,7 @@ class _Run:
                 flat[start:end].copy_(entry.pop(key))
             flats[key] = flat
         self._hold(flats, scalars)
-        return True
+        self.install(state)
 
     def _hold(self, flats: dict[str, torch.Tensor], scalars: dict[str, torch.Tensor]) -> None:
         self.flats, self.scalars = flats, scalars
@@ -267,7 +270,10 @@ def _plan_runs(
     runs: list[_Run] = []
     members: list[torch.Tensor] = []
 
+    last: torch.Tensor | None = None  # the run's last non-empty piece
+
     def close() -> None:
+        nonlocal last
         flat = _flat_over([_local(p) for p in members])
         if flat is not None:
             offsets, cursor = [], 0
@@ -279,14 +285,17 @@ def _plan_runs(
             ]
             runs.append(_Run(list(members), offsets, flat, bounds))
         members.clear()
+        last = None
 
     for param in params:
         local = _local(param)
         if not eligible(param) or local.dim() == 0 or not local.is_floating_point():
             close()
             continue
-        if local.numel() and members and _flat_over([*(_local(p) for p in members), local]) is None:
-            close()
+        if local.numel():
+            if last is not None and _flat_over([last, local]) is None:
+                close()
+            last = local
         members.append(param)
     close()
     return runs
@@ -347,7 +356,7 @@ class ContiguousStepper:
                 run.release(self.optimizer.state)
 
     @contextmanager
-    def stepping(self) -> Iterator[list[_Run]]:
+    def stepping(self) -> Iterator[None]:
         """Inside, each group lists flat chunks with gradients in place of the runs it covers."""
         optimizer = self.optimizer
         state: dict[torch.Tensor, Any] = optimizer.state
@@ -383,10 +392,10 @@ class ContiguousStepper:
                     rest = [p for p in group["params"] if id(p) not in covered]
                     group["params"] = swapped + rest
             self.active = True
-            yield stepped
+            yield
             for run in stepped:
-                if run.flats is None and run.adopt_created(state):
-                    run.install(state)
+                if run.flats is None:
+                    run.adopt_created(state)
         finally:
             self.active = False
             for group, params in zip(optimizer.param_groups, originals, strict=False):
