@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -24,7 +25,8 @@ from mfsdp_collectives import (
     host_transport_of,
     reduce_scatter_into,
 )
-from mfsdp_collectives.shm import _HostFacts, _unsuitable
+from mfsdp_collectives.host_transport import _HostFacts, _unsuitable
+from mfsdp_collectives.liveness import ProcessIdentity
 from mfsdp_collectives.testing import run_distributed
 
 CHUNK = 4096  # forces many steps and a ragged last one on the sizes below
@@ -204,6 +206,7 @@ def _peer_stops_issuing(rank: int, world: int) -> str:
     assert group is not None
     enable_host_transport(group, "shm", timeout_s=2.0)
     if rank == 1:
+        time.sleep(4.0)  # alive but silent: a rank that died would be named instead
         return "skipped"
     out = torch.empty(8 * world)
     try:
@@ -237,7 +240,7 @@ def test_bad_choices_raise_before_any_collective() -> None:
 
 
 def _fact(host: str = "h/boot", arch_ok: bool = True, path: str | None = "/p") -> _HostFacts:
-    return _HostFacts(host=host, arch_ok=arch_ok, path=path)
+    return _HostFacts(process=ProcessIdentity(host, 1, 1), arch_ok=arch_ok, path=path)
 
 
 def test_groups_that_do_not_qualify_are_named_with_the_reason() -> None:

@@ -209,4 +209,4 @@ def _nan_worker(rank: int, world: int) -> str:
 def test_nan_in_grad_is_reported_on_every_rank_with_the_parameter_name() -> None:
     messages = run_distributed(_nan_worker, 2, timeout=60)
     for message in messages:
-        assert "NaN or Inf in the reduced gradient of ['fc1.weight']" in message, message
+        assert "NaN or Inf in the reduced gradient of ['blocks.1.fc1.weight']" in message, message

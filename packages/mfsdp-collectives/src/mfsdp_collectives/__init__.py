@@ -12,7 +12,16 @@ of FSDP units or parameters.
 
 from __future__ import annotations
 
+from .agreement import RankMismatchError, check_ranks_agree
 from .handle import CommHandle
+from .host_transport import (
+    HOST_TRANSPORTS,
+    check_host_transport,
+    disable_host_transport,
+    enable_host_transport,
+    host_transport_of,
+)
+from .liveness import PeerDiedError, dead_ranks, exchange_identities, naming_dead_peers
 from .naming import group_name, register_group_name
 from .nccl_ub import UserBufferPool, register_user_buffers
 from .ops import (
@@ -22,14 +31,7 @@ from .ops import (
     hsdp_reduce_scatter_into,
     reduce_scatter_into,
 )
-from .shm import (
-    HOST_TRANSPORTS,
-    SharedMemoryTransport,
-    check_host_transport,
-    disable_host_transport,
-    enable_host_transport,
-    host_transport_of,
-)
+from .shm import SharedMemoryTransport
 from .streams import CommStreams
 from .topology import FSDPTopology, default_device
 from .tracer import CommRecord, CommTracer
@@ -43,6 +45,8 @@ __all__ = [
     "CommTracer",
     "FSDPTopology",
     "HOST_TRANSPORTS",
+    "PeerDiedError",
+    "RankMismatchError",
     "SharedMemoryTransport",
     "UserBufferPool",
     "__version__",
@@ -50,12 +54,16 @@ __all__ = [
     "all_reduce_",
     "broadcast_",
     "check_host_transport",
+    "check_ranks_agree",
+    "dead_ranks",
     "default_device",
     "disable_host_transport",
     "enable_host_transport",
+    "exchange_identities",
     "group_name",
     "host_transport_of",
     "hsdp_reduce_scatter_into",
+    "naming_dead_peers",
     "reduce_scatter_into",
     "register_group_name",
     "register_user_buffers",

@@ -22,6 +22,7 @@ import torch
 
 from ._compat import Work
 from .handle import CommHandle
+from .liveness import naming_dead_peers
 from .streams import current_stream
 
 __all__ = ["Stage", "launch"]
@@ -36,12 +37,20 @@ def launch(
     finish: Callable[[], None] | None,
     async_op: bool,
     keep_alive: Sequence[object],
+    label: str,
 ) -> CommHandle:
-    """Issue ``stages`` in order and return a handle that completes them and ``finish``."""
-    if stages and all(stream is not None for stream, _ in stages):
-        handle = _launch_on_streams(stages, device=device, finish=finish, keep_alive=keep_alive)
-    else:
-        handle = _launch_on_host(stages, finish=finish, keep_alive=keep_alive)
+    """Issue ``stages`` in order and return a handle that completes them and ``finish``.
+
+    ``label`` says which collective it is (``"all_gather on dp_shard"``) in the error a dead
+    peer causes, whether it surfaces while issuing or while waiting.
+    """
+    with naming_dead_peers(label):
+        if stages and all(stream is not None for stream, _ in stages):
+            handle = _launch_on_streams(
+                stages, device=device, finish=finish, keep_alive=keep_alive, label=label
+            )
+        else:
+            handle = _launch_on_host(stages, finish=finish, keep_alive=keep_alive, label=label)
     if not async_op:
         handle.wait()
     return handle
@@ -53,6 +62,7 @@ def _launch_on_streams(
     device: torch.device,
     finish: Callable[[], None] | None,
     keep_alive: Sequence[object],
+    label: str,
 ) -> CommHandle:
     prev = current_stream(device)
     last = prev
@@ -71,7 +81,7 @@ def _launch_on_streams(
     # The stages and finish own the temporaries (cast copies, receive buffers)
     # that later streams still use; free them only after the handle is waited.
     owners = (*keep_alive, *stages, finish)
-    return CommHandle(event=event, device=device, keep_alive=owners)
+    return CommHandle(event=event, device=device, keep_alive=owners, label=label)
 
 
 def _launch_on_host(
@@ -79,10 +89,11 @@ def _launch_on_host(
     *,
     finish: Callable[[], None] | None,
     keep_alive: Sequence[object],
+    label: str,
 ) -> CommHandle:
     pending: Work | None = None
     for _, issue in stages:
         if pending is not None:
             pending.wait()
         pending = issue()
-    return CommHandle((pending,), finish=finish, keep_alive=keep_alive)
+    return CommHandle((pending,), finish=finish, keep_alive=keep_alive, label=label)

@@ -5,6 +5,9 @@ use" as one event: a reduce-scatter in fp32 for bf16 gradients is not finished
 until it has been scaled, cast back and accumulated into the shard. ``wait()``
 therefore runs the post-processing too, and drops the references that kept the
 communicated tensors alive until then.
+
+A wait that fails because a peer's process died raises ``PeerDiedError`` naming
+the dead rank and the collective (``label``), not the backend's bare socket error.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ._compat import Work
+from .liveness import naming_dead_peers
 from .streams import current_stream
 
 __all__ = ["CommHandle"]
@@ -37,7 +41,9 @@ class CommHandle:
         event: torch.Event | None = None,
         device: torch.device | None = None,
         keep_alive: Sequence[object] = (),
+        label: str = "a collective",
     ) -> None:
+        self._label = label
         self._works: list[Work] = [w for w in works if w is not None]
         self._finish = finish
         self._event = event
@@ -60,8 +66,9 @@ class CommHandle:
         """Block (CPU) or make the current stream wait (accelerator) until the result is ready."""
         if self._done:
             return
-        for work in self._works:
-            work.wait()
+        with naming_dead_peers(self._label):
+            for work in self._works:
+                work.wait()
         if self._event is not None:
             assert self._device is not None
             current_stream(self._device).wait_event(self._event)

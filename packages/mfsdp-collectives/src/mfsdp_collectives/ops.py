@@ -33,8 +33,10 @@ from ._compat import (
 from ._launch import Stage, launch
 from ._reduce import ReduceSpec, finish_into, prepare_input, reduce_op
 from .handle import CommHandle
+from .host_transport import transport_for
+from .liveness import naming_dead_peers
 from .naming import group_name
-from .shm import SharedMemoryTransport, host_transport_of
+from .shm import SharedMemoryTransport
 from .streams import CommStreams
 from .tracer import record_comm
 
@@ -57,11 +59,6 @@ def _membership(group: object, arg: str) -> tuple[dist.ProcessGroup, int, int]:
             "only call the op on the ranks of the group"
         )
     return pg, rank, dist.get_world_size(pg)
-
-
-def _host_transport(group: dist.ProcessGroup, x: torch.Tensor) -> SharedMemoryTransport | None:
-    """The shared-memory transport that carries ``group``'s CPU collectives, if enabled."""
-    return host_transport_of(group) if x.device.type == "cpu" else None
 
 
 def _side_stream(stream: object, role: str, device: torch.device) -> torch.Stream | None:
@@ -148,7 +145,7 @@ def all_gather_into(
         return CommHandle.completed()
     record_comm("all_gather", group_name(group), n, shard.dtype)
 
-    transport = _host_transport(group, shard)
+    transport = transport_for(group, shard)
 
     def issue() -> Work | None:
         if transport is not None:
@@ -161,6 +158,7 @@ def all_gather_into(
         finish=None,
         async_op=async_op,
         keep_alive=(shard, unsharded),
+        label=f"all_gather on group {group_name(group)}",
     )
 
 
@@ -271,7 +269,7 @@ def reduce_scatter_into(
     side = _side_stream(stream, "reduce_scatter", out.device)
     if out.numel() == 0:
         return CommHandle.completed()
-    transport = _host_transport(group, out)
+    transport = transport_for(group, out)
     if transport is not None:  # it averages the output chunk itself
         op, factor = (dist.ReduceOp.AVG if spec.average else dist.ReduceOp.SUM), 1.0
     else:
@@ -289,6 +287,7 @@ def reduce_scatter_into(
         finish=finish,
         async_op=async_op,
         keep_alive=(inp, out),
+        label=f"reduce_scatter on group {group_name(group)}",
     )
 
 
@@ -352,7 +351,7 @@ def hsdp_reduce_scatter_into(
     factor *= spec.post_scale if spec.post_scale is not None else 1.0
     record_comm("reduce_scatter", group_name(shard_group), inp.numel(), spec.reduce_dtype)
     record_comm("all_reduce", group_name(outer_group), out.numel(), spec.reduce_dtype)
-    transport = _host_transport(shard_group, out)
+    transport = transport_for(shard_group, out)
     stage = _ReduceScatterStage(inp, out, spec, shard_group, rs_op, bool(accumulate), transport)
 
     def outer_all_reduce() -> Work | None:
@@ -366,7 +365,12 @@ def hsdp_reduce_scatter_into(
 
     stages: list[Stage] = [(rs_side, stage), (outer_side, outer_all_reduce)]
     return launch(
-        stages, device=inp.device, finish=finish, async_op=async_op, keep_alive=(inp, out)
+        stages,
+        device=inp.device,
+        finish=finish,
+        async_op=async_op,
+        keep_alive=(inp, out),
+        label=f"HSDP reduce_scatter on groups {group_name(shard_group)}, {group_name(outer_group)}",
     )
 
 
@@ -421,6 +425,7 @@ def all_reduce_(
         finish=finish,
         async_op=async_op,
         keep_alive=(tensor,),
+        label=f"all_reduce on group {group_name(group)}",
     )
 
 
@@ -438,4 +443,5 @@ def broadcast_(tensor: torch.Tensor, src_rank_in_group: int, group: dist.Process
             "group, not a global rank"
         )
     record_comm("broadcast", group_name(group), tensor.numel(), tensor.dtype)
-    broadcast_from_group_rank(tensor, src, group)
+    with naming_dead_peers(f"broadcast on group {group_name(group)}", group):
+        broadcast_from_group_rank(tensor, src, group)

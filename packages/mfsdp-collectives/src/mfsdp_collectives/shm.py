@@ -20,87 +20,51 @@ Linux x86-64.
 
 Collectives run on one worker thread per group, in the order they were issued
 (which is the same on every rank, as for any backend), and return a ``Work``
-whose ``wait()`` joins them. A peer that stops issuing collectives makes the
-wait fail after ``timeout_s`` instead of hanging.
+whose ``wait()`` joins them. A peer whose process dies makes the wait fail
+within ``_LIVENESS_PERIOD_S`` with a ``PeerDiedError`` naming its rank (the waiting
+loop checks the peers' processes, see ``liveness``); a peer that is alive but stops
+issuing collectives makes it fail after ``timeout_s`` instead of hanging.
+
+Each collective is a profiler range, ``mfsdp_shm:all_gather`` or
+``mfsdp_shm:reduce_scatter`` with the group and the bytes in its name, opened on the
+issuing thread and closed when the worker finishes it, as c10d's ``gloo:*`` ranges are:
+``torch.profiler`` traces show where the communication went.
+
+Setting a transport up (which groups qualify, the mailbox files) is ``host_transport``'s job.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import ctypes
 import mmap
 import os
-import platform
 import queue
-import socket
-import tempfile
 import threading
 import time
-import uuid
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 from mfsdp_buffers import FlatPieces
 
 from . import _futex
+from .liveness import ProcessIdentity, peer_died_error
 from .naming import group_name
 
-__all__ = [
-    "DEFAULT_CHUNK_BYTES",
-    "HOST_TRANSPORTS",
-    "SharedMemoryTransport",
-    "check_host_transport",
-    "disable_host_transport",
-    "enable_host_transport",
-    "host_transport_of",
-]
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_TIMEOUT_S", "SharedMemoryTransport"]
 
-HOST_TRANSPORTS = ("auto", "shm", "gloo")
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_TIMEOUT_S = 600.0
 _CONTROL_BYTES = 64  # one cache line: the published step counter
 _STEP_MASK = 0x7FFFFFFF
 _HALF_RANGE = 1 << 30
-_WAIT_SLICE_S = 0.5
-_ALIGN = 64
-_SHM_DIR = "/dev/shm"
-_X86_64 = frozenset({"x86_64", "amd64"})
-
-_transports: weakref.WeakKeyDictionary[dist.ProcessGroup, SharedMemoryTransport] = (
-    weakref.WeakKeyDictionary()
-)
-_registry_lock = threading.Lock()
-_OWN_BOXES: dict[str, _Mailbox] = {}  # created, not yet shared: path -> mailbox
-
-
-@dataclass(frozen=True)
-class _HostFacts:
-    """What every rank reports so that all take the same transport decision."""
-
-    host: str
-    arch_ok: bool
-    path: str | None
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _shm_dir() -> str | None:
-    for candidate in (_SHM_DIR, tempfile.gettempdir()):
-        if os.path.isdir(candidate) and os.access(candidate, os.W_OK):
-            return candidate
-    return None
+# A waiting rank looks at its peers' processes this often: a dead peer is named within it.
+_LIVENESS_PERIOD_S = 0.5
+ALIGN = 64
 
 
 class _Mailbox:
@@ -156,6 +120,7 @@ class SharedMemoryTransport:
         *,
         chunk_bytes: int,
         timeout_s: float,
+        peers: Sequence[ProcessIdentity],
     ) -> None:
         self.group = group
         self.rank = rank
@@ -166,6 +131,9 @@ class SharedMemoryTransport:
         self._own = mailboxes[rank]
         self._step = 0
         self._name = group_name(group)
+        # The peers' processes, by group rank, and their global ranks (for the error).
+        self._peers = list(peers)
+        self._global_ranks = [dist.get_global_rank(group, r) for r in range(self.size)]
         self._failed: BaseException | None = None
         self._queue: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         # A daemon thread: a rank that exits with a collective still waiting for its peers
@@ -193,7 +161,9 @@ class SharedMemoryTransport:
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> _SharedMemoryWork:
         """Concatenate every rank's flat ``shard`` into flat ``output`` (async)."""
-        return self._submit(self._all_gather, output, shard)
+        return self._submit(
+            "all_gather", shard.numel() * shard.element_size(), self._all_gather, output, shard
+        )
 
     def reduce_scatter(
         self, output: torch.Tensor, inp: torch.Tensor | FlatPieces, average: bool
@@ -205,9 +175,18 @@ class SharedMemoryTransport:
         The pieces are added in rank order (fp32 for 16-bit dtypes), so the result is
         the same on every run and at least as accurate as gloo's.
         """
-        return self._submit(self._reduce_scatter, output, inp, average)
+        return self._submit(
+            "reduce_scatter",
+            (inp.numel() if isinstance(inp, torch.Tensor) else inp.numel) * inp.dtype.itemsize,
+            self._reduce_scatter,
+            output,
+            inp,
+            average,
+        )
 
-    def _submit(self, fn: Callable[..., None], *args: object) -> _SharedMemoryWork:
+    def _submit(
+        self, op: str, nbytes: int, fn: Callable[..., None], *args: object
+    ) -> _SharedMemoryWork:
         future: Future[None] = Future()
         if self._failed is not None:
             # The step counters of the ranks no longer agree: nothing after a failure is safe.
@@ -218,18 +197,21 @@ class SharedMemoryTransport:
                 )
             )
         else:
-            self._queue.put((future, lambda: self._guarded(fn, *args)))
+            span = _open_range(f"mfsdp_shm:{op} (group={self._name}, bytes={nbytes})")
+            self._queue.put((future, lambda: self._guarded(span, fn, *args)))
         return _SharedMemoryWork(future)
 
-    def _guarded(self, fn: Callable[..., None], *args: object) -> None:
+    def _guarded(self, span: record_function, fn: Callable[..., None], *args: object) -> None:
         try:
             fn(*args)
         except BaseException as exc:
             self._failed = exc
             raise
+        finally:
+            _close_range(span)
 
     def _elements_per_step(self, dtype: torch.dtype, pieces: int) -> int:
-        per_piece = (self.chunk_bytes // max(pieces, 1)) // _ALIGN * _ALIGN
+        per_piece = (self.chunk_bytes // max(pieces, 1)) // ALIGN * ALIGN
         return max(per_piece // dtype.itemsize, 1)
 
     def _slot(self, box: _Mailbox, dtype: torch.dtype) -> torch.Tensor:
@@ -240,21 +222,36 @@ class SharedMemoryTransport:
         step = self._step & _STEP_MASK
         self._own.control.value = step
         _futex.wake(self._own.control)
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        deadline, next_check = start + self.timeout_s, start + _LIVENESS_PERIOD_S
         for peer, box in enumerate(self._boxes):
             while True:
                 seen = box.control.value
                 if (seen - step) & _STEP_MASK < _HALF_RANGE:  # seen >= step, modulo 2**31
                     break
-                left = deadline - time.monotonic()
-                if left <= 0:
+                now = time.monotonic()
+                if now >= next_check:
+                    self._raise_if_a_peer_died()
+                    next_check = now + _LIVENESS_PERIOD_S
+                if now >= deadline:
                     raise TimeoutError(
                         f"shared-memory collective on group {self._name} waited "
                         f"{self.timeout_s:.0f}s for rank {peer} at step {step}: a rank stopped "
-                        "issuing collectives (it crashed, or the ranks issued different "
+                        "issuing collectives (it hangs, or the ranks issued different "
                         "collectives in a different order)"
                     )
-                _futex.wait(box.control, seen, min(left, _WAIT_SLICE_S))
+                _futex.wait(box.control, seen, min(deadline, next_check) - now)
+
+    def _raise_if_a_peer_died(self) -> None:
+        # Every peer, not just the awaited one: the awaited one may be alive and itself
+        # stuck waiting for the dead one.
+        dead = [
+            self._global_ranks[r]
+            for r, ident in enumerate(self._peers)
+            if r != self.rank and ident.is_alive() is False
+        ]
+        if dead:
+            raise peer_died_error(dead, f"a shared-memory collective on group {self._name}")
 
     def _all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
         n = shard.numel()
@@ -308,6 +305,18 @@ class SharedMemoryTransport:
                 out.copy_(acc)
 
 
+def _open_range(name: str) -> record_function:
+    """Open a profiler range on the issuing thread (a no-op when no profiler listens)."""
+    span = record_function(name)
+    span.__enter__()  # type: ignore[no-untyped-call]
+    return span
+
+
+def _close_range(span: record_function) -> None:
+    """Close, on the worker thread, the range the issuing thread opened."""
+    span.__exit__(None, None, None)
+
+
 def _read_into(dst: torch.Tensor, inp: torch.Tensor | FlatPieces, start: int) -> None:
     if isinstance(inp, FlatPieces):
         inp.copy_range_into(dst, start)
@@ -352,157 +361,3 @@ def _serve(jobs: queue.SimpleQueue[_Job]) -> None:
 def src_index(dst: int, src: int) -> int:
     """Position of ``dst``'s piece in ``src``'s slot (``src`` skips itself)."""
     return dst if dst < src else dst - 1
-
-
-def check_host_transport(value: object) -> None:
-    """Raise unless ``value`` names a host transport (local check, no collective)."""
-    if value not in HOST_TRANSPORTS:
-        raise ValueError(
-            f"host_transport={value!r} is not one of {HOST_TRANSPORTS}; pass 'auto' "
-            "(shared memory when all ranks share a host), 'shm' or 'gloo'"
-        )
-
-
-def host_transport_of(group: dist.ProcessGroup) -> SharedMemoryTransport | None:
-    """The shared-memory transport serving ``group``, if one was enabled."""
-    with _registry_lock:
-        return _transports.get(group)
-
-
-def disable_host_transport(group: dist.ProcessGroup | None = None) -> None:
-    """Return ``group``'s all-gathers and reduce-scatters to gloo (local, no collective).
-
-    Collectives already issued complete first; then the worker thread stops and the
-    mailboxes are unmapped. ``None`` does this for every group that has a transport. Call
-    it on every rank at the same point of the program, e.g. before
-    ``dist.destroy_process_group``; a group without a transport is left as it is.
-    """
-    with _registry_lock:
-        if group is None:
-            closing = list(_transports.values())
-            _transports.clear()
-        else:
-            found = _transports.pop(group, None)
-            closing = [found] if found is not None else []
-    for transport in closing:
-        transport.close()
-
-
-def enable_host_transport(
-    group: dist.ProcessGroup,
-    transport: str = "auto",
-    *,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> SharedMemoryTransport | None:
-    """Choose how ``group``'s CPU all-gathers and reduce-scatters travel (collective).
-
-    ``"gloo"`` keeps the process group's own collectives. ``"shm"`` requires the
-    shared-memory transport and raises naming what is missing; ``"auto"`` takes
-    it when every rank of ``group`` is on this host (same machine and boot), the
-    CPU is x86-64, the backend is gloo and a shared-memory directory is writable,
-    and otherwise quietly keeps gloo. Every rank reaches the same decision.
-    Calling it again for a group that already has a transport returns that one.
-    """
-    check_host_transport(transport)
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 4096:
-        raise ValueError(f"chunk_bytes={chunk_bytes!r} must be an int >= 4096")
-    if transport == "gloo":
-        return None
-    existing = host_transport_of(group)
-    if existing is not None:
-        return existing
-    backend = str(dist.get_backend(group)).lower()
-    if backend != "gloo":
-        if transport == "shm":
-            raise ValueError(
-                f"host_transport='shm' needs a gloo (CPU) group, but group "
-                f"{group_name(group)} uses {backend}; pass host_transport='auto' or 'gloo'"
-            )
-        return None
-    slot_bytes = chunk_bytes // _ALIGN * _ALIGN
-    facts = _gather_facts(group, slot_bytes)
-    reason = _unsuitable(facts)
-    if reason is not None:
-        _remove_own(facts[dist.get_rank(group)])
-        if transport == "shm":
-            raise ValueError(
-                f"host_transport='shm' is not possible for group {group_name(group)}: {reason}; "
-                "pass host_transport='auto' or 'gloo'"
-            )
-        return None
-    rank = dist.get_rank(group)
-    boxes, failure = _map_all(facts, rank, slot_bytes)
-    # Every rank learns whether every rank mapped every mailbox (after this, the names can
-    # go), so that a failure on one rank is a decision on all of them, not a hang.
-    failures: list[object] = [None] * len(facts)
-    dist.all_gather_object(failures, failure, group=group)
-    _remove_own(facts[rank])
-    failed = [f"rank {r}: {f}" for r, f in enumerate(failures) if f is not None]
-    if failed:
-        if transport == "shm":
-            raise ValueError(
-                f"host_transport='shm' is not possible for group {group_name(group)}: could "
-                f"not map the mailboxes ({'; '.join(failed)}); pass host_transport='auto' or "
-                "'gloo'"
-            )
-        return None
-    made = SharedMemoryTransport(group, boxes, rank, chunk_bytes=slot_bytes, timeout_s=timeout_s)
-    with _registry_lock:
-        _transports[group] = made
-    return made
-
-
-def _map_all(
-    facts: list[_HostFacts], rank: int, slot_bytes: int
-) -> tuple[list[_Mailbox], str | None]:
-    boxes: list[_Mailbox] = []
-    for peer, fact in enumerate(facts):
-        assert fact.path is not None
-        if peer == rank:
-            boxes.append(_OWN_BOXES[fact.path])
-            continue
-        try:
-            boxes.append(_Mailbox(fact.path, slot_bytes, create=False))
-        except OSError as exc:
-            return [], f"{fact.path}: {exc.strerror}"
-    return boxes, None
-
-
-def _gather_facts(group: dist.ProcessGroup, slot_bytes: int) -> list[_HostFacts]:
-    directory = _shm_dir()
-    path: str | None = None
-    if directory is not None:
-        path = os.path.join(directory, f"mfsdp-{os.getpid()}-{uuid.uuid4().hex}")
-        try:
-            _OWN_BOXES[path] = _Mailbox(path, slot_bytes, create=True)
-        except OSError:
-            path = None
-    mine = _HostFacts(
-        host=f"{socket.gethostname()}/{_boot_id()}",
-        arch_ok=platform.machine().lower() in _X86_64
-        and platform.system() == "Linux"
-        and _futex.available(),
-        path=path,
-    )
-    facts: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(facts, mine, group=group)
-    return [f for f in facts if isinstance(f, _HostFacts)]
-
-
-def _unsuitable(facts: list[_HostFacts]) -> str | None:
-    if len({f.host for f in facts}) > 1:
-        return "its ranks run on more than one host"
-    if not all(f.arch_ok for f in facts):
-        return "the shared-memory protocol needs Linux on x86-64 CPUs (store order, futex)"
-    if any(f.path is None for f in facts):
-        return "a rank could not create its mailbox in /dev/shm or the temp directory"
-    return None
-
-
-def _remove_own(fact: _HostFacts) -> None:
-    if fact.path is None:
-        return
-    _OWN_BOXES.pop(fact.path, None)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(fact.path)

@@ -36,9 +36,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .shm import disable_host_transport
+from .host_transport import disable_host_transport
 
-__all__ = ["DistributedTestError", "run_distributed"]
+__all__ = ["DistributedTestError", "RankOutcome", "run_distributed", "run_distributed_outcomes"]
 
 T = TypeVar("T")
 
@@ -263,6 +263,58 @@ def run_distributed(
     group is created (torch is already imported by then, so variables torch
     reads only at import time must be set in the test process instead).
     """
+    outcomes = _run_world(fn, world_size, args, timeout, backend, env, _FAILURE_GRACE_S)
+    failures = [(o.at, o.error) for o in outcomes if o.error is not None]
+    if failures:
+        raise _root_cause(failures)
+    return [o.result for o in outcomes]
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one rank ended: its result, or the error it raised, or its death; and when.
+
+    ``at`` is ``time.monotonic()`` when the rank reported (or when the test process saw it
+    die); the clock is shared by every process of the host, so outcomes can be compared.
+    """
+
+    rank: int
+    result: Any
+    error: DistributedTestError | None
+    at: float
+
+    @property
+    def died(self) -> bool:
+        """The process ended without a report (a signal, ``os._exit``)."""
+        return self.error is not None and self.error.exc_type == _DIED
+
+
+def run_distributed_outcomes(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    env: dict[str, str] | None = None,
+) -> list[RankOutcome]:
+    """Like ``run_distributed``, but wait for every rank and return each one's outcome.
+
+    For fault-injection tests: some ranks are meant to die, and the test checks how (and
+    how fast) the others fail. Only a world still running after ``timeout`` raises
+    (``TimeoutError`` naming the ranks still running): that is the hang to rule out.
+    """
+    return _run_world(fn, world_size, args, timeout, backend, env, None)
+
+
+def _run_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    timeout: float,
+    backend: str,
+    env: dict[str, str] | None,
+    grace: float | None,
+) -> list[RankOutcome]:
     _validate(world_size, timeout, backend, env)
     ref = _FnRef.of(fn)
     worker_env = {"OMP_NUM_THREADS": "1", **(env or {})}
@@ -286,9 +338,9 @@ def run_distributed(
             send.close()
             procs.append(proc)
             conns.append(recv)
-        results = _collect(ref, procs, conns, float(timeout))
-        succeeded = True
-        return results
+        outcomes = _collect(ref, procs, conns, float(timeout), grace)
+        succeeded = all(o.error is None for o in outcomes)
+        return outcomes
     finally:
         # After success, give the ranks time to tear down; after a failure, kill now.
         _stop(procs, grace=_KILL_GRACE_S if succeeded else 0.0)
@@ -297,27 +349,28 @@ def run_distributed(
         del store
 
 
-def _collect(ref: _FnRef, procs: list[Any], conns: list[Connection], timeout: float) -> list[Any]:
-    """Wait for every rank's report; raise the root-cause failure, or at the deadline.
+def _collect(
+    ref: _FnRef, procs: list[Any], conns: list[Connection], timeout: float, grace: float | None
+) -> list[RankOutcome]:
+    """Wait for every rank's report, or (``grace`` after the first failure) stop listening.
 
-    After the first failure we keep listening for a short grace period: the
-    rank that caused it may have died silently (its exit is only seen through
-    its sentinel), and its peers' "connection reset" errors must not mask it.
+    After the first failure we keep listening for ``grace`` seconds: the rank that caused
+    it may have died silently (its exit is only seen through its sentinel), and its peers'
+    "connection reset" errors must not mask it. ``grace=None`` waits for every rank.
     """
     world_size = len(procs)
     deadline = time.monotonic() + timeout
     grace_deadline: float | None = None
-    results: dict[int, Any] = {}
-    failures: list[tuple[float, DistributedTestError]] = []
+    outcomes: dict[int, RankOutcome] = {}
     rank_of_conn: dict[Connection, int] = {conn: rank for rank, conn in enumerate(conns)}
     rank_of_sentinel: dict[int, int] = {proc.sentinel: rank for rank, proc in enumerate(procs)}
-    while len(results) + len({f.rank for _, f in failures}) < world_size:
+    while len(outcomes) < world_size:
         limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
         remaining = limit - time.monotonic()
         if remaining <= 0:
-            if failures:
+            if grace_deadline is not None:
                 break
-            running = [r for r in range(world_size) if r not in results]
+            running = [r for r in range(world_size) if r not in outcomes]
             raise TimeoutError(
                 f"run_distributed({ref.qualname}, world_size={world_size}) did not finish "
                 f"within {timeout:g}s; ranks still running: {running}"
@@ -327,20 +380,20 @@ def _collect(ref: _FnRef, procs: list[Any], conns: list[Connection], timeout: fl
         )
         # Reports first: a rank that sent its result and then exited is not a crash.
         for conn in [c for c in rank_of_conn if c in ready]:
-            _read_report(conn, rank_of_conn.pop(conn), results, failures)
+            _read_report(conn, rank_of_conn.pop(conn), outcomes)
         for sentinel in [s for s in rank_of_sentinel if s in ready]:
             rank = rank_of_sentinel.pop(sentinel)
             for conn in [c for c, r in rank_of_conn.items() if r == rank]:
                 del rank_of_conn[conn]
                 if conn.poll():
-                    _read_report(conn, rank, results, failures)
-            if rank not in results and all(f.rank != rank for _, f in failures):
-                failures.append((time.monotonic(), _died(rank, procs[rank].exitcode)))
-        if failures and grace_deadline is None:
-            grace_deadline = time.monotonic() + _FAILURE_GRACE_S
-    if failures:
-        raise _root_cause(failures)
-    return [results[rank] for rank in range(world_size)]
+                    _read_report(conn, rank, outcomes)
+            if rank not in outcomes:
+                died = _died(rank, procs[rank].exitcode)
+                outcomes[rank] = RankOutcome(rank, None, died, time.monotonic())
+        failed = any(o.error is not None for o in outcomes.values())
+        if failed and grace is not None and grace_deadline is None:
+            grace_deadline = time.monotonic() + grace
+    return [outcomes[r] for r in sorted(outcomes)]
 
 
 def _root_cause(failures: list[tuple[float, DistributedTestError]]) -> DistributedTestError:
@@ -358,18 +411,13 @@ def _died(rank: int, exitcode: int | None) -> DistributedTestError:
     )
 
 
-def _read_report(
-    conn: Connection,
-    rank: int,
-    results: dict[int, Any],
-    failures: list[tuple[float, DistributedTestError]],
-) -> None:
+def _read_report(conn: Connection, rank: int, outcomes: dict[int, RankOutcome]) -> None:
     try:
         msg = conn.recv()
     except (EOFError, OSError):
         return  # the sentinel reports the death
     if msg[0] == "ok":
-        results[rank] = msg[3]
+        outcomes[rank] = RankOutcome(rank, msg[3], None, msg[2])
         return
     _, rank, stamp, exc_type, exc_message, tb, blob = msg
     original: BaseException | None = None
@@ -378,7 +426,8 @@ def _read_report(
             original = pickle.loads(blob)
         except Exception:  # the text report is enough
             original = None
-    failures.append((stamp, DistributedTestError(rank, exc_type, exc_message, tb, original)))
+    error = DistributedTestError(rank, exc_type, exc_message, tb, original)
+    outcomes[rank] = RankOutcome(rank, None, error, stamp)
 
 
 def _stop(procs: list[Any], *, grace: float) -> None:

@@ -8,6 +8,7 @@ The module's class is swapped for a subclass that also derives from ``FSDPModule
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from mfsdp_buffers import Allocator
 from mfsdp_collectives import (
     FSDPTopology,
     check_host_transport,
+    check_ranks_agree,
     enable_host_transport,
     host_transport_of,
 )
@@ -26,6 +28,12 @@ from mfsdp_hooks.lookup import set_owning_model
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root import FSDPRoot
+from mfsdp_hooks.slots import (
+    SlotMap,
+    check_parameters_supported,
+    collect_slots,
+    describe_parameters,
+)
 from mfsdp_hooks.strategy import ShardingStrategy, parse_strategy
 from mfsdp_hooks.unit import FSDPUnit, UnitOptions, unit_of
 
@@ -141,6 +149,75 @@ def _require_fraction(value: object, argument: str) -> None:
         )
 
 
+def _check_overlap_options(
+    max_inflight_reductions: object, prefetch_depth: object, backward_prefetch_grad_fraction: object
+) -> None:
+    _require_positive_int(
+        max_inflight_reductions,
+        "max_inflight_reductions",
+        "at least 1 reduction must be allowed in flight "
+        "(use overlap_grad_reduce=False to wait for each one)",
+    )
+    _require_positive_int(
+        prefetch_depth,
+        "prefetch_depth",
+        "gather at least the next unit ahead, or turn prefetching off with "
+        "overlap_param_gather=False",
+    )
+    _require_fraction(backward_prefetch_grad_fraction, "backward_prefetch_grad_fraction")
+
+
+def _check_module(module: object, mp_policy: object) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    existing = unit_of(module)
+    if existing is not None:
+        raise ValueError(
+            f"module: fully_shard was already applied to this {existing.name}; "
+            "apply it once per module"
+        )
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be an mfsdp_hooks.MixedPrecisionPolicy, got {type(mp_policy).__name__}"
+        )
+    for param in module.parameters():
+        if param.device.type == "meta":
+            raise NotImplementedError(
+                "module has parameters on the meta device: meta-device initialisation "
+                "(init_model_with_meta_device) is not supported yet; materialise the model first"
+            )
+
+
+def _agree_on_wrap(
+    module: nn.Module, slots: SlotMap, options: UnitOptions, host_transport: str
+) -> None:
+    """The wrap's first collective: every rank of the shard group wraps the same thing."""
+    facts = {
+        "module": type(module).__qualname__,
+        "parameters": describe_parameters(slots),
+        "host_transport": host_transport,
+    }
+    for field in dataclasses.fields(options):
+        value = getattr(options, field.name)
+        if field.name == "topology":
+            continue
+        # An allocator's repr holds its address; its kind is what must agree.
+        facts[field.name] = type(value).__name__ if field.name == "grad_allocator" else repr(value)
+    check_ranks_agree(options.topology.shard_group, facts, what="fully_shard")
+
+
+def _choose_host_transport(topology: FSDPTopology, host_transport: str) -> None:
+    if topology.device.type != "cpu":
+        return
+    if host_transport == "gloo" and host_transport_of(topology.shard_group) is not None:
+        raise ValueError(
+            "host_transport='gloo', but an earlier fully_shard already put this shard "
+            "group's collectives on shared memory; pass a mesh over a separate process "
+            "group for this model, or the same host_transport as before"
+        )
+    enable_host_transport(topology.shard_group, host_transport)
+
+
 def _topology(mesh: DeviceMesh | FSDPTopology | None, module: nn.Module) -> FSDPTopology:
     if isinstance(mesh, FSDPTopology):
         return mesh
@@ -203,51 +280,15 @@ def fully_shard(
         raise TypeError(
             f"fully_shard() got unsupported argument(s) {names}: they are not implemented yet"
         )
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    existing = unit_of(module)
-    if existing is not None:
-        raise ValueError(
-            f"module: fully_shard was already applied to this {existing.name}; "
-            "apply it once per module"
-        )
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"mp_policy must be an mfsdp_hooks.MixedPrecisionPolicy, got {type(mp_policy).__name__}"
-        )
+    _check_module(module, mp_policy)
     strategy = parse_strategy(sharding_strategy, "sharding_strategy")
-    _require_positive_int(
-        max_inflight_reductions,
-        "max_inflight_reductions",
-        "at least 1 reduction must be allowed in flight "
-        "(use overlap_grad_reduce=False to wait for each one)",
-    )
-    _require_positive_int(
-        prefetch_depth,
-        "prefetch_depth",
-        "gather at least the next unit ahead, or turn prefetching off with "
-        "overlap_param_gather=False",
-    )
-    _require_fraction(backward_prefetch_grad_fraction, "backward_prefetch_grad_fraction")
+    _check_overlap_options(max_inflight_reductions, prefetch_depth, backward_prefetch_grad_fraction)
     grad_allocator = make_grad_allocator(grad_buffer_allocator, max_inflight_reductions)
     check_host_transport(host_transport)  # before _topology, which may communicate
-    for param in module.parameters():
-        if param.device.type == "meta":
-            raise NotImplementedError(
-                "module has parameters on the meta device: meta-device initialisation "
-                "(init_model_with_meta_device) is not supported yet; materialise the model first"
-            )
-    topology = _topology(mesh, module)
-    if topology.device.type == "cpu":
-        if host_transport == "gloo" and host_transport_of(topology.shard_group) is not None:
-            raise ValueError(
-                "host_transport='gloo', but an earlier fully_shard already put this shard "
-                "group's collectives on shared memory; pass a mesh over a separate process "
-                "group for this model, or the same host_transport as before"
-            )
-        enable_host_transport(topology.shard_group, host_transport)
+    slots = collect_slots(module)
+    check_parameters_supported(slots, module)
     options = UnitOptions(
-        topology=topology,
+        topology=_topology(mesh, module),
         strategy=strategy,
         policy=mp_policy or MixedPrecisionPolicy(),
         reduce_config=GradReduceConfig(
@@ -265,6 +306,8 @@ def fully_shard(
         backward_prefetch_grad_fraction=float(backward_prefetch_grad_fraction),
         grad_allocator=grad_allocator,
     )
+    _agree_on_wrap(module, slots, options, host_transport)
+    _choose_host_transport(options.topology, host_transport)
     owners = _shared_owner_registry(module)
     FSDPUnit(module, options, owners)
     for unit in fsdp_units(module):

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mfsdp_collectives import CommStreams
+from mfsdp_collectives import CommStreams, naming_dead_peers
 from mfsdp_hooks.grad_allocator import end_iteration, pools_memory
 from mfsdp_hooks.param_group import ParameterGroup, PendingReduction
 from mfsdp_hooks.unit import FSDPUnit, unit_of
@@ -25,10 +25,13 @@ class FSDPRoot:
         self.root_unit = root_unit
         self.options = root_unit.options
         self.units: list[FSDPUnit] = []
-        for module in root_unit.module.modules():
+        # Each unit's path under the root module, so errors name parameters in full.
+        self._unit_path: dict[int, str] = {}
+        for path, module in root_unit.module.named_modules():
             unit = unit_of(module)
             if unit is not None:
                 self.units.append(unit)
+                self._unit_path[id(unit)] = f"{path}." if path else ""
                 unit.root = self
                 for group in unit.groups:
                     group.root = self
@@ -157,18 +160,23 @@ class FSDPRoot:
         return any(p.group is group for p in self._pending)
 
     def check_grads_finite(self) -> None:
-        """Raise on every rank, naming each parameter whose reduced gradient is not finite."""
-        bad: list[str] = []
-        for group in self.groups:
-            if not group.requires_grad:
-                continue
-            flags = group.grad_nan_flags()
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.topology.shard_group)
-            bad += [name for name, flag in zip(group.names, flags.tolist(), strict=True) if flag]
+        """Raise on every rank, naming each parameter whose reduced gradient is not finite.
+
+        One all-reduce of every group's flags: the rank that holds a bad shard tells all.
+        """
+        checked = [(u, g) for u in self.units for g in u.groups if g.requires_grad]
+        if not checked:
+            return
+        flags = torch.cat([g.grad_nan_flags() for _, g in checked])
+        shard_group = self.options.topology.shard_group
+        with naming_dead_peers("the NaN/Inf gradient check", shard_group):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=shard_group)
+        names = [self._unit_path[id(u)] + name for u, g in checked for name in g.names]
+        bad = [name for name, flag in zip(names, flags.tolist(), strict=True) if flag]
         if bad:
             raise RuntimeError(
                 f"NaN or Inf in the reduced gradient of {bad} (report_nan_in_param_grad=True): "
-                "check the loss scale and the inputs of the step"
+                "no weight was updated; check the loss scale and the inputs of the step"
             )
 
 

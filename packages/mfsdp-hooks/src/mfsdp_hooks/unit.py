@@ -17,14 +17,12 @@ from mfsdp_hooks.lookup import register_group_params
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.param_group import ParameterGroup
 from mfsdp_hooks.reduce_config import GradReduceConfig
+from mfsdp_hooks.slots import UNIT_ATTR, Slot, collect_slots
 from mfsdp_hooks.strategy import ShardingStrategy
 from mfsdp_hooks.training_state import TrainingState, in_backward_pass
 
 if TYPE_CHECKING:
     from mfsdp_hooks.root import FSDPRoot
-
-UNIT_ATTR = "_mfsdp_unit_state"
-Slot = tuple[nn.Module, str]
 
 
 @dataclass(frozen=True)
@@ -51,32 +49,6 @@ def unit_of(module: nn.Module) -> FSDPUnit | None:
     return unit if isinstance(unit, FSDPUnit) else None
 
 
-def _collect_slots(module: nn.Module) -> dict[int, tuple[nn.Parameter, str, list[Slot]]]:
-    """Every (module, attribute) slot holding a parameter this unit owns, keyed by parameter.
-
-    Sub-trees already wrapped as units are skipped: they own their parameters. Insertion
-    order is the module traversal order, identical on every rank.
-    """
-    found: dict[int, tuple[nn.Parameter, str, list[Slot]]] = {}
-
-    def visit(mod: nn.Module, prefix: str) -> None:
-        for attr, param in mod._parameters.items():
-            if param is None:
-                continue
-            entry = found.get(id(param))
-            if entry is None:
-                found[id(param)] = (param, prefix + attr, [(mod, attr)])
-            else:
-                entry[2].append((mod, attr))
-        for child_name, child in mod._modules.items():
-            if child is None or unit_of(child) is not None:
-                continue
-            visit(child, f"{prefix}{child_name}.")
-
-    visit(module, "")
-    return found
-
-
 class FSDPUnit:
     """Drives unshard → forward → reshard → backward → reduce for one module."""
 
@@ -93,7 +65,7 @@ class FSDPUnit:
         self._grad_numel_received = 0
         self.post_backward_done = False
         self.requires_gradient_sync = True
-        slots = _collect_slots(module)
+        slots = collect_slots(module)
         for param, name, _ in slots.values():
             owner = owner_of.get(id(param))
             if owner is not None:

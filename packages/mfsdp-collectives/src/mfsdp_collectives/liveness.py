@@ -1,0 +1,180 @@
+"""Which peer processes are still alive, so a collective waiting on a dead rank says so.
+
+A rank that is SIGKILLed (out of memory, a segfault, ``os._exit``) announces nothing. Gloo
+notices when the dead peer's sockets close, but its error ("Connection closed by peer
+[10.0.0.2]:41345") does not say which rank; our shared-memory transport waits on a word in
+a mapped file that a dead process simply stops updating. Both need the same fact: which
+ranks' processes are gone. On Linux a process on this host can answer that for any other
+process it can see, from ``/proc/<pid>/stat``, and a (pid, start time) pair cannot be
+fooled by pid reuse.
+
+Each rank therefore learns every peer's ``ProcessIdentity`` once, at wrap time, in a
+collective that happens anyway (the wrap-time agreement check, the shared-memory setup).
+From then on ``dead_ranks`` is a local question, cheap enough for a waiting loop to ask
+twice a second. Peers on other hosts (or other pid namespaces) cannot be checked: for them
+a failure stays the backend's own error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+__all__ = [
+    "PeerDiedError",
+    "ProcessIdentity",
+    "dead_ranks",
+    "exchange_identities",
+    "naming_dead_peers",
+    "peer_died_error",
+    "record_identities",
+]
+
+# After a collective failed, how long the kernel may take to show the peer's death in /proc:
+# its sockets close (which is what gloo saw) before the process turns into a zombie.
+_SETTLE_S = 2.0
+_SETTLE_POLL_S = 0.02
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _host_key() -> str:
+    """Processes with equal keys can see each other's pids (same machine, boot, namespace)."""
+    boot = _read("/proc/sys/kernel/random/boot_id") or ""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return f"{socket.gethostname()}/{boot}/{namespace}"
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` from the state field on (the name before it may hold spaces)."""
+    text = _read(f"/proc/{pid}/stat")
+    if text is None:
+        return None
+    return text[text.rfind(")") + 2 :].split()
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """One rank's process, as other processes on its host can recognise it."""
+
+    host: str
+    pid: int
+    start_ticks: int  # field 22 of /proc/<pid>/stat: tells a reused pid from the original
+
+    @classmethod
+    def of_this_process(cls) -> ProcessIdentity:
+        fields = _stat_fields(os.getpid())
+        start = int(fields[19]) if fields is not None and len(fields) > 19 else -1
+        return cls(host=_host_key(), pid=os.getpid(), start_ticks=start)
+
+    def is_alive(self) -> bool | None:
+        """False once the process is gone or a zombie; None when it cannot be checked here."""
+        if self.start_ticks < 0 or self.host != _THIS_HOST:
+            return None
+        fields = _stat_fields(self.pid)
+        if fields is None or len(fields) < 20:
+            return False
+        if fields[0] in ("Z", "X", "x"):
+            return False
+        return int(fields[19]) == self.start_ticks
+
+
+_THIS_HOST = _host_key()
+_lock = threading.Lock()
+_known: dict[int, ProcessIdentity] = {}  # global rank -> its process
+
+
+class PeerDiedError(RuntimeError):
+    """A collective could not finish because the processes of ``ranks`` (global) died."""
+
+    def __init__(self, ranks: list[int], message: str) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+    def __reduce__(self) -> tuple[type[PeerDiedError], tuple[list[int], str]]:
+        return (type(self), (self.ranks, str(self)))
+
+
+def record_identities(identities: Mapping[int, ProcessIdentity]) -> None:
+    """Remember the processes of these global ranks (what an exchange learned)."""
+    with _lock:
+        _known.update(identities)
+
+
+def exchange_identities(group: dist.ProcessGroup) -> None:
+    """Learn the process of every rank of ``group`` (collective over ``group``)."""
+    found: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, ProcessIdentity.of_this_process(), group=group)
+    record_identities(
+        {
+            dist.get_global_rank(group, r): ident
+            for r, ident in enumerate(found)
+            if isinstance(ident, ProcessIdentity)
+        }
+    )
+
+
+def dead_ranks(ranks: Iterable[int] | None = None) -> list[int]:
+    """The global ranks (among ``ranks``, default all known) whose process is certainly gone."""
+    with _lock:
+        known = dict(_known)
+    wanted = sorted(known) if ranks is None else sorted(r for r in set(ranks) if r in known)
+    return [r for r in wanted if known[r].is_alive() is False]
+
+
+def peer_died_error(ranks: list[int], during: str) -> PeerDiedError:
+    """The error that names the dead ranks (global) and what was waiting for them."""
+    with _lock:
+        pids = ", ".join(f"rank {r} (pid {_known[r].pid})" for r in ranks if r in _known)
+    return PeerDiedError(
+        ranks,
+        f"{during} cannot finish: the process of {pids or ranks} died (killed, out of memory "
+        "or crashed). Its work since the last checkpoint is lost; restart the job from the "
+        "latest checkpoint (with torchrun, the agent does this for --max-restarts)",
+    )
+
+
+def explain_failure(during: str, ranks: Iterable[int] | None = None) -> PeerDiedError | None:
+    """After a collective failed: the error naming dead peers, if any died (waits briefly)."""
+    deadline = time.monotonic() + _SETTLE_S
+    with _lock:
+        checkable = bool(_known)
+    while checkable:
+        dead = dead_ranks(ranks)
+        if dead:
+            return peer_died_error(dead, during)
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(_SETTLE_POLL_S)
+    return None
+
+
+@contextlib.contextmanager
+def naming_dead_peers(during: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Turn a backend error caused by a dead peer into a ``PeerDiedError`` naming it."""
+    try:
+        yield
+    except PeerDiedError:
+        raise
+    except RuntimeError as exc:  # c10d's DistBackendError and gloo's errors are RuntimeErrors
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        explained = explain_failure(during, ranks)
+        if explained is None:
+            raise
+        raise explained from exc

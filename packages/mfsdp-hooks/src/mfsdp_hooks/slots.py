@@ -1,0 +1,97 @@
+"""Which parameters a unit owns, where they sit in the module tree, and which it can take.
+
+A unit owns the parameters of its module that no already-wrapped sub-module owns. Each
+may sit in several (module, attribute) slots (tied weights), all of which the unit swaps
+between the sharded and the unsharded tensor.
+
+Only plain parameters can be flattened into a buffer and handed back as views: a tensor
+subclass (torchao's float8 weight wrapper, Transformer Engine's ``Float8Tensor``, a user's
+``DTensor`` from tensor parallelism) carries state outside its storage that a flat copy
+drops, so the optimizer and the weight install would silently lose it. Such parameters
+are refused at wrap time, before any collective, on every rank (every rank holds the same
+model, so every rank reaches the same verdict).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+__all__ = [
+    "UNIT_ATTR",
+    "Slot",
+    "SlotMap",
+    "check_parameters_supported",
+    "collect_slots",
+    "describe_parameters",
+    "is_wrapped",
+]
+
+UNIT_ATTR = "_mfsdp_unit_state"
+Slot = tuple[nn.Module, str]
+SlotMap = dict[int, tuple[nn.Parameter, str, list[Slot]]]
+
+
+def is_wrapped(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` already made ``module`` a unit."""
+    return UNIT_ATTR in module.__dict__
+
+
+def collect_slots(module: nn.Module) -> SlotMap:
+    """Every (module, attribute) slot holding a parameter this unit owns, keyed by parameter.
+
+    Sub-trees already wrapped as units are skipped: they own their parameters. Insertion
+    order is the module traversal order, identical on every rank.
+    """
+    found: SlotMap = {}
+
+    def visit(mod: nn.Module, prefix: str) -> None:
+        for attr, param in mod._parameters.items():
+            if param is None:
+                continue
+            entry = found.get(id(param))
+            if entry is None:
+                found[id(param)] = (param, prefix + attr, [(mod, attr)])
+            else:
+                entry[2].append((mod, attr))
+        for child_name, child in mod._modules.items():
+            if child is None or is_wrapped(child):
+                continue
+            visit(child, f"{prefix}{child_name}.")
+
+    visit(module, "")
+    return found
+
+
+def _is_plain(param: torch.Tensor) -> bool:
+    return type(param) is nn.Parameter or type(param) is torch.Tensor
+
+
+def check_parameters_supported(slots: SlotMap, module: nn.Module) -> None:
+    """Raise naming each parameter the engine cannot shard (tensor subclasses), if any."""
+    unsupported = [(name, type(p)) for p, name, _ in slots.values() if not _is_plain(p)]
+    if not unsupported:
+        return
+    listed = ", ".join(
+        f"{name!r} ({cls.__module__}.{cls.__qualname__})" for name, cls in unsupported
+    )
+    raise NotImplementedError(
+        f"fully_shard({type(module).__name__}): parameter(s) {listed} are tensor subclasses, "
+        "which the engine cannot shard yet: a flat sharded copy would drop their extra state "
+        "and train them wrong. Use plain nn.Parameter weights (e.g. convert to float8 or "
+        "apply tensor parallelism after training, or train without it) until FP8 and tensor "
+        "parallel parameters are supported"
+    )
+
+
+def describe_parameters(slots: SlotMap) -> str:
+    """A short, rank-independent summary of the parameters a unit owns (to compare ranks)."""
+    lines = [
+        f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}:{len(places)}"
+        for p, name, places in slots.values()
+    ]
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
+    numel = sum(p.numel() for p, _, _ in slots.values())
+    return f"{len(lines)} parameters, {numel} elements, digest {digest}"

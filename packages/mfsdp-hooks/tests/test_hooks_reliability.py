@@ -1,0 +1,145 @@
+"""Never a silent wrong result: what the engine cannot train right is refused at wrap time,
+ranks that disagree fail together before any collective can mismatch, and a non-finite
+gradient stops the step before any weight moves.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+import torch
+from hooks_models import Block, local_slice, loss_fn, make_batches, make_model, trainable
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from mfsdp_collectives import RankMismatchError
+from mfsdp_collectives.testing import run_distributed, run_distributed_outcomes
+from mfsdp_hooks import MegatronFSDP, attach_optimizer, fully_shard
+
+
+# ----------------------------------------------------------------- tensor-subclass params
+class TaggedTensor(torch.Tensor):
+    """A user's tensor subclass: torch keeps its class through ops, the engine cannot."""
+
+
+def _refusal(rank: int, world: int, kind: str) -> tuple[str, str]:
+    model = make_model()
+    if kind == "wrapper_subclass":
+        model.blocks[1].fc1.weight = nn.Parameter(
+            model.blocks[1].fc1.weight.data.as_subclass(TaggedTensor)
+        )
+        target, root = model.blocks[1], model
+    else:  # torchao float8 training, its FSDP float8 all-gather on
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        root = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+        convert_to_float8_training(root, config=config)
+        target = root
+    try:
+        if target is not root:
+            for block in model.blocks:
+                fully_shard(block)
+        fully_shard(root)
+    except NotImplementedError as error:
+        return type(error).__name__, str(error)
+    return "wrapped", ""
+
+
+@pytest.mark.parametrize("kind", ["wrapper_subclass", "torchao_float8"])
+def test_tensor_subclass_parameters_are_refused_on_every_rank(kind: str) -> None:
+    if kind == "torchao_float8" and importlib.util.find_spec("torchao") is None:
+        pytest.skip("torchao is not installed (the noxfile's test sessions install it)")
+    outcomes = run_distributed(_refusal, 2, kind, timeout=60)
+    assert outcomes[0] == outcomes[1], outcomes
+    kind_name, message = outcomes[0]
+    assert kind_name == "NotImplementedError", message
+    if kind == "wrapper_subclass":
+        assert "'fc1.weight' (test_hooks_reliability.TaggedTensor)" in message, message
+    else:
+        assert "'0.weight'" in message and "'2.weight'" in message, message
+        assert "WeightWithDynamicFloat8CastTensor" in message, message
+
+
+# ----------------------------------------------------------------- ranks that disagree
+def _disagreeing(rank: int, world: int, what: str) -> None:
+    model = make_model(n_blocks=3 if what != "model" or rank == 0 else 2)
+    if what == "model":
+        model.blocks[0].fc1 = nn.Linear(15, 7 + rank)  # rank 1 builds a wider layer
+        model.blocks[0].fc2 = nn.Linear(7 + rank, 15)
+    units: list[Any] = [Block] if what != "fsdp_unit_modules" or rank == 0 else []
+    strategy = 3 if what != "strategy" or rank == 0 else 2
+    MegatronFSDP(model, fsdp_unit_modules=units, sharding_strategy=strategy)
+
+
+@pytest.mark.parametrize(
+    ("what", "words"),
+    [
+        (
+            "model",
+            [
+                "fully_shard: the ranks of group dp_shard disagree on\n"
+                "  parameters: rank 0: 6 parameters, 262 elements, digest"
+            ],
+        ),
+        ("fsdp_unit_modules", ["module: rank 0: Block; rank 1: ToyModel"]),
+        ("strategy", ["strategy: rank 0: <ShardingStrategy.OPTIM_GRADS_PARAMS"]),
+    ],
+)
+def test_ranks_that_disagree_fail_together_at_wrap_time(what: str, words: list[str]) -> None:
+    outcomes = run_distributed_outcomes(_disagreeing, 2, what, timeout=60)
+    messages = []
+    for outcome in outcomes:
+        assert outcome.error is not None, f"rank {outcome.rank} wrapped a mismatched model"
+        assert isinstance(outcome.error.exception, RankMismatchError), outcome.error
+        messages.append(str(outcome.error.exception))
+    assert messages[0] == messages[1]
+    for word in words:
+        assert word in messages[0], messages[0]
+
+
+# ----------------------------------------------------------------- non-finite gradients
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _nan_stops_the_step(rank: int, world: int, strategy: int, bad: float, sync: bool) -> str:
+    model = make_model()
+    poisoned = model.blocks[2].fc2.bias
+    wrapped = MegatronFSDP(
+        model,
+        fsdp_unit_modules=[Block],
+        sharding_strategy=strategy,
+        report_nan_in_param_grad=True,
+        sync_model_each_microbatch=sync,
+    )
+    optimizer = attach_optimizer(torch.optim.AdamW(trainable(wrapped), lr=1e-2))
+    # The sharded weights the optimizer steps (the module shows unsharded ones mid-step).
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    batches = make_batches(2, 4)
+    for step, (tokens, targets) in enumerate(batches):
+        if step == 1 and rank == 1:
+            poisoned.register_hook(lambda g: g * bad)
+        before = [_local(p).clone() for p in stepped]
+        try:
+            out = wrapped(local_slice(tokens, rank, world))
+            loss_fn(out, local_slice(targets, rank, world)).backward()
+            optimizer.step()
+        except RuntimeError as error:
+            after = [_local(p) for p in stepped]
+            unchanged = all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+            return f"step {step}, weights unchanged={unchanged}: {error}"
+        optimizer.zero_grad()
+    return "no error"
+
+
+@pytest.mark.parametrize("strategy", [0, 1, 2, 3])
+@pytest.mark.parametrize(("bad", "sync"), [(float("nan"), True), (float("inf"), False)])
+def test_a_non_finite_gradient_is_named_on_every_rank_before_the_step(
+    strategy: int, bad: float, sync: bool
+) -> None:
+    for message in run_distributed(_nan_stops_the_step, 2, strategy, bad, sync, timeout=60):
+        assert message.startswith("step 1, weights unchanged=True: "), message
+        assert "NaN or Inf in the reduced gradient of ['blocks.2.fc2.bias']" in message, message
