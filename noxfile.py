@@ -42,7 +42,7 @@ TEST_TOOLS = [
     "transformers>=4.40",
     # Float8 training whose tensor-subclass parameters the engine must refuse (and, later,
     # shard); it runs on CPU with torch's own _scaled_mm.
-    "torchao>=0.18",
+    "torchao==0.18.0",  # pinned: each torchao release targets particular torch versions
 ]
 if "PIP_FIND_LINKS" in os.environ and "UV_FIND_LINKS" not in os.environ:
     os.environ["UV_FIND_LINKS"] = os.environ["PIP_FIND_LINKS"]
