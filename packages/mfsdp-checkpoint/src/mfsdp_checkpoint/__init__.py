@@ -6,7 +6,8 @@
   sizes and sharding strategies, and with torch FSDP2 checkpoints.
 * ``save``/``load`` (any DCP state dict) and ``save_checkpoint``/``load_checkpoint`` (model +
   optimizer): atomic directories with a completion marker and checksums; clear errors raised on
-  every rank.
+  every rank. ``async_save``/``async_save_checkpoint``: the same checkpoints written in the
+  background while training goes on.
 * ``gather_full_state_dict``/``save_full_state_dict``: the unsharded model on rank 0, streamed
   group by group; ``load_full_state_dict``: a single-process state dict into a sharded model
   without any rank holding it whole.
@@ -14,6 +15,7 @@
   safetensors, with prefix stripping for Hugging Face.
 """
 
+from mfsdp_checkpoint.async_checkpoint import CheckpointStager, async_save, async_save_checkpoint
 from mfsdp_checkpoint.atomic import load, read_metadata, save
 from mfsdp_checkpoint.checkpoint import load_checkpoint, save_checkpoint
 from mfsdp_checkpoint.convert import convert, describe
@@ -32,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "CheckpointStager",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "DCPHandle",
@@ -39,6 +42,8 @@ __all__ = [
     "IncompleteCheckpointError",
     "StateDictMismatchError",
     "__version__",
+    "async_save",
+    "async_save_checkpoint",
     "convert",
     "describe",
     "enable_dcp",

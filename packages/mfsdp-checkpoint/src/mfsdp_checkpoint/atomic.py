@@ -3,7 +3,8 @@
 ``save`` never leaves a directory that loads as complete unless every rank finished writing:
 it writes into ``<path>.partial`` (with an in-progress sentinel), records each file's size and
 CRC32 in a completion marker, then renames the directory into place. A process killed at any
-point before the rename leaves the previous checkpoint at ``path`` untouched.
+point before the rename leaves the previous checkpoint at ``path`` untouched (or, if killed in
+the middle of replacing it, complete at ``<path>.old``, where ``load`` finds it).
 
 ``load`` refuses partial directories, verifies the marker's sizes (and checksums, spread over
 the ranks), compares the state dict with the checkpoint's metadata, and only then calls
@@ -41,11 +42,14 @@ from mfsdp_checkpoint.marker import (
     inspect_directory,
     partial_path,
     previous_path,
+    reserved_suffix,
+    resolve_interrupted_swap,
     verify_files,
     write_in_progress,
     write_marker,
 )
 from mfsdp_checkpoint.validate import check, prune
+from mfsdp_collectives import naming_dead_peers
 
 PathLike = str | os.PathLike[str]
 
@@ -73,8 +77,20 @@ def _run_locally(problem_source: Any) -> _dist.Problem:
     return None
 
 
+def check_target(path: PathLike) -> Path:
+    """``path`` as a save target, refused before any I/O if a save could never publish it."""
+    target = Path(path)
+    suffix = reserved_suffix(target)
+    if suffix is not None:
+        raise ValueError(
+            f"path: {target} ends in {suffix!r}, which saves reserve for their own staging and "
+            "replaced directories; choose a name without that suffix"
+        )
+    return target
+
+
 def _prepare_staging(path: Path, staging: Path, overwrite: bool) -> None:
-    if path.exists() and not overwrite:
+    if not overwrite and (path.exists() or (previous_path(path) / MARKER).exists()):
         raise CheckpointError(f"{path} already exists; pass overwrite=True to replace it")
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"{path} exists and is not a directory; choose another path")
@@ -95,18 +111,22 @@ def _file_records(staging: Path, names: list[str], checksum: bool) -> dict[str, 
 
 
 def _publish(path: Path, staging: Path) -> None:
-    """Move the finished staging directory to ``path``, replacing an older checkpoint."""
+    """Move the finished staging directory to ``path``, replacing an older checkpoint.
+
+    Between the two renames ``path`` is missing and the older checkpoint sits complete at
+    ``<path>.old``; ``load`` falls back to it there. ``.old`` is deleted only once ``path`` is
+    the new checkpoint, so a kill at any step leaves one complete checkpoint to load.
+    """
+    old = previous_path(path)
     if path.exists():
-        old = previous_path(path)
         if old.exists():
-            shutil.rmtree(old)
+            shutil.rmtree(old)  # left by an interrupted swap; ``path`` is complete, keep it
         path.rename(old)
-        staging.rename(path)
         fsync_dir(path.parent)
-        shutil.rmtree(old)
-    else:
-        staging.rename(path)
+    staging.rename(path)
     fsync_dir(path.parent)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def save(
@@ -121,9 +141,22 @@ def save(
     """Save ``state_dict`` as a DCP checkpoint at ``path``, atomically. Collective.
 
     ``checksum`` records a CRC32 of every file (each rank hashes a share of the files) so a
-    later ``load`` detects corrupted data, not just truncated files.
+    later ``load`` detects corrupted data, not just truncated files. A rank that dies during
+    the save makes the others raise ``PeerDiedError`` naming it.
     """
-    target = Path(path)
+    with naming_dead_peers(f"saving the checkpoint {path}", process_group):
+        return _save(state_dict, path, process_group, overwrite, checksum, planner)
+
+
+def _save(
+    state_dict: dict[str, Any],
+    path: PathLike,
+    process_group: dist.ProcessGroup | None,
+    overwrite: bool,
+    checksum: bool,
+    planner: SavePlanner | None,
+) -> Path:
+    target = check_target(path)
     staging = partial_path(target)
     me, world = _dist.rank(process_group), _dist.world_size(process_group)
     problem = (
@@ -131,7 +164,7 @@ def save(
     )
     _dist.agree(problem, process_group)
     try:
-        with _dist.quiet_single_process():
+        with _dist.quiet_single_process(), naming_dead_peers(f"saving {target}", process_group):
             dcp_save(
                 state_dict,
                 storage_writer=FileSystemWriter(staging, sync_files=True),
@@ -182,11 +215,24 @@ def load(
     value for are dropped, leaving that state fresh. ``verify`` checks the CRC32 recorded at
     save time (plain DCP directories without a marker are loaded unverified).
     """
-    source = Path(path)
+    with naming_dead_peers(f"loading the checkpoint {path}", process_group):
+        return _load(state_dict, path, process_group, strict, verify, planner)
+
+
+def _load(
+    state_dict: dict[str, Any],
+    path: PathLike,
+    process_group: dist.ProcessGroup | None,
+    strict: bool,
+    verify: bool,
+    planner: LoadPlanner | None,
+) -> DirectoryInfo:
+    requested = Path(path)
     me, world = _dist.rank(process_group), _dist.world_size(process_group)
     found: list[Any] = []
 
     def local_checks() -> None:
+        source = resolve_interrupted_swap(requested)
         info = inspect_directory(source)
         verify_files(info, (me, world), checksums=verify)
         metadata = read_metadata(source)
@@ -194,10 +240,11 @@ def load(
 
     _dist.agree(_run_locally(local_checks), process_group)
     info: DirectoryInfo = found[0]
+    source = info.path
     comparison = found[1]
     prune(state_dict, comparison.prunable)
     try:
-        with _dist.quiet_single_process():
+        with _dist.quiet_single_process(), naming_dead_peers(f"loading {source}", process_group):
             dcp_load(
                 state_dict,
                 storage_reader=FileSystemReader(source),

@@ -19,11 +19,16 @@ from mfsdp_checkpoint.atomic import PathLike, load, save
 from mfsdp_checkpoint.enable import enable_dcp
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def checkpoint_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The DCP state dict of a checkpoint: sections ``model``, ``optimizer``, ``extra``."""
     enable_dcp(model, optimizer)
     state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
+    if extra is not None:
+        state["extra"] = dict(extra)
     return state
 
 
@@ -37,9 +42,7 @@ def save_checkpoint(
     overwrite: bool = True,
 ) -> Path:
     """Save ``model`` (and ``optimizer``, and picklable ``extra`` values) atomically."""
-    state = _state(model, optimizer)
-    if extra is not None:
-        state["extra"] = extra
+    state = checkpoint_state(model, optimizer, extra)
     return save(state, path, process_group=process_group, overwrite=overwrite)
 
 
@@ -57,9 +60,7 @@ def load_checkpoint(
     Works across world sizes and sharding strategies. ``extra`` gives the keys (and default
     values) to read back from the ``"extra"`` section; the loaded values are returned.
     """
-    state = _state(model, optimizer)
-    if extra is not None:
-        state["extra"] = dict(extra)
+    state = checkpoint_state(model, optimizer, extra)
     load(state, path, process_group=process_group, strict=strict)
     model.load_state_dict(state["model"], strict=strict)
     if optimizer is not None:

@@ -180,3 +180,16 @@ def is_annotated(tensor: torch.Tensor) -> bool:
 def chunk_of(tensor: torch.Tensor) -> RowChunk | None:
     found = tensor.__dict__.get(_CHUNKS_ATTR)
     return found.chunk if isinstance(found, _ChunkList) else None
+
+
+def copy_dcp_protocol(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Give ``target`` (a copy of ``source``) the DCP methods ``annotate`` gave ``source``.
+
+    They live in the instance's ``__dict__``, which no tensor copy carries over; without them
+    DCP would fall back to ``torch.chunk`` offsets and write uneven rows to the wrong place.
+    The methods hold only the row range, never the tensor, so sharing them is safe.
+    """
+    for attr in (_WRITE_ATTR, _CHUNKS_ATTR):
+        if attr in source.__dict__:
+            setattr(target, attr, source.__dict__[attr])
+    return target

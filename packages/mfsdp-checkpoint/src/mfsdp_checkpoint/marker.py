@@ -2,15 +2,17 @@
 
 A save writes into ``<path>.partial`` with an in-progress sentinel, records every file's size
 and CRC32 in ``mfsdp_checkpoint.json`` once all ranks are done, then renames the directory into
-place. So a directory is *complete* when it has the marker, *partial* when it has the sentinel
-(or neither marker nor DCP metadata), and *foreign* when it is a plain DCP checkpoint written by
-someone else (accepted, but without integrity checks).
+place. So a directory is *complete* when it has the marker, *partial* when it has the sentinel,
+is named ``*.partial`` (a save is committed by its rename, so a staging directory never loads,
+marker or not), or has neither marker nor DCP metadata, and *foreign* when it is a plain DCP
+checkpoint written by someone else (accepted, but without integrity checks).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +42,34 @@ def partial_path(path: Path) -> Path:
 def previous_path(path: Path) -> Path:
     """Where the replaced checkpoint sits for the instant an overwrite swaps directories."""
     return path.with_name(path.name + ".old")
+
+
+def is_staging_name(path: Path) -> bool:
+    """True for a name only a save's staging directory has: such a directory never loads,
+    even with a marker, because a save is committed by the rename, not by the marker."""
+    return path.name.endswith(".partial")
+
+
+def reserved_suffix(path: Path) -> str | None:
+    """The suffix of ``path`` that a save uses for its own directories, if it has one."""
+    for suffix in (".partial", ".old"):
+        if path.name.endswith(suffix):
+            return suffix
+    return None
+
+
+def resolve_interrupted_swap(path: Path) -> Path:
+    """Where the checkpoint of ``path`` is: ``path`` itself, or the checkpoint an overwrite
+    had moved aside when it was killed between its two renames (``path`` then is missing)."""
+    old = previous_path(path)
+    if path.exists() or not (old / MARKER).is_file() or (old / IN_PROGRESS).exists():
+        return path
+    warnings.warn(
+        f"{path} is missing because a save was killed while replacing it; loading the "
+        f"complete checkpoint it was replacing, {old}. The next save to {path} removes it",
+        stacklevel=3,
+    )
+    return old
 
 
 def crc32_of(path: Path) -> int:
@@ -127,6 +157,12 @@ def inspect_directory(path: Path) -> DirectoryInfo:
             f"{path} is an incomplete checkpoint: its save never finished (it has no completion "
             f"marker {MARKER}); refusing to load it. Load the previous checkpoint instead"
         )
+    if is_staging_name(path):
+        raise IncompleteCheckpointError(
+            f"{path} is an incomplete checkpoint: it is the staging directory of a save that "
+            "never finished (the save was killed before its final rename, even if every file "
+            f"is written); refusing to load it. Load {path.with_suffix('')} instead"
+        )
     marker_file = path / MARKER
     if marker_file.exists():
         try:
@@ -166,5 +202,5 @@ def verify_files(info: DirectoryInfo, share: tuple[int, int], checksums: bool) -
         if crc32_of(file) != recorded:
             raise CorruptCheckpointError(
                 f"{info.path}: file {name} is corrupted (CRC32 differs from the one recorded "
-                "when it was saved)"
+                "when it was saved); restore that file from a copy or load another checkpoint"
             )

@@ -16,7 +16,7 @@ from typing import cast
 
 import torch.distributed as dist
 
-from .liveness import ProcessIdentity, record_identities
+from .liveness import ProcessIdentity, naming_dead_peers, record_identities
 from .naming import group_name
 
 __all__ = ["RankMismatchError", "check_ranks_agree"]
@@ -41,7 +41,8 @@ def check_ranks_agree(group: dist.ProcessGroup, facts: Mapping[str, str], *, wha
     """
     mine = (ProcessIdentity.of_this_process(), dict(facts))
     found: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(found, mine, group=group)
+    with naming_dead_peers(f"the agreement check of {what}", group):
+        dist.all_gather_object(found, mine, group=group)
     reports = cast("list[tuple[ProcessIdentity, dict[str, str]]]", found)
     record_identities(
         {dist.get_global_rank(group, r): ident for r, (ident, _) in enumerate(reports)}

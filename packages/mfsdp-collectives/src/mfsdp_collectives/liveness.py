@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = [
     "PeerDiedError",
@@ -165,14 +166,21 @@ def explain_failure(during: str, ranks: Iterable[int] | None = None) -> PeerDied
     return None
 
 
+def _is_backend_failure(exc: BaseException) -> bool:
+    """An error a collective backend raises (gloo: a bare ``RuntimeError``; c10d: a
+    ``DistError``; DCP: the ``CheckpointException`` wrapping a rank's failure). Errors of
+    ours or the user's are never blamed on a peer, and never wait for one to look dead."""
+    return type(exc) is RuntimeError or isinstance(exc, (dist.DistError, CheckpointException))
+
+
 @contextlib.contextmanager
 def naming_dead_peers(during: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
     """Turn a backend error caused by a dead peer into a ``PeerDiedError`` naming it."""
     try:
         yield
-    except PeerDiedError:
-        raise
-    except RuntimeError as exc:  # c10d's DistBackendError and gloo's errors are RuntimeErrors
+    except BaseException as exc:
+        if not _is_backend_failure(exc):
+            raise
         ranks = None if group is None else dist.get_process_group_ranks(group)
         explained = explain_failure(during, ranks)
         if explained is None:

@@ -55,6 +55,7 @@ _PRELOAD = [
     "torch.distributed",
     "torch.distributed.device_mesh",
     "torch.distributed.tensor",  # DTensor, and what torch.testing.assert_close imports lazily
+    "torch._dynamo",  # imported lazily by DTensor.from_local: ~1-3 s in every rank otherwise
     "mfsdp_collectives.testing",
 ]
 
