@@ -63,9 +63,7 @@ def _train_until_killed(rank: int, world: int, point: str, transport: str, path:
     for step, (tokens, targets) in enumerate(make_batches(4, 4)):
         if step == FAULT_STEP and rank == VICTIM:
             _arm(point, model, optimizer, path)
-        loss = loss_fn(
-            model(local_slice(tokens, rank, world)), local_slice(targets, rank, world)
-        )
+        loss = loss_fn(model(local_slice(tokens, rank, world)), local_slice(targets, rank, world))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
