@@ -143,3 +143,52 @@ def test_a_non_finite_gradient_is_named_on_every_rank_before_the_step(
     for message in run_distributed(_nan_stops_the_step, 2, strategy, bad, sync, timeout=60):
         assert message.startswith("step 1, weights unchanged=True: "), message
         assert "NaN or Inf in the reduced gradient of ['blocks.2.fc2.bias']" in message, message
+
+
+# ----------------------------------------------------------------- wrapped classes
+def _wrapped_classes(rank: int, world: int) -> list[str]:
+    import copy
+
+    model = make_model()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    classes = {type(block) for block in model.blocks}
+    assert len(classes) == 1, classes  # one FSDPBlock class, not one per call
+    assert type(model).__name__ == "FSDPToyModel"
+    messages = []
+    for target in (model, model.blocks[0]):
+        try:
+            copy.deepcopy(target)
+        except TypeError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_wrapped_classes_are_shared_and_refuse_deepcopy() -> None:
+    messages = run_distributed(_wrapped_classes, 1, timeout=60)[0]
+    assert len(messages) == 2, messages
+    assert "copy.deepcopy of a fully-sharded FSDPToyModel is not supported" in messages[0]
+    assert "load a state dict" in messages[1]
+
+
+# ----------------------------------------------------------------- root-level options
+def _root_option_on_a_block(rank: int, world: int) -> str:
+    model = make_model()
+    for block in model.blocks:
+        fully_shard(block, prefetch_depth=2)
+    fully_shard(model)  # the root: prefetch_depth=1
+    tokens, _ = make_batches(1, 4)[0]
+    try:
+        model(local_slice(tokens, rank, world))
+    except ValueError as error:
+        return str(error)
+    return "the block's prefetch_depth was ignored"
+
+
+def test_a_root_level_option_given_to_a_non_root_unit_is_refused() -> None:
+    for message in run_distributed(_root_option_on_a_block, 2, timeout=60):
+        assert message.startswith(
+            "prefetch_depth=2 was given to fully_shard(Block), but prefetch_depth is a "
+            "root-level option and the root fully_shard(ToyModel) has prefetch_depth=1"
+        ), message

@@ -20,6 +20,7 @@ from mfsdp_hooks import (
     MegatronFSDP,
     MixedPrecisionPolicy,
     attach_optimizer,
+    dist_param_of,
     optimizer_groups,
     owning_model,
     parse_strategy,
@@ -206,10 +207,15 @@ def fully_shard_optimizer(
     return optimizer
 
 
+def _dist_or_self(param: torch.Tensor) -> torch.Tensor:
+    found = dist_param_of(param)
+    return param if found is None else found
+
+
 def _rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Point an optimizer built on the original parameters at their sharded replacements."""
     for group in optimizer.param_groups:
-        group["params"] = [getattr(p, "_mfsdp_dist_param", p) for p in group["params"]]
+        group["params"] = [_dist_or_self(p) for p in group["params"]]
     optimizer.state.clear()
 
 

@@ -27,7 +27,7 @@ from mfsdp_hooks.grad_allocator import make_grad_allocator
 from mfsdp_hooks.lookup import set_owning_model
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.reduce_config import GradReduceConfig
-from mfsdp_hooks.root import FSDPRoot
+from mfsdp_hooks.root import FSDPRoot, root_of
 from mfsdp_hooks.slots import (
     SlotMap,
     check_parameters_supported,
@@ -119,7 +119,7 @@ class FSDPModule:
 
     @property
     def fsdp_root(self) -> FSDPRoot | None:
-        return self._mfsdp_unit().root
+        return root_of(self)  # type: ignore[arg-type]
 
 
 def _require_unit(module: nn.Module, argument: str) -> FSDPUnit:
@@ -309,14 +309,35 @@ def fully_shard(
     _agree_on_wrap(module, slots, options, host_transport)
     _choose_host_transport(options.topology, host_transport)
     owners = _shared_owner_registry(module)
-    FSDPUnit(module, options, owners)
+    FSDPUnit(module, options, owners, make_root=FSDPRoot.lazy_init)
     for unit in fsdp_units(module):
         for group in unit.groups:
             set_owning_model(group, module)
-    cls = type(module)
-    if not issubclass(cls, FSDPModule):
-        module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    if not isinstance(module, FSDPModule):
+        module.__class__ = fsdp_class_of(type(module))
     return module
+
+
+_FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _refuse_deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    raise TypeError(
+        f"copy.deepcopy of a fully-sharded {type(self).__name__} is not supported: the copy "
+        "would share the original's hooks and buffers. Build a fresh model and load a state "
+        "dict (model.state_dict() / mfsdp_checkpoint) into it instead"
+    )
+
+
+def fsdp_class_of(cls: type[nn.Module]) -> type[nn.Module]:
+    """``FSDP<cls>``: ``cls`` with ``FSDPModule``'s methods, built once per class (so every
+    wrapped ``Block`` has the same class, as with FSDP2)."""
+    found = _FSDP_CLASSES.get(cls)
+    if found is None:
+        namespace = {"__deepcopy__": _refuse_deepcopy}
+        found = type(f"FSDP{cls.__name__}", (FSDPModule, cls), namespace)
+        _FSDP_CLASSES[cls] = found
+    return found
 
 
 def _shared_owner_registry(module: nn.Module) -> dict[int, str]:

@@ -19,7 +19,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from mfsdp_hooks.contiguous_step import ContiguousStepper, supports_contiguous_step
 from mfsdp_hooks.lookup import locate
 from mfsdp_hooks.param_group import ParameterGroup
-from mfsdp_hooks.root import FSDPRoot
+from mfsdp_hooks.root_protocol import GroupRoot
 
 _GROUPS_CACHE = "_mfsdp_groups_cache"
 _STEPPER = "_mfsdp_contiguous_stepper"
@@ -53,8 +53,8 @@ def _mark_weights_dirty(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
 _HOOK = register_optimizer_step_post_hook(_mark_weights_dirty)
 
 
-def _roots(groups: Iterable[ParameterGroup]) -> list[FSDPRoot]:
-    roots: dict[int, FSDPRoot] = {}
+def _roots(groups: Iterable[ParameterGroup]) -> list[GroupRoot]:
+    roots: dict[int, GroupRoot] = {}
     for group in groups:
         root = group.root
         if root is not None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -49,10 +48,8 @@ from mfsdp_hooks.grad_allocator import pools_memory
 from mfsdp_hooks.grad_shard import GradShard
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.reduce_config import GradReduceConfig
+from mfsdp_hooks.root_protocol import GroupRoot
 from mfsdp_hooks.strategy import ShardingStrategy
-
-if TYPE_CHECKING:
-    from mfsdp_hooks.root import FSDPRoot
 
 DEFAULT_ALIGNMENT = 16
 
@@ -90,7 +87,7 @@ class ParameterGroup:
         alignment: int = DEFAULT_ALIGNMENT,
     ) -> None:
         self.names = list(names)
-        self.root: FSDPRoot | None = None
+        self.root: GroupRoot | None = None
         self.topology = topology
         self.strategy = strategy
         self.requires_grad = params[0].requires_grad

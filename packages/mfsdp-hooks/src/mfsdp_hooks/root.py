@@ -11,7 +11,7 @@ from torch import nn
 from mfsdp_collectives import CommStreams, naming_dead_peers
 from mfsdp_hooks.grad_allocator import end_iteration, pools_memory
 from mfsdp_hooks.param_group import ParameterGroup, PendingReduction
-from mfsdp_hooks.unit import FSDPUnit, unit_of
+from mfsdp_hooks.unit import ROOT_LEVEL_OPTIONS, FSDPUnit, unit_of
 
 
 class FSDPRoot:
@@ -35,6 +35,7 @@ class FSDPRoot:
                 unit.root = self
                 for group in unit.groups:
                     group.root = self
+        self._refuse_ignored_root_options()
         self.streams = CommStreams(self.options.topology.device)
         self.forward_order: list[FSDPUnit] = []
         self.order_final = False
@@ -45,6 +46,19 @@ class FSDPRoot:
         # Finishing reductions as soon as they land would make a pool's free order vary,
         # and frees nothing from a pool.
         self._reap_early = not any(pools_memory(u.options.grad_allocator) for u in self.units)
+
+    def _refuse_ignored_root_options(self) -> None:
+        """A root-level option given to a non-root unit must equal the root's, or it would be
+        ignored without a word (local and identical on every rank: no collective)."""
+        for unit in self.units:
+            for name in ROOT_LEVEL_OPTIONS:
+                mine, roots = getattr(unit.options, name), getattr(self.options, name)
+                if mine != roots:
+                    raise ValueError(
+                        f"{name}={mine!r} was given to fully_shard({unit.name}), but {name} is a "
+                        f"root-level option and the root fully_shard({self.root_unit.name}) has "
+                        f"{name}={roots!r}: pass it to the root call (or the same value to both)"
+                    )
 
     @staticmethod
     def lazy_init(first: FSDPUnit) -> FSDPRoot:
@@ -162,17 +176,22 @@ class FSDPRoot:
     def check_grads_finite(self) -> None:
         """Raise on every rank, naming each parameter whose reduced gradient is not finite.
 
-        One all-reduce of every group's flags: the rank that holds a bad shard tells all.
+        One all-reduce of the flags per shard group: the rank holding a bad shard tells all.
         """
         checked = [(u, g) for u in self.units for g in u.groups if g.requires_grad]
-        if not checked:
-            return
-        flags = torch.cat([g.grad_nan_flags() for _, g in checked])
-        shard_group = self.options.topology.shard_group
-        with naming_dead_peers("the NaN/Inf gradient check", shard_group):
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=shard_group)
-        names = [self._unit_path[id(u)] + name for u, g in checked for name in g.names]
-        bad = [name for name, flag in zip(names, flags.tolist(), strict=True) if flag]
+        # One all-reduce per shard group (units may shard over different groups), in unit
+        # order, which every rank shares.
+        by_group: dict[int, list[tuple[FSDPUnit, ParameterGroup]]] = {}
+        for unit, group in checked:
+            by_group.setdefault(id(group.topology.shard_group), []).append((unit, group))
+        bad: list[str] = []
+        for members in by_group.values():
+            flags = torch.cat([g.grad_nan_flags() for _, g in members])
+            shard_group = members[0][1].topology.shard_group
+            with naming_dead_peers("the NaN/Inf gradient check", shard_group):
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=shard_group)
+            names = [self._unit_path[id(u)] + name for u, g in members for name in g.names]
+            bad += [name for name, flag in zip(names, flags.tolist(), strict=True) if flag]
         if bad:
             raise RuntimeError(
                 f"NaN or Inf in the reduced gradient of {bad} (report_nan_in_param_grad=True): "
@@ -182,4 +201,5 @@ class FSDPRoot:
 
 def root_of(module: nn.Module) -> FSDPRoot | None:
     unit = unit_of(module)
-    return unit.root if unit is not None else None
+    root = unit.root if unit is not None else None
+    return root if isinstance(root, FSDPRoot) else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,14 +15,12 @@ from mfsdp_buffers import Allocator, BucketKey, build_buckets
 from mfsdp_collectives import CommHandle, FSDPTopology
 from mfsdp_hooks.lookup import register_group_params
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
-from mfsdp_hooks.param_group import ParameterGroup
+from mfsdp_hooks.param_group import ParameterGroup, PendingReduction
 from mfsdp_hooks.reduce_config import GradReduceConfig
+from mfsdp_hooks.root_protocol import UnitRoot
 from mfsdp_hooks.slots import UNIT_ATTR, Slot, collect_slots
 from mfsdp_hooks.strategy import ShardingStrategy
 from mfsdp_hooks.training_state import TrainingState, in_backward_pass
-
-if TYPE_CHECKING:
-    from mfsdp_hooks.root import FSDPRoot
 
 
 @dataclass(frozen=True)
@@ -44,6 +42,18 @@ class UnitOptions:
     grad_allocator: Allocator | None = None
 
 
+# Options the root reads for the whole tree (the reduction queue, gradient sync, prefetch
+# order). A non-root unit given another value than its root's would see it silently ignored,
+# so the root refuses that when it is built (``FSDPRoot.__init__``).
+ROOT_LEVEL_OPTIONS = (
+    "overlap_grad_reduce",
+    "sync_model_each_microbatch",
+    "report_nan_in_param_grad",
+    "max_inflight_reductions",
+    "prefetch_depth",
+)
+
+
 def unit_of(module: nn.Module) -> FSDPUnit | None:
     unit = module.__dict__.get(UNIT_ATTR)
     return unit if isinstance(unit, FSDPUnit) else None
@@ -52,12 +62,20 @@ def unit_of(module: nn.Module) -> FSDPUnit | None:
 class FSDPUnit:
     """Drives unshard → forward → reshard → backward → reduce for one module."""
 
-    def __init__(self, module: nn.Module, options: UnitOptions, owner_of: dict[int, str]) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        options: UnitOptions,
+        owner_of: dict[int, str],
+        make_root: Callable[[FSDPUnit], object],
+    ) -> None:
         self.module = module
+        # Builds the root (which sets ``root`` on every unit of the tree) at the first forward.
+        self._make_root = make_root
         self.options = options
         self.name = type(module).__name__
         self.state = TrainingState.IDLE
-        self.root: FSDPRoot | None = None
+        self.root: UnitRoot[FSDPUnit, ParameterGroup, PendingReduction] | None = None
         self.forward_prefetch: list[FSDPUnit] | None = None
         self.backward_prefetch: list[FSDPUnit] | None = None
         self._pending_unshard: list[CommHandle] = []
@@ -99,6 +117,15 @@ class FSDPUnit:
             self._group_slots.append([s for _, _, s in members])
             for param, name, _ in members:
                 owner_of[id(param)] = f"{self.name}({name})"
+        self._register_grad_hooks()
+        self._use_dist_params()
+        module.__dict__[UNIT_ATTR] = self
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
+            module.register_forward_hook(self._post_forward, always_call=False),
+        ]
+
+    def _register_grad_hooks(self) -> None:
         for group in self.groups:
             register_group_params(group)
             for index, param in enumerate(group.unsharded_params):
@@ -106,12 +133,6 @@ class FSDPUnit:
                     param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                         functools.partial(self._on_grad_ready, group, index)
                     )
-        self._use_dist_params()
-        module.__dict__[UNIT_ATTR] = self
-        self._handles = [
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
-            module.register_forward_hook(self._post_forward, always_call=False),
-        ]
 
     # ----------------------------------------------------------------- parameter swap
     def _swap(self, use_unsharded: bool) -> None:
@@ -159,10 +180,8 @@ class FSDPUnit:
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        from mfsdp_hooks.root import FSDPRoot
-
         if self.root is None:
-            FSDPRoot.lazy_init(self)
+            self._make_root(self)
         assert self.root is not None
         recomputing = in_backward_pass()
         if self.root.root_unit is self and not recomputing:
