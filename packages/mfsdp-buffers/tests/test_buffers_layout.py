@@ -181,3 +181,17 @@ def test_direct_construction_is_validated() -> None:
     bad = type(p)(p.index, p.shape, p.offset + 1, p.numel, p.row_numel)
     with pytest.raises(ValueError):
         FlatLayout((layout.placements[0], bad), 2, 1, layout.shard_numel)
+
+
+@given(shapes=_SHAPES, world=_WORLD, align=_ALIGN)
+def test_padding_gaps_and_parameters_tile_the_buffer(
+    shapes: list[tuple[int, ...]], world: int, align: int
+) -> None:
+    layout = FlatLayout.build(shapes, world, align)
+    covered = torch.zeros(layout.padded_numel, dtype=torch.int32)
+    for p in layout.placements:
+        covered[p.offset : p.offset + p.numel] += 1
+    for start, end in layout.padding_gaps():
+        assert start < end
+        covered[start:end] += 1
+    assert bool((covered == 1).all())  # every element: exactly one parameter or one gap

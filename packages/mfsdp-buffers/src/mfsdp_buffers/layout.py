@@ -270,6 +270,18 @@ class FlatLayout:
             for piece in (self.local_piece(param_index, r) for r in range(self.world_size))
         )
 
+    def padding_gaps(self) -> tuple[tuple[int, int], ...]:
+        """The ``[start, end)`` ranges of the flat buffer that belong to no parameter."""
+        gaps: list[tuple[int, int]] = []
+        cursor = 0
+        for placement in self.placements:
+            if placement.offset > cursor:
+                gaps.append((cursor, placement.offset))
+            cursor = max(cursor, placement.offset + placement.numel)
+        if cursor < self.padded_numel:
+            gaps.append((cursor, self.padded_numel))
+        return tuple(gaps)
+
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise IndexError(f"rank {rank} out of range [0, {self.world_size})")

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from mfsdp_collectives import CommStreams, naming_dead_peers
 from mfsdp_hooks.grad_allocator import end_iteration, pools_memory
-from mfsdp_hooks.param_group import ParameterGroup, PendingReduction
+from mfsdp_hooks.param_group import ParameterGroup
+from mfsdp_hooks.reduction_queue import ReductionQueue
 from mfsdp_hooks.unit import ROOT_LEVEL_OPTIONS, FSDPUnit, unit_of
 
 
@@ -42,10 +41,13 @@ class FSDPRoot:
         self._next: dict[int, list[FSDPUnit]] = {}
         self._previous: dict[int, list[FSDPUnit]] = {}
         self.in_backward = False
-        self._pending: deque[PendingReduction] = deque()
         # Finishing reductions as soon as they land would make a pool's free order vary,
         # and frees nothing from a pool.
-        self._reap_early = not any(pools_memory(u.options.grad_allocator) for u in self.units)
+        self.reductions = ReductionQueue(
+            self.options.max_inflight_reductions,
+            overlap=self.options.overlap_grad_reduce,
+            reap_early=not any(pools_memory(u.options.grad_allocator) for u in self.units),
+        )
 
     def _refuse_ignored_root_options(self) -> None:
         """A root-level option given to a non-root unit must equal the root's, or it would be
@@ -110,26 +112,19 @@ class FSDPRoot:
     def should_reduce(self, group: ParameterGroup) -> bool:
         return group.strategy.shards_grads or self.root_unit.requires_gradient_sync
 
-    def enqueue_reduction(self, pending: PendingReduction) -> None:
-        if not self.options.overlap_grad_reduce:
-            pending.wait()
-            return
-        self._pending.append(pending)
-        while len(self._pending) > self.options.max_inflight_reductions:
-            self._pending.popleft().wait()
+    def settle_reduction(self, group: ParameterGroup) -> None:
+        if group.reducer is not None:
+            self.reductions.settle(group.reducer)
+
+    def reduce(self, group: ParameterGroup) -> None:
+        assert group.reducer is not None, "frozen parameter groups have no gradients to reduce"
+        self.reductions.launch(group.reducer, self.streams)
 
     def reap_finished_reductions(self) -> None:
-        """Finish the reductions that already landed, freeing their gradients early.
-
-        Without this a unit's gradients live until the next unit's reduction pushes it out
-        of the in-flight window, i.e. through all of that unit's backward.
-        """
-        while self._reap_early and self._pending and self._pending[0].handle.is_completed():
-            self._pending.popleft().wait()
+        self.reductions.reap_landed()
 
     def wait_reductions(self) -> None:
-        while self._pending:
-            self._pending.popleft().wait()
+        self.reductions.drain()
 
     def _final_callback(self) -> None:
         try:
@@ -164,14 +159,16 @@ class FSDPRoot:
     def finish_grad_sync(self) -> None:
         """Reduce whatever is still local (``no_sync`` windows) and wait for every reduction."""
         for group in self.groups:
-            if group.requires_grad and group.has_local_grads and not self._is_pending(group):
-                self.enqueue_reduction(group.reduce_grads(self.streams))
+            reducer = group.reducer
+            if (
+                reducer is not None
+                and reducer.has_local_grads
+                and not self.reductions.in_flight(reducer)
+            ):
+                self.reduce(group)
         self.wait_reductions()
         if self.options.report_nan_in_param_grad:
             self.check_grads_finite()
-
-    def _is_pending(self, group: ParameterGroup) -> bool:
-        return any(p.group is group for p in self._pending)
 
     def check_grads_finite(self) -> None:
         """Raise on every rank, naming each parameter whose reduced gradient is not finite.

@@ -15,7 +15,6 @@ from mfsdp_collectives import CommStreams
 
 U = TypeVar("U")
 G = TypeVar("G", contravariant=True)
-P = TypeVar("P", contravariant=True)
 
 __all__ = ["GroupRoot", "UnitRoot"]
 
@@ -26,9 +25,9 @@ class GroupRoot(Protocol):
     def finish_grad_sync(self) -> None: ...
 
 
-class UnitRoot(Protocol[U, G, P]):
+class UnitRoot(Protocol[U, G]):
     """What a unit asks of its root: the order of units, prefetch targets, the reduction
-    queue. ``U`` is the unit type, ``G`` the parameter group, ``P`` a pending reduction."""
+    queue. ``U`` is the unit type, ``G`` the parameter group."""
 
     @property
     def root_unit(self) -> U: ...
@@ -50,6 +49,8 @@ class UnitRoot(Protocol[U, G, P]):
 
     def should_reduce(self, group: G) -> bool: ...
 
-    def enqueue_reduction(self, pending: P) -> None: ...
+    def settle_reduction(self, group: G) -> None: ...
+
+    def reduce(self, group: G) -> None: ...
 
     def finish_grad_sync(self) -> None: ...

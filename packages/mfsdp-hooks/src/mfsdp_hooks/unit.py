@@ -15,7 +15,7 @@ from mfsdp_buffers import Allocator, BucketKey, build_buckets
 from mfsdp_collectives import CommHandle, FSDPTopology
 from mfsdp_hooks.lookup import register_group_params
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
-from mfsdp_hooks.param_group import ParameterGroup, PendingReduction
+from mfsdp_hooks.param_group import ParameterGroup
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root_protocol import UnitRoot
 from mfsdp_hooks.slots import UNIT_ATTR, Slot, collect_slots
@@ -75,7 +75,7 @@ class FSDPUnit:
         self.options = options
         self.name = type(module).__name__
         self.state = TrainingState.IDLE
-        self.root: UnitRoot[FSDPUnit, ParameterGroup, PendingReduction] | None = None
+        self.root: UnitRoot[FSDPUnit, ParameterGroup] | None = None
         self.forward_prefetch: list[FSDPUnit] | None = None
         self.backward_prefetch: list[FSDPUnit] | None = None
         self._pending_unshard: list[CommHandle] = []
@@ -270,13 +270,15 @@ class FSDPUnit:
         grad = param.grad
         if grad is None:
             return
-        assert self.root is not None
+        reducer = group.reducer
+        assert self.root is not None and reducer is not None
         self.root.reap_finished_reductions()
-        complete = group.accumulate_grad(index, grad)
+        self.root.settle_reduction(group)  # its buffer may still be in a reduction
+        complete = reducer.accumulate(index, grad)
         param.grad = None
         self._grad_numel_received += grad.numel()
         self._maybe_issue_backward_prefetch()
-        if complete and all(g.grads_received >= g.expected_grads for g in self.groups):
+        if complete and all(g.reducer is None or g.reducer.all_received for g in self.groups):
             self._maybe_issue_backward_prefetch(force=True)
             self.post_backward()
 
@@ -290,13 +292,14 @@ class FSDPUnit:
         if self.options.strategy.shards_params:
             self.reshard()
         for group in self.groups:
-            if group.requires_grad and self.root.should_reduce(group):
-                self.root.enqueue_reduction(group.reduce_grads(self.root.streams))
+            if group.reducer is not None and self.root.should_reduce(group):
+                self.root.reduce(group)
 
     def end_backward(self) -> None:
         self.state = TrainingState.IDLE
         self._deferred_prefetch = []
         self.post_backward_done = False
         for group in self.groups:
-            group.begin_backward()
+            if group.reducer is not None:
+                group.reducer.begin_backward()
         self.reshard()
