@@ -192,3 +192,28 @@ def test_a_root_level_option_given_to_a_non_root_unit_is_refused() -> None:
             "prefetch_depth=2 was given to fully_shard(Block), but prefetch_depth is a "
             "root-level option and the root fully_shard(ToyModel) has prefetch_depth=1"
         ), message
+
+
+# ----------------------------------------------------------------- the unit's state machine
+def test_the_unit_state_machine_refuses_moves_the_lifecycle_never_makes() -> None:
+    from mfsdp_hooks.training_state import TrainingState as S
+
+    legal = [
+        (S.IDLE, S.FORWARD),
+        (S.FORWARD, S.IDLE),
+        (S.IDLE, S.PRE_BACKWARD),
+        (S.PRE_BACKWARD, S.PRE_BACKWARD),
+        (S.PRE_BACKWARD, S.POST_BACKWARD),
+        (S.IDLE, S.POST_BACKWARD),
+        (S.POST_BACKWARD, S.IDLE),
+    ]
+    for start, end in legal:
+        start.check_move(end, "Block")
+    for start, end in [
+        (S.POST_BACKWARD, S.FORWARD),
+        (S.POST_BACKWARD, S.PRE_BACKWARD),
+        (S.PRE_BACKWARD, S.FORWARD),
+        (S.FORWARD, S.POST_BACKWARD),
+    ]:
+        with pytest.raises(RuntimeError, match=f"Block: illegal state change {start.name}"):
+            start.check_move(end, "Block")

@@ -40,6 +40,8 @@ class FSDPRoot:
         self.order_final = False
         self._next: dict[int, list[FSDPUnit]] = {}
         self._previous: dict[int, list[FSDPUnit]] = {}
+        # The root's own state: True from the first pre-backward hook of an iteration until
+        # its final callback has ended every unit's backward (a forward in between raises).
         self.in_backward = False
         # Finishing reductions as soon as they land would make a pool's free order vary,
         # and frees nothing from a pool.

@@ -81,7 +81,6 @@ class FSDPUnit:
         self._pending_unshard: list[CommHandle] = []
         self._deferred_prefetch: list[FSDPUnit] = []
         self._grad_numel_received = 0
-        self.post_backward_done = False
         self.requires_gradient_sync = True
         slots = collect_slots(module)
         for param, name, _ in slots.values():
@@ -133,6 +132,17 @@ class FSDPUnit:
                     param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                         functools.partial(self._on_grad_ready, group, index)
                     )
+
+    # ----------------------------------------------------------------- state
+    def _move_to(self, state: TrainingState) -> None:
+        """The one place the unit changes state (``TrainingState`` lists the legal moves)."""
+        self.state.check_move(state, self.name)
+        self.state = state
+
+    @property
+    def post_backward_done(self) -> bool:
+        """Its backward is over for this iteration (until the root's final callback)."""
+        return self.state is TrainingState.POST_BACKWARD
 
     # ----------------------------------------------------------------- parameter swap
     def _swap(self, use_unsharded: bool) -> None:
@@ -186,7 +196,10 @@ class FSDPUnit:
         recomputing = in_backward_pass()
         if self.root.root_unit is self and not recomputing:
             self.root.pre_root_forward()
-        self.state = TrainingState.PRE_BACKWARD if recomputing else TrainingState.FORWARD
+        if not recomputing:
+            self._move_to(TrainingState.FORWARD)
+        elif self.state is not TrainingState.POST_BACKWARD:  # done units stay done
+            self._move_to(TrainingState.PRE_BACKWARD)
         if not recomputing:
             self.root.record_forward(self)
         self.unshard()
@@ -212,7 +225,7 @@ class FSDPUnit:
             keep = is_root or not self.options.reshard_after_forward
             if not keep or (is_root and not torch.is_grad_enabled()):
                 self.reshard()
-            self.state = TrainingState.IDLE
+            self._move_to(TrainingState.IDLE)
         if torch.is_grad_enabled():
             self._register_pre_backward(output)
         if is_root and self.options.policy.output_dtype is not None:
@@ -237,10 +250,8 @@ class FSDPUnit:
         assert self.root is not None
         self.root.begin_backward()
         if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
-            return
-        if self.post_backward_done:
-            return
-        self.state = TrainingState.PRE_BACKWARD
+            return  # another output's hook, or a late one after the unit's backward
+        self._move_to(TrainingState.PRE_BACKWARD)
         self.unshard()
         self._grad_numel_received = 0
         if self.options.overlap_param_gather:
@@ -263,7 +274,7 @@ class FSDPUnit:
             return
         targets, self._deferred_prefetch = self._deferred_prefetch, []
         for target in targets:
-            if target.state is TrainingState.IDLE and not target.post_backward_done:
+            if target.state is TrainingState.IDLE:
                 target.unshard_async()
 
     def _on_grad_ready(self, group: ParameterGroup, index: int, param: torch.Tensor) -> None:
@@ -287,8 +298,7 @@ class FSDPUnit:
         if self.post_backward_done:
             return
         assert self.root is not None
-        self.post_backward_done = True
-        self.state = TrainingState.POST_BACKWARD
+        self._move_to(TrainingState.POST_BACKWARD)
         if self.options.strategy.shards_params:
             self.reshard()
         for group in self.groups:
@@ -296,9 +306,8 @@ class FSDPUnit:
                 self.root.reduce(group)
 
     def end_backward(self) -> None:
-        self.state = TrainingState.IDLE
+        self._move_to(TrainingState.IDLE)
         self._deferred_prefetch = []
-        self.post_backward_done = False
         for group in self.groups:
             if group.reducer is not None:
                 group.reducer.begin_backward()
