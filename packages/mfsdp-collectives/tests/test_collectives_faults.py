@@ -73,6 +73,7 @@ def test_survivors_name_the_dead_rank_within_seconds(
 def _dead_ranks_world(rank: int, world: int) -> list[int]:
     exchange_identities(dist.group.WORLD)
     assert dead_ranks() == []
+    dist.barrier()  # both looked before rank 1 dies
     if rank == 1:
         _die()
     deadline = time.monotonic() + RAISE_WITHIN_S

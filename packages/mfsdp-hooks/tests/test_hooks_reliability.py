@@ -217,3 +217,43 @@ def test_the_unit_state_machine_refuses_moves_the_lifecycle_never_makes() -> Non
     ]:
         with pytest.raises(RuntimeError, match=f"Block: illegal state change {start.name}"):
             start.check_move(end, "Block")
+
+
+# ----------------------------------------------------------------- attached optimizers
+def _attached_optimizer(rank: int, world: int) -> dict[str, Any]:
+    import copy
+
+    model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block])
+    optimizer = attach_optimizer(torch.optim.AdamW(trainable(model), lr=1e-2))
+    calls = {"pre": 0, "post": 0}
+    optimizer.register_step_pre_hook(lambda *_: calls.__setitem__("pre", calls["pre"] + 1))
+    optimizer.register_step_post_hook(lambda *_: calls.__setitem__("post", calls["post"] + 1))
+    for step, (tokens, targets) in enumerate(make_batches(3, 4)):
+        if step == 1:  # loading a state dict makes torch re-wrap the class's step
+            optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        loss_fn(
+            model(local_slice(tokens, rank, world)), local_slice(targets, rank, world)
+        ).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    late = torch.optim.AdamW(trainable(model), lr=1e-2)
+    torch.optim.lr_scheduler.StepLR(late, 2)
+    try:
+        attach_optimizer(late)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    return {
+        "calls": calls,
+        "class": type(optimizer).__name__,
+        "same_class": type(attach_optimizer(torch.optim.AdamW(trainable(model))))
+        is type(optimizer),
+        "refused": refused,
+    }
+
+
+def test_an_attached_optimizer_runs_step_hooks_once_and_must_precede_schedulers() -> None:
+    out = run_distributed(_attached_optimizer, 2, timeout=60)[0]
+    assert out["calls"] == {"pre": 3, "post": 3}, out
+    assert out["class"] == "FSDPAdamW" and out["same_class"], out
+    assert "before creating schedulers" in out["refused"], out

@@ -12,7 +12,7 @@ from mfsdp_hooks.grad_allocator import GRAD_ALLOCATORS, make_grad_allocator
 from mfsdp_hooks.lookup import ParamLocation, dist_param_of, locate, owning_model
 from mfsdp_hooks.megatron_fsdp import MegatronFSDP, resolve_unit_modules
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
-from mfsdp_hooks.optimizer import attach_optimizer, optimizer_groups
+from mfsdp_hooks.optimizer import FSDPOptimizer, attach_optimizer, optimizer_groups
 from mfsdp_hooks.param_group import ParameterGroup
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.strategy import ShardingStrategy, parse_strategy
@@ -35,6 +35,7 @@ __all__ = [
     "UnitOptions",
     "UnshardHandle",
     "__version__",
+    "FSDPOptimizer",
     "attach_optimizer",
     "dist_param_of",
     "dtensor_like",

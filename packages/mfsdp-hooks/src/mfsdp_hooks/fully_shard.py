@@ -26,6 +26,7 @@ from mfsdp_collectives import (
 from mfsdp_hooks.grad_allocator import make_grad_allocator
 from mfsdp_hooks.lookup import set_owning_model
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
+from mfsdp_hooks.optimizer import ensure_dirty_marking
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root import FSDPRoot, root_of
 from mfsdp_hooks.slots import (
@@ -307,6 +308,7 @@ def fully_shard(
         grad_allocator=grad_allocator,
     )
     _agree_on_wrap(module, slots, options, host_transport)
+    ensure_dirty_marking()  # optimizers stepping these weights mark them for re-install
     _choose_host_transport(options.topology, host_transport)
     owners = _shared_owner_registry(module)
     FSDPUnit(module, options, owners, make_root=FSDPRoot.lazy_init)

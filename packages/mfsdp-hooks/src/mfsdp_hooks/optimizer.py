@@ -1,16 +1,22 @@
 """Optimizer integration: step on the sharded main weights, then refresh compute weights.
 
-Any ``torch.optim.Optimizer`` works unmodified: a global step post-hook marks the parameter
-groups it stepped as dirty, and each group re-installs its compute weights lazily at its next
-unshard. ``attach_optimizer`` adds the seed's explicit controls to ``step`` and ``zero_grad``,
-and steps Adam, AdamW and SGD over contiguous runs of the sharded buffers
-(:mod:`mfsdp_hooks.contiguous_step`).
+Any ``torch.optim.Optimizer`` works unmodified: a step post-hook marks the parameter groups
+it stepped as dirty, and each group re-installs its compute weights lazily at its next
+unshard. That hook has to be torch's global one (``register_optimizer_step_post_hook``): an
+FSDP2-style loop builds a bare optimizer the engine never sees, and an optimizer writing
+through DTensors bumps no version counter the engine could read instead. It is registered by
+the first ``fully_shard``, never at import, and only marks groups of parameters it owns.
+
+``attach_optimizer`` adds the seed's explicit controls to ``step`` and ``zero_grad`` by
+giving the optimizer the class ``FSDP<its class>`` (as ``fully_shard`` does for modules;
+one class per optimizer class, nothing patched on the instance), and steps Adam, AdamW and
+SGD over contiguous runs of the sharded buffers (:mod:`mfsdp_hooks.contiguous_step`).
 """
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +28,6 @@ from mfsdp_hooks.param_group import ParameterGroup
 from mfsdp_hooks.root_protocol import GroupRoot
 
 _GROUPS_CACHE = "_mfsdp_groups_cache"
-_STEPPER = "_mfsdp_contiguous_stepper"
 
 
 def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[ParameterGroup]:
@@ -43,14 +48,20 @@ def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[ParameterGroup]:
 
 
 def _mark_weights_dirty(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    stepper: ContiguousStepper | None = getattr(optimizer, _STEPPER, None)
+    stepper = optimizer._mfsdp_stepper() if isinstance(optimizer, FSDPOptimizer) else None
     if stepper is not None and stepper.active:
         return  # the parameter lists hold flat chunks now; the step wrapper marks them after
     for group in optimizer_groups(optimizer):
         group.mark_weights_dirty()
 
 
-_HOOK = register_optimizer_step_post_hook(_mark_weights_dirty)
+_dirty_marking: list[object] = []  # the global hook's handle, once registered
+
+
+def ensure_dirty_marking() -> None:
+    """Register the step post-hook that marks stepped groups dirty (once per process)."""
+    if not _dirty_marking:
+        _dirty_marking.append(register_optimizer_step_post_hook(_mark_weights_dirty))
 
 
 def _roots(groups: Iterable[ParameterGroup]) -> list[GroupRoot]:
@@ -78,6 +89,76 @@ def _stepper_for(
     return ContiguousStepper(optimizer, _is_fsdp_param, step_chunk_numel)
 
 
+@dataclass(frozen=True)
+class _Attachment:
+    stepper: ContiguousStepper | None
+
+
+_ATTACHMENT = "_mfsdp_attachment"
+_FSDP_OPTIMIZER_CLASSES: dict[type[torch.optim.Optimizer], type[torch.optim.Optimizer]] = {}
+
+
+class FSDPOptimizer(torch.optim.Optimizer):
+    """What an attached optimizer's class adds: the seed README's keyword arguments."""
+
+    def _mfsdp_stepper(self) -> ContiguousStepper | None:
+        # A copy (copy.copy keeps only the optimizer's own state) steps the torch way.
+        attachment = self.__dict__.get(_ATTACHMENT)
+        return attachment.stepper if isinstance(attachment, _Attachment) else None
+
+    def step(
+        self,
+        *args: Any,
+        sync_grad_before_optimizer_step: bool = True,
+        install_optimized_model_weights: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        current = optimizer_groups(self)
+        if sync_grad_before_optimizer_step:
+            for root in _roots(current):
+                root.finish_grad_sync()
+        stepper = self._mfsdp_stepper()
+        closure = args[0] if args else kwargs.get("closure")
+        if stepper is None or closure is not None:
+            if stepper is not None:
+                stepper.hand_back()
+            result = super().step(*args, **kwargs)
+        else:
+            try:
+                with stepper.stepping():
+                    result = super().step(*args, **kwargs)
+            finally:  # even a step that failed half-way may have changed weights
+                for group in current:
+                    group.mark_weights_dirty()
+        if install_optimized_model_weights:
+            for group in current:
+                handle = group.install_weights()
+                if handle is not None:
+                    handle.wait()
+        return result
+
+    def zero_grad(self, set_to_none: bool = True, *, zero_grad_buffer: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if zero_grad_buffer:
+            for group in optimizer_groups(self):
+                group.zero_main_grads()
+
+
+# torch wraps a class's ``step`` in its hook runner when an optimizer is built or loads a
+# state dict (``Optimizer._patch_step_function``) unless the function says it is wrapped.
+# Ours calls the optimizer class's own step, which is wrapped: marked so, step hooks run once,
+# inside it, where they see what the step sees.
+FSDPOptimizer.step.hooked = True  # type: ignore[attr-defined]
+
+
+def _fsdp_optimizer_class(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    found = _FSDP_OPTIMIZER_CLASSES.get(cls)
+    if found is None:
+        found = type(f"FSDP{cls.__name__}", (FSDPOptimizer, cls), {})
+        _FSDP_OPTIMIZER_CLASSES[cls] = found
+    return found
+
+
 def attach_optimizer(
     optimizer: torch.optim.Optimizer,
     *,
@@ -91,67 +172,27 @@ def attach_optimizer(
     ``step_chunk_numel`` elements (default: 2**18 on CPU, whole runs elsewhere); the result
     is bit for bit that of torch's per-parameter step. Fused groups, a step given a closure,
     and runs whose gradients or state are not laid out that way take torch's own path.
+    Attach before creating LR schedulers (they wrap ``step`` on the instance).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    groups = optimizer_groups(optimizer)
-    if not groups:
+    if not optimizer_groups(optimizer):
         raise ValueError(
             "optimizer holds no fully-sharded parameters: build it from the sharded model's "
             "parameters (after fully_shard_model / MegatronFSDP), e.g. "
             "torch.optim.AdamW(model.parameters())"
         )
-    if getattr(optimizer, "_mfsdp_attached", False):
+    if isinstance(optimizer, FSDPOptimizer):
         return optimizer
+    if "step" in optimizer.__dict__ or "zero_grad" in optimizer.__dict__:
+        raise ValueError(
+            "optimizer: its step or zero_grad was already wrapped on the instance (an LR "
+            "scheduler does this); call attach_optimizer / fully_shard_optimizer right after "
+            "building the optimizer, before creating schedulers"
+        )
     stepper = _stepper_for(optimizer, contiguous_step, step_chunk_numel)
-    original_step: Callable[..., Any] = optimizer.step
-    original_zero_grad: Callable[..., Any] = optimizer.zero_grad
-
-    def step(
-        self: torch.optim.Optimizer,
-        *args: Any,
-        sync_grad_before_optimizer_step: bool = True,
-        install_optimized_model_weights: bool = True,
-        **kwargs: Any,
-    ) -> Any:
-        current = optimizer_groups(self)
-        if sync_grad_before_optimizer_step:
-            for root in _roots(current):
-                root.finish_grad_sync()
-        closure = args[0] if args else kwargs.get("closure")
-        if stepper is None or closure is not None:
-            if stepper is not None:
-                stepper.hand_back()
-            result = original_step(*args, **kwargs)
-        else:
-            try:
-                with stepper.stepping():
-                    result = original_step(*args, **kwargs)
-            finally:  # even a step that failed half-way may have changed weights
-                for group in current:
-                    group.mark_weights_dirty()
-        if install_optimized_model_weights:
-            for group in current:
-                handle = group.install_weights()
-                if handle is not None:
-                    handle.wait()
-        return result
-
-    def zero_grad(
-        self: torch.optim.Optimizer,
-        *args: Any,
-        zero_grad_buffer: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        original_zero_grad(*args, **kwargs)
-        if zero_grad_buffer:
-            for group in optimizer_groups(self):
-                group.zero_main_grads()
-
-    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
-    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
-    setattr(optimizer, _STEPPER, stepper)
-    optimizer._mfsdp_attached = True  # type: ignore[attr-defined]
+    optimizer.__dict__[_ATTACHMENT] = _Attachment(stepper)
+    optimizer.__class__ = _fsdp_optimizer_class(type(optimizer))
     return optimizer

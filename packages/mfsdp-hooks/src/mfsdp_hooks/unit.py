@@ -59,6 +59,20 @@ def unit_of(module: nn.Module) -> FSDPUnit | None:
     return unit if isinstance(unit, FSDPUnit) else None
 
 
+def _cast_inputs(
+    policy: MixedPrecisionPolicy, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Floating-point inputs in the compute dtype, when the policy asks for it."""
+    dtype = policy.param_dtype
+    if dtype is None or not policy.cast_forward_inputs:
+        return args, kwargs
+    cast: tuple[tuple[Any, ...], dict[str, Any]] = tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+        (args, kwargs),
+    )
+    return cast
+
+
 class FSDPUnit:
     """Drives unshard → forward → reshard → backward → reduce for one module."""
 
@@ -206,16 +220,7 @@ class FSDPUnit:
         if not recomputing and self.options.overlap_param_gather:
             for target in self.root.forward_prefetch_targets(self):
                 target.unshard_async()
-        policy = self.options.policy
-        if policy.param_dtype is not None and policy.cast_forward_inputs:
-            dtype = policy.param_dtype
-            args, kwargs = tree_map(
-                lambda t: (
-                    t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                ),
-                (args, kwargs),
-            )
-        return args, kwargs
+        return _cast_inputs(self.options.policy, args, kwargs)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         assert self.root is not None
