@@ -136,3 +136,25 @@ def test_declared_dependencies_point_down_only(dist_dir: str) -> None:
         dep_module = dep.replace("-", "_")
         if dep_module in LAYER_RANK:
             assert LAYER_RANK[dep_module] < LAYER_RANK[module], f"{dist_dir} depends on {dep}"
+
+
+def test_sources_keep_their_shape() -> None:
+    from source_shape import shape_excesses
+
+    assert shape_excesses(PACKAGES) == []
+
+
+def test_shape_check_catches_hidden_cycles_and_long_functions(tmp_path: Path) -> None:
+    from source_shape import FUNCTION_MAX, shape_excesses
+
+    src = tmp_path / "pkg-a" / "src" / "pkg_a"
+    src.mkdir(parents=True)
+    (src / "__init__.py").write_text("from pkg_a.one import f\n")
+    (src / "one.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg_a.two import g\n"
+        "def f() -> None:\n" + "    x = 1\n" * (FUNCTION_MAX + 1)
+    )
+    (src / "two.py").write_text("def g() -> None:\n    from pkg_a import one\n")
+    found = shape_excesses(tmp_path)
+    assert any("import cycle: pkg_a.one <-> pkg_a.two" in f for f in found), found
+    assert any(f"function f body {FUNCTION_MAX + 1} lines" in f for f in found), found
