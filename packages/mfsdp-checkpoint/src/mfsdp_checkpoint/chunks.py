@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from mfsdp_hooks import ParameterGroup, ShardingStrategy
+from mfsdp_hooks import ParameterGroup, ShardingStrategy, local_tensor
 
 _WRITE_ATTR = "__create_write_items__"
 _CHUNKS_ATTR = "__create_chunk_list__"
@@ -91,7 +91,7 @@ class _WriteItems:
     def __call__(self, fqn: str, obj: Any) -> list[WriteItem]:
         if not self.chunk.writes:
             return []
-        local = obj._local_tensor if isinstance(obj, DTensor) else obj
+        local = local_tensor(obj)
         return [
             WriteItem(
                 index=MetadataIndex(fqn, self.chunk.offsets),
@@ -125,7 +125,7 @@ class _ChunkList:
 def _row_chunk_for(tensor: DTensor, param_chunk: RowChunk) -> RowChunk | None:
     """The chunk of an optimizer-state tensor shaped like (or row-aligned with) its parameter."""
     shape = tensor.shape
-    local = tensor._local_tensor.shape
+    local = local_tensor(tensor).shape
     if shape == param_chunk.global_shape:
         return param_chunk
     if (
@@ -158,9 +158,9 @@ def annotate(
             f"its parameter of shape {tuple(chunk.global_shape)}; mfsdp_checkpoint cannot place "
             "its rows in a checkpoint (use an optimizer whose state matches the parameter shape)"
         )
-    if tuple(tensor._local_tensor.shape) != tuple(own.sizes) and own.global_shape.numel():
+    if tuple(local_tensor(tensor).shape) != tuple(own.sizes) and own.global_shape.numel():
         raise RuntimeError(
-            f"{what}: local tensor of shape {tuple(tensor._local_tensor.shape)} does not match "
+            f"{what}: local tensor of shape {tuple(local_tensor(tensor).shape)} does not match "
             f"rows [{own.row_start}, {own.row_end}) of the layout; the engine's sharding changed "
             "under the checkpoint layer"
         )

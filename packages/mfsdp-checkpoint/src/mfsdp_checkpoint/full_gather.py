@@ -19,9 +19,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mfsdp_checkpoint import _dist
-from mfsdp_checkpoint.param_index import ParamIndex, ParamRef, local_of
+from mfsdp_checkpoint.param_index import ParamIndex, ParamRef
 from mfsdp_checkpoint.safetensors_io import TensorSpec, write_safetensors
-from mfsdp_hooks import ParameterGroup, ShardingStrategy
+from mfsdp_hooks import ParameterGroup, ShardingStrategy, local_tensor
 
 
 @dataclass(frozen=True)
@@ -67,13 +67,13 @@ def _gather_group(group: ParameterGroup, to_all: bool) -> list[torch.Tensor] | N
     rank, world = topology.shard_rank, topology.shard_size
     first = group.dist_params[0]
     assert isinstance(first, DTensor)
-    local = first._local_tensor
+    local = local_tensor(first)
     shard = torch.zeros(layout.shard_numel, dtype=first.dtype, device=local.device)
     for index, param in enumerate(group.dist_params):
         piece = layout.local_piece(index, rank)
         if piece.numel:
             start = piece.shard_offset
-            shard[start : start + piece.numel].copy_(local_of(param).reshape(-1))
+            shard[start : start + piece.numel].copy_(local_tensor(param).reshape(-1))
     if world == 1:
         return [shard]
     if to_all:
@@ -113,7 +113,7 @@ def iter_full_tensors(
     for group, refs in plan.groups:
         if group.strategy == ShardingStrategy.NO_SHARD:
             for ref, names in refs:
-                full = local_of(ref.param).detach().to("cpu", copy=True) if receives else None
+                full = local_tensor(ref.param).detach().to("cpu", copy=True) if receives else None
                 for name in names:
                     yield name, full
             continue

@@ -27,9 +27,9 @@ from torch import nn
 from mfsdp_checkpoint import _dist
 from mfsdp_checkpoint.errors import CheckpointError, StateDictMismatchError
 from mfsdp_checkpoint.model_hooks import mark_dirty
-from mfsdp_checkpoint.param_index import ParamIndex, ParamRef, local_of
+from mfsdp_checkpoint.param_index import ParamIndex, ParamRef
 from mfsdp_checkpoint.sources import NestedReader, Reader, open_reader
-from mfsdp_hooks import ParameterGroup
+from mfsdp_hooks import ParameterGroup, local_tensor
 
 Source = str | os.PathLike[str] | Mapping[str, Any]
 _SHOWN = 20
@@ -131,7 +131,7 @@ def _open(source: Source, allow_pickle: bool) -> Reader:
 
 def _copy_rows(ref: ParamRef, full: torch.Tensor) -> None:
     chunk = ref.chunk
-    local = local_of(ref.param)
+    local = local_tensor(ref.param)
     with torch.no_grad():
         local.copy_(full[chunk.row_start : chunk.row_end])
 
@@ -181,7 +181,7 @@ def load_full_state_dict(
     touched: dict[int, ParameterGroup] = {}
     for name, src in plan.params:
         ref = index.by_name[name]
-        full = _fetch(reader, src, plan, local_of(ref.param).device, mode)
+        full = _fetch(reader, src, plan, local_tensor(ref.param).device, mode)
         _copy_rows(ref, full)
         touched.setdefault(id(ref.group), ref.group)
         del full

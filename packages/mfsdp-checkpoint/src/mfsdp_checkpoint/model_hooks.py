@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from mfsdp_checkpoint.chunks import annotate, chunk_of
 from mfsdp_checkpoint.param_index import ParamIndex, ParamRef
-from mfsdp_hooks import FSDPUnit, ParameterGroup, dtensor_like
+from mfsdp_hooks import FSDPUnit, ParameterGroup, dtensor_like, local_tensor
 
 _HOOKS_ATTR = "_mfsdp_checkpoint_hooks"
 
@@ -61,10 +61,10 @@ def coerce_for_load(value: Any, ref: ParamRef, key: str) -> Any:
         if own is not None:
             if own == ref.chunk:
                 return value
-        elif _same_storage(value._local_tensor, target._local_tensor):
+        elif _same_storage(local_tensor(value), local_tensor(target)):
             return value  # this very parameter, taken before the hooks were installed
         if all(p.is_replicate() for p in value.placements):
-            return _as_local_rows(value._local_tensor, ref)
+            return _as_local_rows(local_tensor(value), ref)
         raise ValueError(
             f"load_state_dict: {key!r} is a DTensor with placements {value.placements} that do "
             "not match this model's sharding; load it through torch.distributed.checkpoint "

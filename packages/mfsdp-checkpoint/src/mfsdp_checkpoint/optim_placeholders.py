@@ -22,14 +22,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from mfsdp_hooks import local_tensor
 
 _LIVE: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 def version_of(tensor: torch.Tensor) -> int:
     """The in-place write counter DCP bumps when it loads into ``tensor``."""
-    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    local = local_tensor(tensor)
     return int(local._version)
 
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from mfsdp_checkpoint.chunks import RowChunk, group_chunks
 from mfsdp_hooks import ParameterGroup, dist_param_of, locate
@@ -32,11 +30,6 @@ class ParamRef:
     @property
     def chunk(self) -> RowChunk:
         return group_chunks(self.group)[self.index]
-
-
-def local_of(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's local tensor of a dist param (the tensor itself when it is not a DTensor)."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 class ParamIndex:

@@ -1,6 +1,6 @@
 """mfsdp_hooks: the FSDP unit lifecycle, mixed precision and optimizer integration."""
 
-from mfsdp_hooks.dtensor_views import dtensor_like
+from mfsdp_hooks.dtensor_views import dtensor_like, local_tensor
 from mfsdp_hooks.fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -42,6 +42,7 @@ __all__ = [
     "fsdp_units",
     "fully_shard",
     "is_fully_sharded",
+    "local_tensor",
     "locate",
     "make_grad_allocator",
     "optimizer_groups",

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from mfsdp_hooks.dtensor_views import dtensor_like
+from mfsdp_hooks.dtensor_views import dtensor_like, local_tensor
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adam,
@@ -41,10 +41,6 @@ CPU_CHUNK_NUMEL = 1 << 18
 
 def supports_contiguous_step(optimizer: torch.optim.Optimizer) -> bool:
     return type(optimizer) in ELEMENTWISE_OPTIMIZERS
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def _flat_over(locals_: list[torch.Tensor]) -> torch.Tensor | None:
@@ -70,7 +66,7 @@ def _flat_over(locals_: list[torch.Tensor]) -> torch.Tensor | None:
 
 def _view_like(flat: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tensor:
     """``flat[offset:]`` viewed as ``param``'s local piece, wrapped like ``param``."""
-    local = _local(param)
+    local = local_tensor(param)
     if local.numel():
         piece = flat[offset : offset + local.numel()].view(local.shape)
     else:  # a view at the storage's end confuses deepcopy's storage memo; nothing to share
@@ -105,7 +101,7 @@ def _tensor_entries(entries: list[dict[str, Any]]) -> dict[str, list[torch.Tenso
         for key, value in entry.items():
             if not isinstance(value, torch.Tensor):
                 return None
-            by_key[key].append(_local(value))
+            by_key[key].append(local_tensor(value))
     return by_key
 
 
@@ -135,7 +131,7 @@ class _Run:
 
     def weights_in_place(self) -> bool:
         """Whether the parameters still tile the buffer the run was planned on."""
-        flat = _flat_over([_local(param) for param in self.params])
+        flat = _flat_over([local_tensor(param) for param in self.params])
         return (
             flat is not None
             and flat.data_ptr() == self.weights.data_ptr()
@@ -148,7 +144,7 @@ class _Run:
             grad = param.grad
             if grad is None:
                 return None
-            grads.append(_local(grad))
+            grads.append(local_tensor(grad))
         flat = _flat_over(grads)
         if flat is None or flat.numel() != self.numel or flat.dtype != self.weights.dtype:
             return None
@@ -177,7 +173,7 @@ class _Run:
             self.chunk_states = [{} for _ in self.chunks]
             return True
         by_key = _tensor_entries(entries)
-        shapes = [_local(param).shape for param in self.params]
+        shapes = [local_tensor(param).shape for param in self.params]
         split = None if by_key is None else _split_state(by_key, shapes)
         if split is None:
             return False
@@ -274,12 +270,12 @@ def _plan_runs(
 
     def close() -> None:
         nonlocal last
-        flat = _flat_over([_local(p) for p in members])
+        flat = _flat_over([local_tensor(p) for p in members])
         if flat is not None:
             offsets, cursor = [], 0
             for param in members:
                 offsets.append(cursor)
-                cursor += _local(param).numel()
+                cursor += local_tensor(param).numel()
             bounds = [
                 (start, min(start + chunk_numel, cursor)) for start in range(0, cursor, chunk_numel)
             ]
@@ -288,7 +284,7 @@ def _plan_runs(
         last = None
 
     for param in params:
-        local = _local(param)
+        local = local_tensor(param)
         if not eligible(param) or local.dim() == 0 or not local.is_floating_point():
             close()
             continue
@@ -335,7 +331,7 @@ class ContiguousStepper:
     def _chunk_numel_for(self, params: list[torch.Tensor]) -> int:
         if self.chunk_numel is not None:
             return self.chunk_numel
-        on_cpu = all(_local(p).device.type == "cpu" for p in params)
+        on_cpu = all(local_tensor(p).device.type == "cpu" for p in params)
         return CPU_CHUNK_NUMEL if on_cpu else 1 << 62
 
     def _plan(self, index: int, group: dict[str, Any]) -> _GroupPlan:

@@ -12,6 +12,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local tensor itself (not an autograd alias of
+    it, so storage and version checks see the real one), any other tensor as it is."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
 def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     stride: list[int] = []
     running = 1

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from mfsdp_buffers import FlatLayout
-from mfsdp_hooks.dtensor_views import replicated_dtensor, sharded_dtensor
+from mfsdp_hooks.dtensor_views import local_tensor, replicated_dtensor, sharded_dtensor
 
 
 class GradShard:
@@ -83,7 +83,7 @@ class GradShard:
             for index, param in enumerate(params):
                 if param.grad is not None:
                     kept = param.grad
-                    local = kept.to_local() if hasattr(kept, "to_local") else kept
+                    local = local_tensor(kept)
                     self.local_rows(flat, index).copy_(local)
         self._install(flat, params, range(len(params)))
         return flat, True
