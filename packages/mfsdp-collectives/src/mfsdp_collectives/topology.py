@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .host_transport import check_host_transport, enable_host_transport, host_transport_of
 from .naming import group_name, register_group_name
+from .shm import SharedMemoryTransport
 
 __all__ = ["FSDPTopology", "default_device", "group_name"]
 
@@ -91,6 +93,24 @@ class FSDPTopology:
     device: torch.device
     shard_mesh: DeviceMesh | None = None
     mesh: DeviceMesh | None = None
+    # How the shard group's CPU all-gathers and reduce-scatters travel, chosen once by
+    # ``choose_host_transport``: the shared-memory transport, or None for c10d.
+    host_transport: SharedMemoryTransport | None = None
+
+    def choose_host_transport(self, choice: str) -> None:
+        """Pick the shard group's CPU transport (``"auto"``, ``"shm"``, ``"gloo"``; see
+        ``enable_host_transport``). Collective over the shard group unless ``"gloo"``;
+        nothing to choose on accelerators."""
+        check_host_transport(choice)
+        if self.device.type != "cpu":
+            return
+        if choice == "gloo" and host_transport_of(self.shard_group) is not None:
+            raise ValueError(
+                "host_transport='gloo', but an earlier fully_shard already put this shard "
+                "group's collectives on shared memory; pass a mesh over a separate process "
+                "group for this model, or the same host_transport as before"
+            )
+        self.host_transport = enable_host_transport(self.shard_group, choice)
 
     @property
     def shard_rank(self) -> int:

@@ -20,8 +20,6 @@ from mfsdp_collectives import (
     FSDPTopology,
     check_host_transport,
     check_ranks_agree,
-    enable_host_transport,
-    host_transport_of,
 )
 from mfsdp_hooks.grad_allocator import make_grad_allocator
 from mfsdp_hooks.lookup import set_owning_model
@@ -207,18 +205,6 @@ def _agree_on_wrap(
     check_ranks_agree(options.topology.shard_group, facts, what="fully_shard")
 
 
-def _choose_host_transport(topology: FSDPTopology, host_transport: str) -> None:
-    if topology.device.type != "cpu":
-        return
-    if host_transport == "gloo" and host_transport_of(topology.shard_group) is not None:
-        raise ValueError(
-            "host_transport='gloo', but an earlier fully_shard already put this shard "
-            "group's collectives on shared memory; pass a mesh over a separate process "
-            "group for this model, or the same host_transport as before"
-        )
-    enable_host_transport(topology.shard_group, host_transport)
-
-
 def _topology(mesh: DeviceMesh | FSDPTopology | None, module: nn.Module) -> FSDPTopology:
     if isinstance(mesh, FSDPTopology):
         return mesh
@@ -309,7 +295,7 @@ def fully_shard(
     )
     _agree_on_wrap(module, slots, options, host_transport)
     ensure_dirty_marking()  # optimizers stepping these weights mark them for re-install
-    _choose_host_transport(options.topology, host_transport)
+    options.topology.choose_host_transport(host_transport)
     owners = _shared_owner_registry(module)
     FSDPUnit(module, options, owners, make_root=FSDPRoot.lazy_init)
     for unit in fsdp_units(module):

@@ -28,7 +28,6 @@ from mfsdp_collectives import (
     CommStreams,
     FSDPTopology,
     all_reduce_,
-    host_transport_of,
     reduce_scatter_into,
 )
 from mfsdp_hooks.grad_allocator import pools_memory
@@ -88,7 +87,7 @@ class GradReducer:
             topology.device.type == "cpu"
             and strategy != ShardingStrategy.NO_SHARD
             and not pools_memory(allocator)
-            and host_transport_of(topology.shard_group) is not None
+            and topology.host_transport is not None
         )
         native_average = in_place or dist.get_backend(topology.shard_group) != "gloo"
         self._average, self._input_scale = reduce_config.collective_args(
