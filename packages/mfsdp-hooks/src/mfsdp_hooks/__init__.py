@@ -1,5 +1,6 @@
 """mfsdp_hooks: the FSDP unit lifecycle, mixed precision and optimizer integration."""
 
+from mfsdp_hooks.codec import IdentityCodec, ParamCodec
 from mfsdp_hooks.dtensor_views import dtensor_like, local_tensor
 from mfsdp_hooks.fully_shard import (
     FSDPModule,
@@ -29,6 +30,7 @@ __all__ = [
     "MegatronFSDP",
     "MixedPrecisionPolicy",
     "ParamLocation",
+    "ParamCodec",
     "ParameterGroup",
     "ShardingStrategy",
     "TrainingState",
@@ -36,6 +38,7 @@ __all__ = [
     "UnshardHandle",
     "__version__",
     "FSDPOptimizer",
+    "IdentityCodec",
     "attach_optimizer",
     "dist_param_of",
     "dtensor_like",

@@ -21,6 +21,7 @@ from mfsdp_collectives import (
     check_host_transport,
     check_ranks_agree,
 )
+from mfsdp_hooks.codec import IDENTITY, ParamCodec
 from mfsdp_hooks.grad_allocator import make_grad_allocator
 from mfsdp_hooks.lookup import set_owning_model
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
@@ -200,8 +201,9 @@ def _agree_on_wrap(
         value = getattr(options, field.name)
         if field.name == "topology":
             continue
-        # An allocator's repr holds its address; its kind is what must agree.
-        facts[field.name] = type(value).__name__ if field.name == "grad_allocator" else repr(value)
+        # An allocator's or codec's repr holds its address; its kind is what must agree.
+        by_kind = field.name in ("grad_allocator", "codec")
+        facts[field.name] = type(value).__name__ if by_kind else repr(value)
     check_ranks_agree(options.topology.shard_group, facts, what="fully_shard")
 
 
@@ -245,6 +247,7 @@ def fully_shard(
     backward_prefetch_grad_fraction: float = 0.5,
     grad_buffer_allocator: str | Allocator = "plain",
     host_transport: str = "auto",
+    param_codec: ParamCodec | None = None,
     **unsupported: Any,
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not owned by an already-sharded child) in place.
@@ -260,7 +263,9 @@ def fully_shard(
     serves the temporary reduce buffers: ``"plain"``, ``"double_buffer"`` or ``"trace_pool"``.
     ``host_transport`` picks how CPU all-gathers and reduce-scatters travel: ``"auto"``
     (shared memory when every rank of the shard group is on this host, else gloo),
-    ``"shm"`` (shared memory or an error) or ``"gloo"``.
+    ``"shm"`` (shared memory or an error) or ``"gloo"``. ``param_codec`` changes how the
+    weights travel in the all-gather (``mfsdp_hooks.codec``; the default sends them as they
+    are); it needs main weights apart from the compute weights.
     """
     if unsupported:
         names = ", ".join(sorted(unsupported))
@@ -292,6 +297,7 @@ def fully_shard(
         prefetch_depth=prefetch_depth,
         backward_prefetch_grad_fraction=float(backward_prefetch_grad_fraction),
         grad_allocator=grad_allocator,
+        codec=param_codec or IDENTITY,
     )
     _agree_on_wrap(module, slots, options, host_transport)
     ensure_dirty_marking()  # optimizers stepping these weights mark them for re-install

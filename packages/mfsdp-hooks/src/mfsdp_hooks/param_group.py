@@ -18,7 +18,8 @@ reduced by its ``GradReducer`` (``grad_reducer``), into the ``GradShard`` it own
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -36,6 +37,7 @@ from mfsdp_collectives import (
     FSDPTopology,
     all_gather_into,
 )
+from mfsdp_hooks.codec import IDENTITY, ParamCodec
 from mfsdp_hooks.dtensor_views import replicated_dtensor, sharded_dtensor
 from mfsdp_hooks.grad_reducer import GradReducer
 from mfsdp_hooks.grad_shard import GradShard
@@ -45,6 +47,27 @@ from mfsdp_hooks.root_protocol import GroupRoot
 from mfsdp_hooks.strategy import ShardingStrategy
 
 DEFAULT_ALIGNMENT = 16
+
+
+class Waitable(Protocol):
+    """What an unshard hands back: ``wait()`` before using the compute weights."""
+
+    def wait(self) -> None: ...
+
+
+class _DecodeAfter:
+    """A gather whose codec rebuilds the compute weights once it has landed."""
+
+    def __init__(self, handle: CommHandle, decode: Callable[[], None]) -> None:
+        self._handle = handle
+        self._decode: Callable[[], None] | None = decode
+
+    def wait(self) -> None:
+        self._handle.wait()
+        decode, self._decode = self._decode, None
+        if decode is not None:
+            with torch.no_grad():
+                decode()
 
 
 class ParameterGroup:
@@ -61,6 +84,7 @@ class ParameterGroup:
         reduce_config: GradReduceConfig,
         grad_allocator: Allocator | None = None,
         alignment: int = DEFAULT_ALIGNMENT,
+        codec: ParamCodec = IDENTITY,
     ) -> None:
         self.names = list(names)
         self.root: GroupRoot | None = None
@@ -81,6 +105,13 @@ class ParameterGroup:
         self.reduce_dtype = policy.grad_reduce_dtype(self.original_dtype)
         optimizer_dtype = policy.optimizer_dtype(self.original_dtype)
         self.model, self.main = self._weight_buffers(optimizer_dtype)
+        if codec is not IDENTITY and self.main is None:
+            raise NotImplementedError(
+                f"param_codec={type(codec).__name__} for {names[0]!r} needs main weights apart "
+                f"from the compute weights, but both are {self.compute_dtype}: pass a "
+                "MixedPrecisionPolicy whose param_dtype differs from main_params_dtype"
+            )
+        self.codec = codec
         self.grads: GradShard | None = None
         if self.requires_grad:
             self.grads = self._grad_shard(policy.grad_dtype(self.original_dtype), optimizer_dtype)
@@ -199,7 +230,7 @@ class ParameterGroup:
     def is_unsharded(self) -> bool:
         return self.model.is_materialized
 
-    def unshard(self, streams: CommStreams | None = None) -> CommHandle | None:
+    def unshard(self, streams: CommStreams | None = None) -> Waitable | None:
         """Start making the unsharded weights current; wait on the returned handle before use."""
         if self.model.sharded:
             if self.model.is_materialized and not self.weights_dirty:
@@ -210,25 +241,31 @@ class ParameterGroup:
             return self.install_weights(streams)
         return None
 
-    def _gather(self, streams: CommStreams | None) -> CommHandle:
+    def _gather(self, streams: CommStreams | None) -> Waitable:
         """All-gather ZeRO-3 weights straight into the unsharded buffer.
 
         With separate main weights nothing of the compute dtype persists: this rank's slot of
-        the unsharded buffer is filled by casting the main shard, then gathered in place.
+        the unsharded buffer is filled by encoding the main shard, then gathered in place.
         """
         unsharded = self.model.materialize()
         if self.main is not None:
             with torch.no_grad():
-                self.model.shard.copy_(self.main.shard)
-        return all_gather_into(
+                self.codec.encode(self.main.shard, self.model.shard)
+        handle = all_gather_into(
             self.model.shard, unsharded, self.topology.shard_group, async_op=True, stream=streams
         )
+        return self._decoded(handle, unsharded)
+
+    def _decoded(self, handle: CommHandle, gathered: torch.Tensor) -> Waitable:
+        if not self.codec.decodes:
+            return handle
+        return _DecodeAfter(handle, lambda: self.codec.decode(gathered))
 
     def reshard(self) -> None:
         if self.model.sharded:
             self.model.release()
 
-    def install_weights(self, streams: CommStreams | None = None) -> CommHandle | None:
+    def install_weights(self, streams: CommStreams | None = None) -> Waitable | None:
         """Bring the compute weights up to date with optimizer-updated weights."""
         self.weights_dirty = False
         if self.model.sharded:
@@ -237,13 +274,17 @@ class ParameterGroup:
         if self.strategy == ShardingStrategy.NO_SHARD or self.topology.shard_size == 1:
             if self.main is not None:
                 with torch.no_grad():
-                    full.copy_(self.main.materialize())
+                    self.codec.encode(self.main.materialize(), full)
+                    self.codec.decode(full)
             return None
         slot = self.model.shard
         if self.main is not None:
             with torch.no_grad():
-                slot.copy_(self.main.shard)
-        return all_gather_into(slot, full, self.topology.shard_group, async_op=True, stream=streams)
+                self.codec.encode(self.main.shard, slot)
+        handle = all_gather_into(
+            slot, full, self.topology.shard_group, async_op=True, stream=streams
+        )
+        return self._decoded(handle, full)
 
     # ----------------------------------------------------------------- gradients
     def mark_weights_dirty(self) -> None:

@@ -12,10 +12,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from mfsdp_buffers import Allocator, BucketKey, build_buckets
-from mfsdp_collectives import CommHandle, FSDPTopology
+from mfsdp_collectives import FSDPTopology
+from mfsdp_hooks.codec import IDENTITY, ParamCodec
 from mfsdp_hooks.lookup import register_group_params
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
-from mfsdp_hooks.param_group import ParameterGroup
+from mfsdp_hooks.param_group import ParameterGroup, Waitable
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root_protocol import UnitRoot
 from mfsdp_hooks.slots import UNIT_ATTR, Slot, collect_slots
@@ -40,6 +41,7 @@ class UnitOptions:
     prefetch_depth: int = 1
     backward_prefetch_grad_fraction: float = 0.5
     grad_allocator: Allocator | None = None
+    codec: ParamCodec = IDENTITY
 
 
 # Options the root reads for the whole tree (the reduction queue, gradient sync, prefetch
@@ -92,7 +94,7 @@ class FSDPUnit:
         self.root: UnitRoot[FSDPUnit, ParameterGroup] | None = None
         self.forward_prefetch: list[FSDPUnit] | None = None
         self.backward_prefetch: list[FSDPUnit] | None = None
-        self._pending_unshard: list[CommHandle] = []
+        self._pending_unshard: list[Waitable] = []
         self._deferred_prefetch: list[FSDPUnit] = []
         self._grad_numel_received = 0
         self.requires_gradient_sync = True
@@ -123,6 +125,7 @@ class FSDPUnit:
                 policy=options.policy,
                 reduce_config=options.reduce_config,
                 grad_allocator=options.grad_allocator,
+                codec=options.codec,
             )
             self.groups.append(group)
             if group.requires_grad:
