@@ -303,7 +303,7 @@ def fully_shard(
     ensure_dirty_marking()  # optimizers stepping these weights mark them for re-install
     options.topology.choose_host_transport(host_transport)
     owners = _shared_owner_registry(module)
-    FSDPUnit(module, options, owners, make_root=FSDPRoot.lazy_init)
+    FSDPUnit(module, options, owners, make_root=FSDPRoot.lazy_init, slots=slots)
     for unit in fsdp_units(module):
         for group in unit.groups:
             set_owning_model(group, module)

@@ -19,7 +19,7 @@ from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.param_group import ParameterGroup, Waitable
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root_protocol import UnitRoot
-from mfsdp_hooks.slots import UNIT_ATTR, Slot, collect_slots
+from mfsdp_hooks.slots import UNIT_ATTR, Slot, SlotMap
 from mfsdp_hooks.strategy import ShardingStrategy
 from mfsdp_hooks.training_state import TrainingState, in_backward_pass
 
@@ -84,7 +84,9 @@ class FSDPUnit:
         options: UnitOptions,
         owner_of: dict[int, str],
         make_root: Callable[[FSDPUnit], object],
+        slots: SlotMap,
     ) -> None:
+        """``slots``: ``collect_slots(module)``, which ``fully_shard`` already checked."""
         self.module = module
         # Builds the root (which sets ``root`` on every unit of the tree) at the first forward.
         self._make_root = make_root
@@ -98,7 +100,6 @@ class FSDPUnit:
         self._deferred_prefetch: list[FSDPUnit] = []
         self._grad_numel_received = 0
         self.requires_gradient_sync = True
-        slots = collect_slots(module)
         for param, name, _ in slots.values():
             owner = owner_of.get(id(param))
             if owner is not None:
