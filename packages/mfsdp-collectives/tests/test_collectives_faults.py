@@ -21,6 +21,7 @@ from mfsdp_collectives import (
     dead_ranks,
     enable_host_transport,
     exchange_identities,
+    host_transport_of,
     reduce_scatter_into,
 )
 from mfsdp_collectives.testing import run_distributed, run_distributed_outcomes
@@ -38,13 +39,17 @@ def _collective_with_a_dead_peer(rank: int, world: int, transport: str, victim: 
     exchange_identities(group)
     shard = torch.full((1 << 16,), float(rank))
     out = torch.empty(shard.numel() * world)
-    all_gather_into(shard, out, group).wait()  # the world works before the fault
+    all_gather_into(
+        shard, out, group, transport=host_transport_of(group)
+    ).wait()  # the world works before the fault
     if rank == victim:
         time.sleep(0.3)  # the peers are waiting inside the next collective by now
         _die()
     for _ in range(3):  # a survivor that missed the death in one op meets it in the next
-        reduce_scatter_into(out, torch.empty_like(shard), group).wait()
-        all_gather_into(shard, out, group).wait()
+        reduce_scatter_into(
+            out, torch.empty_like(shard), group, transport=host_transport_of(group)
+        ).wait()
+        all_gather_into(shard, out, group, transport=host_transport_of(group)).wait()
     return "the collectives finished although a peer died"
 
 
@@ -98,8 +103,10 @@ def _profiled(rank: int, world: int, transport: str) -> list[str]:
     shard = torch.ones(1000)
     out = torch.empty(shard.numel() * world)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        all_gather_into(shard, out, group).wait()
-        reduce_scatter_into(out, torch.empty_like(shard), group).wait()
+        all_gather_into(shard, out, group, transport=host_transport_of(group)).wait()
+        reduce_scatter_into(
+            out, torch.empty_like(shard), group, transport=host_transport_of(group)
+        ).wait()
     return [event.name for event in prof.events()]
 
 

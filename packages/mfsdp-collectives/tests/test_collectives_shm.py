@@ -53,7 +53,7 @@ def _same_as_gloo(rank: int, world: int) -> int:
             results = []
             for group in (shm_group, gloo_group):
                 out = torch.full((numel * world,), float("nan"), dtype=dtype)
-                all_gather_into(shards[rank], out, group).wait()
+                all_gather_into(shards[rank], out, group, transport=host_transport_of(group)).wait()
                 results.append(out)
             assert torch.equal(results[0], torch.cat(shards))
             assert torch.equal(results[0], results[1])
@@ -62,7 +62,7 @@ def _same_as_gloo(rank: int, world: int) -> int:
             inplace[: rank * numel].fill_(float("nan"))
             inplace[(rank + 1) * numel :].fill_(float("nan"))
             mine = inplace[rank * numel : (rank + 1) * numel]
-            all_gather_into(mine, inplace, shm_group).wait()
+            all_gather_into(mine, inplace, shm_group, transport=host_transport_of(shm_group)).wait()
             assert torch.equal(inplace, torch.cat(shards))
 
             grads = _inputs(world, numel * world, dtype, seed=numel + 7)
@@ -75,7 +75,14 @@ def _same_as_gloo(rank: int, world: int) -> int:
                 outs = []
                 for group in (shm_group, gloo_group):
                     out = torch.ones(numel, dtype=dtype)
-                    reduce_scatter_into(grads[rank], out, group, accumulate=True, **kwargs).wait()
+                    reduce_scatter_into(
+                        grads[rank],
+                        out,
+                        group,
+                        transport=host_transport_of(group),
+                        accumulate=True,
+                        **kwargs,
+                    ).wait()
                     outs.append(out)
                 expected = torch.stack([g.float() for g in grads]).sum(0)
                 if kwargs.get("average"):
@@ -132,7 +139,14 @@ def _pieces_same_as_dense(rank: int, world: int) -> int:
                         before = mem.live
                         mem.reset_phase()
                         with CommTracer() as tracer:
-                            reduce_scatter_into(inp, out, group, accumulate=True, **kwargs).wait()
+                            reduce_scatter_into(
+                                inp,
+                                out,
+                                group,
+                                transport=host_transport_of(group),
+                                accumulate=True,
+                                **kwargs,
+                            ).wait()
                         added.append(mem.phase_peak - before)
                         outs.append(out)
                         sent = sum(e["bytes"] for e in tracer.summary().values())
@@ -162,8 +176,16 @@ def _many_in_flight(rank: int, world: int) -> list[float]:
     with CommTracer() as tracer:
         handles = []
         for i in range(3):
-            handles.append(all_gather_into(shards[rank] + i, gathers[i], group))
-            handles.append(reduce_scatter_into(grads[rank] * (i + 1), reduced[i], group))
+            handles.append(
+                all_gather_into(
+                    shards[rank] + i, gathers[i], group, transport=host_transport_of(group)
+                )
+            )
+            handles.append(
+                reduce_scatter_into(
+                    grads[rank] * (i + 1), reduced[i], group, transport=host_transport_of(group)
+                )
+            )
         for handle in reversed(handles):  # waiting out of order is fine: they run in order
             handle.wait()
     totals: dict[str, dict[str, int]] = {}
@@ -210,7 +232,7 @@ def _peer_stops_issuing(rank: int, world: int) -> str:
         return "skipped"
     out = torch.empty(8 * world)
     try:
-        all_gather_into(torch.ones(8), out, group).wait()
+        all_gather_into(torch.ones(8), out, group, transport=host_transport_of(group)).wait()
     except TimeoutError as exc:
         return str(exc)
     return "no error"
@@ -273,7 +295,9 @@ def _one_rank_cannot_map(rank: int, world: int) -> list[str]:
         outcomes.append(str(exc))
     # the groups still work, through gloo
     out = torch.empty(2 * world)
-    all_gather_into(torch.full((2,), float(rank)), out, group).wait()
+    all_gather_into(
+        torch.full((2,), float(rank)), out, group, transport=host_transport_of(group)
+    ).wait()
     assert out.tolist() == [float(r) for r in range(world) for _ in range(2)]
     return outcomes
 
@@ -293,14 +317,16 @@ def _disable_then_enable(rank: int, world: int) -> list[int]:
         transport = enable_host_transport(group, "shm", chunk_bytes=CHUNK)
         assert transport is not None
         out = torch.empty_like(expected)
-        handle = all_gather_into(shards[rank], out, group)
+        handle = all_gather_into(shards[rank], out, group, transport=host_transport_of(group))
         disable_host_transport(group)  # the collective already issued completes first
         handle.wait()
         assert torch.equal(out, expected)
         assert host_transport_of(group) is None
         threads.append(sum(t.name.startswith("mfsdp-shm-") for t in threading.enumerate()))
         out = torch.empty_like(expected)
-        all_gather_into(shards[rank], out, group).wait()  # now through gloo
+        all_gather_into(
+            shards[rank], out, group, transport=host_transport_of(group)
+        ).wait()  # now through gloo
         assert torch.equal(out, expected)
     disable_host_transport(group)  # nothing to do, no error
     enable_host_transport(group, "shm", chunk_bytes=CHUNK)
@@ -311,3 +337,21 @@ def _disable_then_enable(rank: int, world: int) -> list[int]:
 
 def test_disabling_a_transport_stops_its_worker_and_returns_the_group_to_gloo() -> None:
     assert run_distributed(_disable_then_enable, 2, timeout=120) == [[0, 0], [0, 0]]
+
+
+def _transport_of_another_group(rank: int, world: int) -> str:
+    group = dist.new_group(list(range(world)))
+    other = dist.new_group(list(range(world)))
+    transport = enable_host_transport(group, "shm", chunk_bytes=CHUNK)
+    out = torch.empty(2 * world)
+    try:
+        all_gather_into(torch.ones(2), out, other, transport=transport)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_transport_given_for_another_group_is_refused_before_any_collective() -> None:
+    for message in run_distributed(_transport_of_another_group, 2, timeout=60):
+        assert "not the collective's group" in message
+        assert "enable_host_transport" in message

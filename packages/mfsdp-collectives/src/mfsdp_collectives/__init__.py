@@ -21,6 +21,7 @@ from .host_transport import (
     enable_host_transport,
     host_transport_of,
 )
+from .hsdp_ops import hsdp_reduce_scatter_into
 from .liveness import PeerDiedError, dead_ranks, exchange_identities, naming_dead_peers
 from .naming import group_name, register_group_name
 from .nccl_ub import UserBufferPool, register_user_buffers
@@ -28,7 +29,6 @@ from .ops import (
     all_gather_into,
     all_reduce_,
     broadcast_,
-    hsdp_reduce_scatter_into,
     reduce_scatter_into,
 )
 from .shm import SharedMemoryTransport

@@ -18,7 +18,6 @@ import uuid
 import weakref
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from . import _futex
@@ -74,11 +73,6 @@ def host_transport_of(group: dist.ProcessGroup) -> SharedMemoryTransport | None:
     """The shared-memory transport serving ``group``, if one was enabled."""
     with _registry_lock:
         return _transports.get(group)
-
-
-def transport_for(group: dist.ProcessGroup, x: torch.Tensor) -> SharedMemoryTransport | None:
-    """The shared-memory transport that carries ``group``'s collectives of ``x``, if any."""
-    return host_transport_of(group) if x.device.type == "cpu" else None
 
 
 def disable_host_transport(group: dist.ProcessGroup | None = None) -> None:

@@ -16,12 +16,8 @@ import torch.distributed as dist
 from mfsdp_buffers import FlatPieces
 
 from ._checks import (
-    check_dtype,
     check_flat,
-    check_floating,
-    check_group,
     check_same_device,
-    check_scale,
     overlaps,
 )
 from ._compat import (
@@ -30,10 +26,10 @@ from ._compat import (
     broadcast_from_group_rank,
     reduce_scatter_single,
 )
-from ._launch import Stage, launch
+from ._launch import launch
+from ._op_args import check_shard_sizes, host_route, membership, reduce_spec, side_stream
 from ._reduce import ReduceSpec, finish_into, prepare_input, reduce_op
 from .handle import CommHandle
-from .host_transport import transport_for
 from .liveness import naming_dead_peers
 from .naming import group_name
 from .shm import SharedMemoryTransport
@@ -44,72 +40,8 @@ __all__ = [
     "all_gather_into",
     "all_reduce_",
     "broadcast_",
-    "hsdp_reduce_scatter_into",
     "reduce_scatter_into",
 ]
-
-
-def _membership(group: object, arg: str) -> tuple[dist.ProcessGroup, int, int]:
-    """``(group, rank in group, group size)``; this rank must belong to ``group``."""
-    pg = check_group(group, arg)
-    rank = dist.get_rank(pg)
-    if rank < 0:
-        raise ValueError(
-            f"this rank (global rank {dist.get_rank()}) is not a member of {arg}; "
-            "only call the op on the ranks of the group"
-        )
-    return pg, rank, dist.get_world_size(pg)
-
-
-def _side_stream(stream: object, role: str, device: torch.device) -> torch.Stream | None:
-    if stream is None:
-        return None
-    if not isinstance(stream, CommStreams):
-        raise TypeError(f"stream must be a CommStreams or None, got {type(stream).__name__}")
-    if not stream.active:
-        return None
-    if stream.device.type != device.type:
-        raise ValueError(
-            f"stream holds {stream.device.type} streams but the tensors are on {device}; "
-            "build CommStreams(topology.device)"
-        )
-    side: torch.Stream | None = getattr(stream, role)
-    return side
-
-
-def _reduce_spec(
-    x: torch.Tensor | FlatPieces,
-    x_arg: str,
-    *,
-    average: object,
-    pre_scale: object,
-    post_scale: object,
-    reduce_dtype: object,
-) -> ReduceSpec:
-    if not isinstance(average, bool):
-        raise TypeError(f"average must be a bool, got {type(average).__name__}")
-    pre = check_scale(pre_scale, "pre_scale")
-    post = check_scale(post_scale, "post_scale")
-    rdt = check_dtype(reduce_dtype, "reduce_dtype")
-    spec = ReduceSpec(average=average, pre_scale=pre, post_scale=post, reduce_dtype=rdt or x.dtype)
-    if average or pre is not None or post is not None:
-        check_floating(
-            spec.reduce_dtype,
-            "reduce_dtype" if rdt is not None else x_arg,
-            "averaging or scaling",
-        )
-    return spec
-
-
-def _check_shard_sizes(
-    full_numel: int, full_arg: str, shard: torch.Tensor, shard_arg: str, size: int
-) -> None:
-    if full_numel != shard.numel() * size:
-        raise ValueError(
-            f"{full_arg} has {full_numel} elements but {shard_arg} has {shard.numel()} and "
-            f"the group has {size} ranks: need {full_arg}.numel() == {shard_arg}.numel() * "
-            f"{size}; pad the flat buffer to a multiple of the group size"
-        )
 
 
 def all_gather_into(
@@ -119,37 +51,39 @@ def all_gather_into(
     *,
     async_op: bool = True,
     stream: CommStreams | None = None,
+    transport: SharedMemoryTransport | None = None,
 ) -> CommHandle:
     """Gather every rank's ``shard`` straight into ``unsharded`` (no staging copy).
 
-    ``shard`` may be this rank's own slot of ``unsharded`` (in-place gather).
+    ``shard`` may be this rank's own slot of ``unsharded`` (in-place gather). ``transport``
+    (from ``enable_host_transport``) carries it over shared memory; otherwise c10d does.
     """
     shard = check_flat(shard, "shard")
     unsharded = check_flat(unsharded, "unsharded")
-    group, rank, size = _membership(group, "group")
+    group, rank, size = membership(group, "group")
     check_same_device(shard, "shard", unsharded, "unsharded")
     if shard.dtype != unsharded.dtype:
         raise ValueError(
             f"shard has dtype {shard.dtype} but unsharded has {unsharded.dtype}; "
             "gather into a buffer of the shard's dtype and cast afterwards"
         )
-    _check_shard_sizes(unsharded.numel(), "unsharded", shard, "shard", size)
+    check_shard_sizes(unsharded.numel(), "unsharded", shard, "shard", size)
     n = shard.numel()
     if overlaps(shard, unsharded) and shard.data_ptr() != unsharded[rank * n :].data_ptr():
         raise ValueError(
             "shard overlaps unsharded but is not this rank's slot; pass "
             f"unsharded[{rank * n}:{(rank + 1) * n}] or a separate tensor"
         )
-    side = _side_stream(stream, "all_gather", shard.device)
+    side = side_stream(stream, "all_gather", shard.device)
     if n == 0:
         return CommHandle.completed()
     record_comm("all_gather", group_name(group), n, shard.dtype)
 
-    transport = transport_for(group, shard)
+    route = host_route(transport, group, shard)
 
     def issue() -> Work | None:
-        if transport is not None:
-            return transport.all_gather(unsharded, shard)
+        if route is not None:
+            return route.all_gather(unsharded, shard)
         return all_gather_single(unsharded, shard, group, async_op=True)
 
     return launch(
@@ -162,7 +96,7 @@ def all_gather_into(
     )
 
 
-class _ReduceScatterStage:
+class ReduceScatterStage:
     """Stage 1 of a (possibly hierarchical) reduce-scatter; holds its tensors.
 
     The receive tensor is chosen only when the stage runs, so that on a side
@@ -239,6 +173,7 @@ def reduce_scatter_into(
     accumulate: bool = False,
     async_op: bool = True,
     stream: CommStreams | None = None,
+    transport: SharedMemoryTransport | None = None,
 ) -> CommHandle:
     """Reduce ``unsharded_grad`` over ``group`` and store (or add) this rank's chunk.
 
@@ -255,8 +190,8 @@ def reduce_scatter_into(
     else:
         inp = check_flat(unsharded_grad, "unsharded_grad")
         check_same_device(inp, "unsharded_grad", out, "out_shard")
-    group, _, size = _membership(group, "group")
-    spec = _reduce_spec(
+    group, _, size = membership(group, "group")
+    spec = reduce_spec(
         inp,
         "unsharded_grad",
         average=average,
@@ -265,18 +200,18 @@ def reduce_scatter_into(
         reduce_dtype=reduce_dtype,
     )
     numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
-    _check_shard_sizes(numel, "unsharded_grad", out, "out_shard", size)
-    side = _side_stream(stream, "reduce_scatter", out.device)
+    check_shard_sizes(numel, "unsharded_grad", out, "out_shard", size)
+    side = side_stream(stream, "reduce_scatter", out.device)
     if out.numel() == 0:
         return CommHandle.completed()
-    transport = transport_for(group, out)
-    if transport is not None:  # it averages the output chunk itself
+    route = host_route(transport, group, out)
+    if route is not None:  # it averages the output chunk itself
         op, factor = (dist.ReduceOp.AVG if spec.average else dist.ReduceOp.SUM), 1.0
     else:
         op, factor = reduce_op(group, spec.average)
     factor *= spec.post_scale if spec.post_scale is not None else 1.0
     record_comm("reduce_scatter", group_name(group), numel, spec.reduce_dtype)
-    stage = _ReduceScatterStage(inp, out, spec, group, op, bool(accumulate), transport)
+    stage = ReduceScatterStage(inp, out, spec, group, op, bool(accumulate), route)
 
     def finish() -> None:
         finish_into(stage.result(), out, factor=factor, accumulate=bool(accumulate))
@@ -288,89 +223,6 @@ def reduce_scatter_into(
         async_op=async_op,
         keep_alive=(inp, out),
         label=f"reduce_scatter on group {group_name(group)}",
-    )
-
-
-def hsdp_reduce_scatter_into(
-    unsharded_grad: torch.Tensor,
-    out_shard: torch.Tensor,
-    shard_group: dist.ProcessGroup,
-    outer_group: dist.ProcessGroup | None,
-    *,
-    average: bool = True,
-    pre_scale: float | None = None,
-    post_scale: float | None = None,
-    reduce_dtype: torch.dtype | None = None,
-    accumulate: bool = False,
-    async_op: bool = True,
-    stream: CommStreams | None = None,
-) -> CommHandle:
-    """Two-level gradient reduction for HSDP.
-
-    Reduce-scatter inside ``shard_group``, then all-reduce the (small) shard
-    across ``outer_group``: the inter-node hop carries 1/shard_size of the
-    bytes. With ``average`` the result is the mean over all
-    ``shard_size * outer_size`` ranks. ``outer_group=None`` is plain FSDP.
-    """
-    if outer_group is None:
-        return reduce_scatter_into(
-            unsharded_grad,
-            out_shard,
-            shard_group,
-            average=average,
-            pre_scale=pre_scale,
-            post_scale=post_scale,
-            reduce_dtype=reduce_dtype,
-            accumulate=accumulate,
-            async_op=async_op,
-            stream=stream,
-        )
-    inp = check_flat(unsharded_grad, "unsharded_grad")
-    out = check_flat(out_shard, "out_shard")
-    shard_group, _, size = _membership(shard_group, "shard_group")
-    outer_group, _, _ = _membership(outer_group, "outer_group")
-    if outer_group is shard_group:
-        raise ValueError("outer_group must differ from shard_group; pass outer_group=None")
-    check_same_device(inp, "unsharded_grad", out, "out_shard")
-    spec = _reduce_spec(
-        inp,
-        "unsharded_grad",
-        average=average,
-        pre_scale=pre_scale,
-        post_scale=post_scale,
-        reduce_dtype=reduce_dtype,
-    )
-    _check_shard_sizes(inp.numel(), "unsharded_grad", out, "out_shard", size)
-    rs_side = _side_stream(stream, "reduce_scatter", inp.device)
-    outer_side = _side_stream(stream, "outer", inp.device)
-    if out.numel() == 0:
-        return CommHandle.completed()
-    rs_op, rs_factor = reduce_op(shard_group, spec.average)
-    ar_op, ar_factor = reduce_op(outer_group, spec.average)
-    factor = rs_factor * ar_factor
-    factor *= spec.post_scale if spec.post_scale is not None else 1.0
-    record_comm("reduce_scatter", group_name(shard_group), inp.numel(), spec.reduce_dtype)
-    record_comm("all_reduce", group_name(outer_group), out.numel(), spec.reduce_dtype)
-    transport = transport_for(shard_group, out)
-    stage = _ReduceScatterStage(inp, out, spec, shard_group, rs_op, bool(accumulate), transport)
-
-    def outer_all_reduce() -> Work | None:
-        work: Work | None = dist.all_reduce(
-            stage.result(), op=ar_op, group=outer_group, async_op=True
-        )
-        return work
-
-    def finish() -> None:
-        finish_into(stage.result(), out, factor=factor, accumulate=bool(accumulate))
-
-    stages: list[Stage] = [(rs_side, stage), (outer_side, outer_all_reduce)]
-    return launch(
-        stages,
-        device=inp.device,
-        finish=finish,
-        async_op=async_op,
-        keep_alive=(inp, out),
-        label=f"HSDP reduce_scatter on groups {group_name(shard_group)}, {group_name(outer_group)}",
     )
 
 
@@ -394,8 +246,8 @@ def all_reduce_(
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_contiguous():
         raise ValueError("tensor must be contiguous; reduce a contiguous flat buffer")
-    group, _, _ = _membership(group, "group")
-    spec = _reduce_spec(
+    group, _, _ = membership(group, "group")
+    spec = reduce_spec(
         tensor,
         "tensor",
         average=average,
@@ -403,7 +255,7 @@ def all_reduce_(
         post_scale=post_scale,
         reduce_dtype=reduce_dtype,
     )
-    side = _side_stream(stream, "reduce_scatter", tensor.device)
+    side = side_stream(stream, "reduce_scatter", tensor.device)
     if tensor.numel() == 0:
         return CommHandle.completed()
     op, factor = reduce_op(group, spec.average)
@@ -435,7 +287,7 @@ def broadcast_(tensor: torch.Tensor, src_rank_in_group: int, group: dist.Process
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_contiguous():
         raise ValueError("tensor must be contiguous; broadcast a contiguous buffer")
-    group, _, size = _membership(group, "group")
+    group, _, size = membership(group, "group")
     src = src_rank_in_group
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < size:
         raise ValueError(

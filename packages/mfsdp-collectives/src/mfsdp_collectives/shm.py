@@ -109,7 +109,8 @@ class SharedMemoryTransport:
 
     Build it with :func:`enable_host_transport` (a collective over ``group``),
     which decides whether the group qualifies; the ops in ``mfsdp_collectives``
-    then route this group's all-gathers and reduce-scatters through it.
+    route this group's all-gathers and reduce-scatters through it when given it
+    as ``transport=`` (``FSDPTopology.host_transport`` holds the engine's).
     """
 
     def __init__(
@@ -153,6 +154,11 @@ class SharedMemoryTransport:
             self._failed = RuntimeError("the transport was closed")
         _stop(self._queue, self._worker, timeout_s=self.timeout_s)
         self._boxes = []
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close`` ran (``disable_host_transport``): its group is c10d's again."""
+        return not self._boxes
 
     @property
     def mapped_bytes(self) -> int:

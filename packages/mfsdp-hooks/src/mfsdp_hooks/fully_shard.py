@@ -25,7 +25,6 @@ from mfsdp_hooks.codec import IDENTITY, ParamCodec
 from mfsdp_hooks.grad_allocator import make_grad_allocator
 from mfsdp_hooks.lookup import set_owning_model
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
-from mfsdp_hooks.optimizer import ensure_dirty_marking
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root import FSDPRoot, root_of
 from mfsdp_hooks.slots import (
@@ -63,7 +62,7 @@ class FSDPModule:
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this module's parameters now; with ``async_op`` return a handle to wait on."""
         unit = self._mfsdp_unit()
-        unit.unshard_async()
+        unit.request_unshard()
         if async_op:
             return UnshardHandle(unit)
         unit.wait_unshard()
@@ -112,7 +111,7 @@ class FSDPModule:
             unit = unit_of(module)
             if unit is not None:
                 for group in unit.groups:
-                    group.mark_weights_dirty()
+                    group.freshness.close_step_window(stepped=True)
                     handle = group.install_weights()
                     if handle is not None:
                         handle.wait()
@@ -300,7 +299,6 @@ def fully_shard(
         codec=param_codec or IDENTITY,
     )
     _agree_on_wrap(module, slots, options, host_transport)
-    ensure_dirty_marking()  # optimizers stepping these weights mark them for re-install
     options.topology.choose_host_transport(host_transport)
     owners = _shared_owner_registry(module)
     FSDPUnit(module, options, owners, make_root=FSDPRoot.lazy_init, slots=slots)

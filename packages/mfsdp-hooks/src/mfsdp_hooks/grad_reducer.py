@@ -206,6 +206,7 @@ class GradReducer:
             accumulate=accumulate,
             async_op=True,
             stream=streams,
+            transport=self._topology.host_transport,
         )
         return PendingReduction(self, handle, no_shard_target=None)
 

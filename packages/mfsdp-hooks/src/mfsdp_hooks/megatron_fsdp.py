@@ -58,8 +58,9 @@ class MegatronFSDP(nn.Module):
 
     Keyword arguments are those of ``mfsdp_hooks.fully_shard`` (``sharding_strategy``,
     ``mp_policy``, ``mesh``, overlap and gradient options). ``sync_model_each_microbatch``
-    defaults to False here, as in the seed: call ``finish_grad_sync()`` (the optimizer wrapper
-    does) before reading gradients.
+    defaults to False here, as in the seed: reductions of ``no_sync`` micro-batches stay in
+    flight into the next one; a backward outside ``no_sync`` (the last micro-batch) waits for
+    all of them, so the gradients are final when it returns.
     """
 
     def __init__(

@@ -1,16 +1,18 @@
 """Optimizer integration: step on the sharded main weights, then refresh compute weights.
 
-Any ``torch.optim.Optimizer`` works unmodified: a step post-hook marks the parameter groups
-it stepped as dirty, and each group re-installs its compute weights lazily at its next
-unshard. That hook has to be torch's global one (``register_optimizer_step_post_hook``): an
-FSDP2-style loop builds a bare optimizer the engine never sees, and an optimizer writing
-through DTensors bumps no version counter the engine could read instead. It is registered by
-the first ``fully_shard``, never at import, and only marks groups of parameters it owns.
+Any ``torch.optim.Optimizer`` works unmodified, and nothing is registered process-wide: the
+engine cannot see a bare optimizer step (an FSDP2-style loop builds one the engine never
+meets, and an optimizer writing through DTensors bumps no version counter it could read), so
+from a backward that synced the gradients until the next backward each forward re-installs
+the compute weights (``weight_freshness.WeightFreshness``). Under ZeRO-3 that is the gather a
+forward makes anyway; a unit that keeps its weights (ZeRO-0/1/2, or no reshard after
+forward) pays one install per forward in that window.
 
-``attach_optimizer`` adds the seed's explicit controls to ``step`` and ``zero_grad`` by
-giving the optimizer the class ``FSDP<its class>`` (as ``fully_shard`` does for modules;
-one class per optimizer class, nothing patched on the instance), and steps Adam, AdamW and
-SGD over contiguous runs of the sharded buffers (:mod:`mfsdp_hooks.contiguous_step`).
+``attach_optimizer`` gives the optimizer the class ``FSDP<its class>`` (as ``fully_shard``
+does for modules; one class per optimizer class, nothing patched on the instance): its
+``step`` closes the window itself (weights are installed once, right after the step) and
+takes the seed's keyword arguments, and it steps Adam, AdamW and SGD over contiguous runs of
+the sharded buffers (:mod:`mfsdp_hooks.contiguous_step`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mfsdp_hooks.contiguous_step import ContiguousStepper, supports_contiguous_step
 from mfsdp_hooks.lookup import locate
@@ -45,23 +46,6 @@ def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[ParameterGroup]:
     groups = list(seen.values())
     setattr(optimizer, _GROUPS_CACHE, (len(params), groups))
     return groups
-
-
-def _mark_weights_dirty(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    stepper = optimizer._mfsdp_stepper() if isinstance(optimizer, FSDPOptimizer) else None
-    if stepper is not None and stepper.active:
-        return  # the parameter lists hold flat chunks now; the step wrapper marks them after
-    for group in optimizer_groups(optimizer):
-        group.mark_weights_dirty()
-
-
-_dirty_marking: list[object] = []  # the global hook's handle, once registered
-
-
-def ensure_dirty_marking() -> None:
-    """Register the step post-hook that marks stepped groups dirty (once per process)."""
-    if not _dirty_marking:
-        _dirty_marking.append(register_optimizer_step_post_hook(_mark_weights_dirty))
 
 
 def _roots(groups: Iterable[ParameterGroup]) -> list[GroupRoot]:
@@ -119,17 +103,17 @@ class FSDPOptimizer(torch.optim.Optimizer):
                 root.finish_grad_sync()
         stepper = self._mfsdp_stepper()
         closure = args[0] if args else kwargs.get("closure")
-        if stepper is None or closure is not None:
-            if stepper is not None:
-                stepper.hand_back()
-            result = super().step(*args, **kwargs)
-        else:
-            try:
+        try:
+            if stepper is None or closure is not None:
+                if stepper is not None:
+                    stepper.hand_back()
+                result = super().step(*args, **kwargs)
+            else:
                 with stepper.stepping():
                     result = super().step(*args, **kwargs)
-            finally:  # even a step that failed half-way may have changed weights
-                for group in current:
-                    group.mark_weights_dirty()
+        finally:  # even a step that failed half-way may have changed weights
+            for group in current:
+                group.freshness.close_step_window(stepped=True)
         if install_optimized_model_weights:
             for group in current:
                 handle = group.install_weights()

@@ -45,6 +45,7 @@ from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root_protocol import GroupRoot
 from mfsdp_hooks.strategy import ShardingStrategy
+from mfsdp_hooks.weight_freshness import WeightFreshness
 
 DEFAULT_ALIGNMENT = 16
 
@@ -118,7 +119,7 @@ class ParameterGroup:
         self._fill_buffers(params)
         self.unsharded_params = self._adopt_params(params)
         self.dist_params = self._make_dist_params()
-        self.weights_dirty = False
+        self.freshness = WeightFreshness(steppable=self.requires_grad)
         self.reducer: GradReducer | None = None
         if self.grads is not None:
             self.reducer = GradReducer(
@@ -233,11 +234,11 @@ class ParameterGroup:
     def unshard(self, streams: CommStreams | None = None) -> Waitable | None:
         """Start making the unsharded weights current; wait on the returned handle before use."""
         if self.model.sharded:
-            if self.model.is_materialized and not self.weights_dirty:
+            if self.model.is_materialized and not self.freshness.dirty:
                 return None
-            self.weights_dirty = False
+            self.freshness.dirty = False
             return self._gather(streams)
-        if self.weights_dirty:
+        if self.freshness.dirty:
             return self.install_weights(streams)
         return None
 
@@ -252,7 +253,11 @@ class ParameterGroup:
             with torch.no_grad():
                 self.codec.encode(self.main.shard, self.model.shard)
         handle = all_gather_into(
-            self.model.shard, unsharded, self.topology.shard_group, async_op=True, stream=streams
+            self.model.shard,
+            unsharded,
+            self.topology.shard_group,
+            stream=streams,
+            transport=self.topology.host_transport,
         )
         return self._decoded(handle, unsharded)
 
@@ -267,7 +272,7 @@ class ParameterGroup:
 
     def install_weights(self, streams: CommStreams | None = None) -> Waitable | None:
         """Bring the compute weights up to date with optimizer-updated weights."""
-        self.weights_dirty = False
+        self.freshness.dirty = False
         if self.model.sharded:
             return self._gather(streams) if self.model.is_materialized else None
         full = self.model.materialize()
@@ -282,7 +287,11 @@ class ParameterGroup:
             with torch.no_grad():
                 self.codec.encode(self.main.shard, slot)
         handle = all_gather_into(
-            slot, full, self.topology.shard_group, async_op=True, stream=streams
+            slot,
+            full,
+            self.topology.shard_group,
+            stream=streams,
+            transport=self.topology.host_transport,
         )
         return self._decoded(handle, full)
 
@@ -290,7 +299,7 @@ class ParameterGroup:
     def mark_weights_dirty(self) -> None:
         """Say the optimizer-facing weights changed outside ``optimizer.step()`` (e.g. a load):
         the compute weights are re-installed at the next unshard."""
-        self.weights_dirty = True
+        self.freshness.mark_dirty()
 
     def zero_main_grads(self) -> None:
         """Zero the reduced gradients in place, if the parameters still hold them."""

@@ -79,6 +79,8 @@ class FSDPRoot:
             raise RuntimeError(
                 "forward of an FSDP root started while its previous backward is still running"
             )
+        for group in self.groups:
+            group.freshness.recheck_step_window()
 
     def record_forward(self, unit: FSDPUnit) -> None:
         if not self.order_final and all(u is not unit for u in self.forward_order):
@@ -109,6 +111,8 @@ class FSDPRoot:
         if self.in_backward:
             return
         self.in_backward = True
+        for group in self.groups:
+            group.freshness.close_step_window(stepped=False)
         torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
 
     def should_reduce(self, group: ParameterGroup) -> bool:
@@ -133,10 +137,17 @@ class FSDPRoot:
             for unit in self.units:
                 if not unit.post_backward_done:
                     unit.post_backward()
-            if self.options.sync_model_each_microbatch:
+            # A backward outside ``no_sync`` ends an optimisation cycle: an optimizer the
+            # engine never sees may read the gradients next, so they must be final. Only
+            # ``no_sync`` micro-batches leave reductions in flight (unless every micro-batch
+            # syncs), overlapping them with the next micro-batch.
+            synced = self.root_unit.requires_gradient_sync
+            if synced or self.options.sync_model_each_microbatch:
                 self.wait_reductions()
                 if self.options.report_nan_in_param_grad:
                     self.check_grads_finite()
+            if synced:
+                self._open_step_windows()
             for unit in self.units:
                 unit.end_backward()
             left = [u.name for u in self.units if u.is_unsharded]
@@ -171,6 +182,12 @@ class FSDPRoot:
         self.wait_reductions()
         if self.options.report_nan_in_param_grad:
             self.check_grads_finite()
+        self._open_step_windows()
+
+    def _open_step_windows(self) -> None:
+        """Gradients are synced: until the next backward, any optimizer may step them."""
+        for group in self.groups:
+            group.freshness.open_step_window()
 
     def check_grads_finite(self) -> None:
         """Raise on every rank, naming each parameter whose reduced gradient is not finite.

@@ -15,6 +15,7 @@ model, so every rank reaches the same verdict).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -95,3 +96,10 @@ def describe_parameters(slots: SlotMap) -> str:
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
     numel = sum(p.numel() for p, _, _ in slots.values())
     return f"{len(lines)} parameters, {numel} elements, digest {digest}"
+
+
+def install_params(params: Sequence[nn.Parameter], param_slots: Sequence[list[Slot]]) -> None:
+    """Register each parameter in every slot it occupies (tied parameters occupy several)."""
+    for param, slots in zip(params, param_slots, strict=True):
+        for mod, attr in slots:
+            mod._parameters[attr] = param

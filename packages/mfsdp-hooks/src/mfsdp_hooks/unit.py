@@ -19,7 +19,7 @@ from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.param_group import ParameterGroup, Waitable
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root_protocol import UnitRoot
-from mfsdp_hooks.slots import UNIT_ATTR, Slot, SlotMap
+from mfsdp_hooks.slots import UNIT_ATTR, Slot, SlotMap, install_params
 from mfsdp_hooks.strategy import ShardingStrategy
 from mfsdp_hooks.training_state import TrainingState, in_backward_pass
 
@@ -109,7 +109,6 @@ class FSDPUnit:
                     "module instead of each user"
                 )
         self.groups: list[ParameterGroup] = []
-        self._grad_numel_expected = 0
         self._group_slots: list[list[list[Slot]]] = []
         entries = list(slots.values())
         keys = [
@@ -129,13 +128,12 @@ class FSDPUnit:
                 codec=options.codec,
             )
             self.groups.append(group)
-            if group.requires_grad:
-                self._grad_numel_expected += sum(p.numel() for p, _, _ in members)
             self._group_slots.append([s for _, _, s in members])
             for param, name, _ in members:
                 owner_of[id(param)] = f"{self.name}({name})"
+        self._grad_numel_expected = sum(g.layout.data_numel for g in self.groups if g.requires_grad)
         self._register_grad_hooks()
-        self._use_dist_params()
+        self._swap(use_unsharded=False)
         module.__dict__[UNIT_ATTR] = self
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
@@ -165,13 +163,9 @@ class FSDPUnit:
     # ----------------------------------------------------------------- parameter swap
     def _swap(self, use_unsharded: bool) -> None:
         for group, group_slots in zip(self.groups, self._group_slots, strict=True):
-            params = group.unsharded_params if use_unsharded else group.dist_params
-            for param, param_slots in zip(params, group_slots, strict=True):
-                for mod, attr in param_slots:
-                    mod._parameters[attr] = param
-
-    def _use_dist_params(self) -> None:
-        self._swap(use_unsharded=False)
+            install_params(
+                group.unsharded_params if use_unsharded else group.dist_params, group_slots
+            )
 
     @property
     def is_unsharded(self) -> bool:
@@ -192,8 +186,15 @@ class FSDPUnit:
             handle.wait()
         self._swap(use_unsharded=True)
 
-    def unshard(self) -> None:
+    def request_unshard(self) -> None:
+        """Issue a user's unshard: re-install weights a bare optimizer may have stepped."""
+        for group in self.groups:
+            group.freshness.recheck_step_window()
         self.unshard_async()
+
+    def unshard(self) -> None:
+        """Make the unsharded weights current now (a user's call, outside forward/backward)."""
+        self.request_unshard()
         self.wait_unshard()
 
     def reshard(self) -> None:
@@ -202,7 +203,7 @@ class FSDPUnit:
         self._pending_unshard = []
         for group in self.groups:
             group.reshard()
-        self._use_dist_params()
+        self._swap(use_unsharded=False)
 
     # ----------------------------------------------------------------- forward
     def _pre_forward(
@@ -220,7 +221,8 @@ class FSDPUnit:
             self._move_to(TrainingState.PRE_BACKWARD)
         if not recomputing:
             self.root.record_forward(self)
-        self.unshard()
+        self.unshard_async()
+        self.wait_unshard()
         if not recomputing and self.options.overlap_param_gather:
             for target in self.root.forward_prefetch_targets(self):
                 target.unshard_async()
@@ -261,7 +263,8 @@ class FSDPUnit:
         if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return  # another output's hook, or a late one after the unit's backward
         self._move_to(TrainingState.PRE_BACKWARD)
-        self.unshard()
+        self.unshard_async()
+        self.wait_unshard()
         self._grad_numel_received = 0
         if self.options.overlap_param_gather:
             self._deferred_prefetch = list(self.root.backward_prefetch_targets(self))

@@ -1,0 +1,95 @@
+"""Argument checks and routing shared by the collective ops (local, no communication)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mfsdp_buffers import FlatPieces
+
+from ._checks import check_dtype, check_floating, check_group, check_scale
+from ._reduce import ReduceSpec
+from .naming import group_name
+from .shm import SharedMemoryTransport
+from .streams import CommStreams
+
+
+def membership(group: object, arg: str) -> tuple[dist.ProcessGroup, int, int]:
+    """``(group, rank in group, group size)``; this rank must belong to ``group``."""
+    pg = check_group(group, arg)
+    rank = dist.get_rank(pg)
+    if rank < 0:
+        raise ValueError(
+            f"this rank (global rank {dist.get_rank()}) is not a member of {arg}; "
+            "only call the op on the ranks of the group"
+        )
+    return pg, rank, dist.get_world_size(pg)
+
+
+def side_stream(stream: object, role: str, device: torch.device) -> torch.Stream | None:
+    if stream is None:
+        return None
+    if not isinstance(stream, CommStreams):
+        raise TypeError(f"stream must be a CommStreams or None, got {type(stream).__name__}")
+    if not stream.active:
+        return None
+    if stream.device.type != device.type:
+        raise ValueError(
+            f"stream holds {stream.device.type} streams but the tensors are on {device}; "
+            "build CommStreams(topology.device)"
+        )
+    side: torch.Stream | None = getattr(stream, role)
+    return side
+
+
+def reduce_spec(
+    x: torch.Tensor | FlatPieces,
+    x_arg: str,
+    *,
+    average: object,
+    pre_scale: object,
+    post_scale: object,
+    reduce_dtype: object,
+) -> ReduceSpec:
+    if not isinstance(average, bool):
+        raise TypeError(f"average must be a bool, got {type(average).__name__}")
+    pre = check_scale(pre_scale, "pre_scale")
+    post = check_scale(post_scale, "post_scale")
+    rdt = check_dtype(reduce_dtype, "reduce_dtype")
+    spec = ReduceSpec(average=average, pre_scale=pre, post_scale=post, reduce_dtype=rdt or x.dtype)
+    if average or pre is not None or post is not None:
+        check_floating(
+            spec.reduce_dtype,
+            "reduce_dtype" if rdt is not None else x_arg,
+            "averaging or scaling",
+        )
+    return spec
+
+
+def check_shard_sizes(
+    full_numel: int, full_arg: str, shard: torch.Tensor, shard_arg: str, size: int
+) -> None:
+    if full_numel != shard.numel() * size:
+        raise ValueError(
+            f"{full_arg} has {full_numel} elements but {shard_arg} has {shard.numel()} and "
+            f"the group has {size} ranks: need {full_arg}.numel() == {shard_arg}.numel() * "
+            f"{size}; pad the flat buffer to a multiple of the group size"
+        )
+
+
+def host_route(
+    transport: SharedMemoryTransport | None, group: dist.ProcessGroup, x: torch.Tensor
+) -> SharedMemoryTransport | None:
+    """The transport that carries a collective of ``x`` over ``group``; None means c10d.
+
+    Only CPU tensors travel over shared memory, and a transport closed by
+    ``disable_host_transport`` has handed its group back to c10d.
+    """
+    if transport is None or x.device.type != "cpu" or transport.closed:
+        return None
+    if transport.group is not group:
+        raise ValueError(
+            f"transport serves group {group_name(transport.group)}, not the collective's group "
+            f"{group_name(group)}: pass the transport enable_host_transport returned for it"
+        )
+    return transport

@@ -1,0 +1,103 @@
+"""Hierarchical (HSDP) gradient reduction: inside the shard group, then across replicas."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._checks import check_flat, check_same_device
+from ._compat import Work
+from ._launch import Stage, launch
+from ._op_args import check_shard_sizes, host_route, membership, reduce_spec, side_stream
+from ._reduce import finish_into, reduce_op
+from .handle import CommHandle
+from .naming import group_name
+from .ops import ReduceScatterStage, reduce_scatter_into
+from .shm import SharedMemoryTransport
+from .streams import CommStreams
+from .tracer import record_comm
+
+__all__ = ["hsdp_reduce_scatter_into"]
+
+
+def hsdp_reduce_scatter_into(
+    unsharded_grad: torch.Tensor,
+    out_shard: torch.Tensor,
+    shard_group: dist.ProcessGroup,
+    outer_group: dist.ProcessGroup | None,
+    *,
+    average: bool = True,
+    pre_scale: float | None = None,
+    post_scale: float | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+    async_op: bool = True,
+    stream: CommStreams | None = None,
+    transport: SharedMemoryTransport | None = None,
+) -> CommHandle:
+    """Two-level gradient reduction for HSDP.
+
+    Reduce-scatter inside ``shard_group``, then all-reduce the (small) shard across
+    ``outer_group``: the inter-node hop carries 1/shard_size of the bytes. With ``average``
+    the result is the mean over all ``shard_size * outer_size`` ranks; no outer is FSDP.
+    """
+    if outer_group is None:
+        return reduce_scatter_into(
+            unsharded_grad,
+            out_shard,
+            shard_group,
+            average=average,
+            pre_scale=pre_scale,
+            post_scale=post_scale,
+            reduce_dtype=reduce_dtype,
+            accumulate=accumulate,
+            async_op=async_op,
+            stream=stream,
+            transport=transport,
+        )
+    inp = check_flat(unsharded_grad, "unsharded_grad")
+    out = check_flat(out_shard, "out_shard")
+    shard_group, _, size = membership(shard_group, "shard_group")
+    outer_group, _, _ = membership(outer_group, "outer_group")
+    if outer_group is shard_group:
+        raise ValueError("outer_group must differ from shard_group; pass outer_group=None")
+    check_same_device(inp, "unsharded_grad", out, "out_shard")
+    spec = reduce_spec(
+        inp,
+        "unsharded_grad",
+        average=average,
+        pre_scale=pre_scale,
+        post_scale=post_scale,
+        reduce_dtype=reduce_dtype,
+    )
+    check_shard_sizes(inp.numel(), "unsharded_grad", out, "out_shard", size)
+    rs_side = side_stream(stream, "reduce_scatter", inp.device)
+    outer_side = side_stream(stream, "outer", inp.device)
+    if out.numel() == 0:
+        return CommHandle.completed()
+    rs_op, rs_factor = reduce_op(shard_group, spec.average)
+    ar_op, ar_factor = reduce_op(outer_group, spec.average)
+    factor = rs_factor * ar_factor * (spec.post_scale if spec.post_scale is not None else 1.0)
+    record_comm("reduce_scatter", group_name(shard_group), inp.numel(), spec.reduce_dtype)
+    record_comm("all_reduce", group_name(outer_group), out.numel(), spec.reduce_dtype)
+    route = host_route(transport, shard_group, out)
+    stage = ReduceScatterStage(inp, out, spec, shard_group, rs_op, bool(accumulate), route)
+
+    def outer_all_reduce() -> Work | None:
+        work: Work | None = dist.all_reduce(
+            stage.result(), op=ar_op, group=outer_group, async_op=True
+        )
+        return work
+
+    def finish() -> None:
+        finish_into(stage.result(), out, factor=factor, accumulate=bool(accumulate))
+
+    stages: list[Stage] = [(rs_side, stage), (outer_side, outer_all_reduce)]
+    return launch(
+        stages,
+        device=inp.device,
+        finish=finish,
+        async_op=async_op,
+        keep_alive=(inp, out),
+        label=f"HSDP reduce_scatter on groups {group_name(shard_group)}, {group_name(outer_group)}",
+    )
