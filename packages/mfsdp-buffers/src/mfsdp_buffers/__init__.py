@@ -24,6 +24,13 @@ from mfsdp_buffers.buffer import BufferRole, DataParallelBuffer
 from mfsdp_buffers.flat_pieces import FlatPieces
 from mfsdp_buffers.layout import FlatLayout, LocalPiece, ParamPlacement
 from mfsdp_buffers.live_memory import LiveTensorTracker, PhaseMark
+from mfsdp_buffers.poison import (
+    is_poisoned,
+    poison_,
+    poisoning_enabled,
+    poisoning_released_buffers,
+    release_to,
+)
 
 __version__ = "0.1.0"
 
@@ -50,6 +57,11 @@ __all__ = [
     "__version__",
     "build_buckets",
     "has_stable_storage",
+    "is_poisoned",
     "peak_live_numel",
     "plan_offsets",
+    "poison_",
+    "poisoning_enabled",
+    "poisoning_released_buffers",
+    "release_to",
 ]

@@ -18,6 +18,7 @@ import torch
 from mfsdp_buffers.allocators.protocol import Allocator, has_stable_storage
 from mfsdp_buffers.allocators.storage_resize import StorageResizeAllocator
 from mfsdp_buffers.layout import FlatLayout
+from mfsdp_buffers.poison import release_to
 
 _buffer_ids = itertools.count()
 
@@ -182,7 +183,7 @@ class DataParallelBuffer:
         if not self.sharded or self._unsharded is None:
             return
         tensor, self._unsharded = self._unsharded, None
-        self.allocator.free(self.alloc_key, tensor)
+        release_to(self.allocator, self.alloc_key, tensor)
 
     # ------------------------------------------------------------------ init
 

@@ -33,6 +33,7 @@ from .ops import (
 )
 from .shm import SharedMemoryTransport
 from .streams import CommStreams
+from .strict import strict_async, strict_async_enabled
 from .topology import FSDPTopology, default_device
 from .tracer import CommRecord, CommTracer
 
@@ -65,6 +66,8 @@ __all__ = [
     "hsdp_reduce_scatter_into",
     "naming_dead_peers",
     "reduce_scatter_into",
+    "strict_async",
+    "strict_async_enabled",
     "register_group_name",
     "register_user_buffers",
 ]

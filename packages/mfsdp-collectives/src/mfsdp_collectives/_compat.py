@@ -17,6 +17,7 @@ import torch.distributed as dist
 __all__ = [
     "Work",
     "all_gather_single",
+    "all_reduce_async",
     "backend_name",
     "broadcast_from_group_rank",
     "reduce_scatter_single",
@@ -70,6 +71,13 @@ def reduce_scatter_single(
         "Work | None",
         dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op),
     )
+
+
+def all_reduce_async(
+    tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup
+) -> Work | None:
+    """Start an in-place all-reduce of ``tensor`` over ``group``."""
+    return cast("Work | None", dist.all_reduce(tensor, op=op, group=group, async_op=True))
 
 
 def broadcast_from_group_rank(

@@ -24,6 +24,7 @@ from ._compat import Work
 from .handle import CommHandle
 from .liveness import naming_dead_peers
 from .streams import current_stream
+from .strict import deferred_handle, strict_async_enabled
 
 __all__ = ["Stage", "launch"]
 
@@ -38,16 +39,30 @@ def launch(
     async_op: bool,
     keep_alive: Sequence[object],
     label: str,
+    reads: Sequence[torch.Tensor] = (),
+    writes: Sequence[torch.Tensor] = (),
 ) -> CommHandle:
     """Issue ``stages`` in order and return a handle that completes them and ``finish``.
 
     ``label`` says which collective it is (``"all_gather on dp_shard"``) in the error a dead
-    peer causes, whether it surfaces while issuing or while waiting.
+    peer causes, whether it surfaces while issuing or while waiting. ``reads`` and
+    ``writes`` are the caller's tensors the collective reads and writes: strict mode
+    (``strict.strict_async``) checks and poisons them.
     """
     with naming_dead_peers(label):
         if stages and all(stream is not None for stream, _ in stages):
             handle = _launch_on_streams(
                 stages, device=device, finish=finish, keep_alive=keep_alive, label=label
+            )
+        elif async_op and strict_async_enabled():
+            issues = [issue for _, issue in stages]
+            handle = deferred_handle(
+                issues,
+                finish=finish,
+                reads=reads,
+                writes=writes,
+                keep_alive=keep_alive,
+                label=label,
             )
         else:
             handle = _launch_on_host(stages, finish=finish, keep_alive=keep_alive, label=label)

@@ -42,8 +42,12 @@ class CommHandle:
         device: torch.device | None = None,
         keep_alive: Sequence[object] = (),
         label: str = "a collective",
+        only_wait_completes: bool = False,
     ) -> None:
         self._label = label
+        # A strict-mode handle (``strict.deferred_handle``) runs its collective in ``finish``:
+        # only ``wait()`` may do that, never a poll.
+        self._only_wait_completes = only_wait_completes
         self._works: list[Work] = [w for w in works if w is not None]
         self._finish = finish
         self._event = event
@@ -78,6 +82,8 @@ class CommHandle:
         """Whether the result is ready; finishes the host-side post-processing if so."""
         if self._done:
             return True
+        if self._only_wait_completes:
+            return False
         if not all(work.is_completed() for work in self._works):
             return False
         if self._event is not None and not self._event.query():

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_flat, check_same_device
-from ._compat import Work
+from ._compat import Work, all_reduce_async
 from ._launch import Stage, launch
 from ._op_args import check_shard_sizes, host_route, membership, reduce_spec, side_stream
 from ._reduce import finish_into, reduce_op
@@ -84,10 +84,7 @@ def hsdp_reduce_scatter_into(
     stage = ReduceScatterStage(inp, out, spec, shard_group, rs_op, bool(accumulate), route)
 
     def outer_all_reduce() -> Work | None:
-        work: Work | None = dist.all_reduce(
-            stage.result(), op=ar_op, group=outer_group, async_op=True
-        )
-        return work
+        return all_reduce_async(stage.result(), ar_op, outer_group)
 
     def finish() -> None:
         finish_into(stage.result(), out, factor=factor, accumulate=bool(accumulate))
@@ -99,5 +96,7 @@ def hsdp_reduce_scatter_into(
         finish=finish,
         async_op=async_op,
         keep_alive=(inp, out),
+        reads=(inp,),
+        writes=(out,),
         label=f"HSDP reduce_scatter on groups {group_name(shard_group)}, {group_name(outer_group)}",
     )

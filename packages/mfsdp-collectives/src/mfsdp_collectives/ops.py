@@ -23,6 +23,7 @@ from ._checks import (
 from ._compat import (
     Work,
     all_gather_single,
+    all_reduce_async,
     broadcast_from_group_rank,
     reduce_scatter_single,
 )
@@ -92,6 +93,8 @@ def all_gather_into(
         finish=None,
         async_op=async_op,
         keep_alive=(shard, unsharded),
+        reads=(shard,),
+        writes=(unsharded,),
         label=f"all_gather on group {group_name(group)}",
     )
 
@@ -222,6 +225,8 @@ def reduce_scatter_into(
         finish=finish,
         async_op=async_op,
         keep_alive=(inp, out),
+        reads=inp.pieces if isinstance(inp, FlatPieces) else (inp,),
+        writes=(out,),
         label=f"reduce_scatter on group {group_name(group)}",
     )
 
@@ -265,8 +270,7 @@ def all_reduce_(
 
     def issue() -> Work | None:
         sent.append(prepare_input(tensor, spec))
-        work: Work | None = dist.all_reduce(sent[0], op=op, group=group, async_op=True)
-        return work
+        return all_reduce_async(sent[0], op, group)
 
     def finish() -> None:
         finish_into(sent.pop(), tensor, factor=factor, accumulate=False)
@@ -277,6 +281,8 @@ def all_reduce_(
         finish=finish,
         async_op=async_op,
         keep_alive=(tensor,),
+        reads=(tensor,),
+        writes=(tensor,),
         label=f"all_reduce on group {group_name(group)}",
     )
 

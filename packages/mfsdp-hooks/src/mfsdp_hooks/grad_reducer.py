@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mfsdp_buffers import Allocator, FlatLayout, FlatPieces
+from mfsdp_buffers import Allocator, FlatLayout, FlatPieces, release_to
 from mfsdp_collectives import (
     CommHandle,
     CommStreams,
@@ -224,6 +224,6 @@ class GradReducer:
                     target.add_(buffer)
                 else:
                     target.copy_(buffer)
-        self._allocator.free(("grad", id(self)), buffer)
+        release_to(self._allocator, ("grad", id(self)), buffer)
         self._buffer = None
         self._filled = [False] * len(self._filled)

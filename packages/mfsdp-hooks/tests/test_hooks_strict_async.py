@@ -1,0 +1,135 @@
+"""The engine under strict asynchronous collectives (``mfsdp_collectives.strict_async``).
+
+Every asynchronous collective writes poison into its output until its handle is waited,
+raises if a buffer it uses is reused in flight, and released buffers are poisoned: a
+missing wait anywhere in the engine becomes NaN in the loss. The parity workers of the
+other test files run unchanged inside that mode; two planted bugs show that it catches them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hooks_models import (
+    Block,
+    assert_close_rel,
+    full_state,
+    local_slice,
+    loss_fn,
+    make_batches,
+    make_model,
+    make_optimizer,
+    reference_training,
+    trainable,
+)
+from test_hooks_parity import _parity_worker
+from test_hooks_training_modes import _accumulation_worker, _recompute_worker
+
+from mfsdp_collectives import strict_async
+from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks import MegatronFSDP, fully_shard
+from mfsdp_hooks.reduction_queue import ReductionQueue
+from mfsdp_hooks.unit import FSDPUnit
+
+STEPS = 10
+
+
+def _strictly(rank: int, world: int, worker: Callable[..., Any], *args: Any) -> Any:
+    with strict_async():
+        return worker(rank, world, *args)
+
+
+@pytest.mark.parametrize(("world", "strategy"), [(2, 0), (2, 1), (2, 2), (2, 3), (4, 3)])
+def test_parity_of_every_strategy_under_strict_collectives(world: int, strategy: int) -> None:
+    configs = [(strategy, "adamw", "megatron")]
+    run_distributed(_strictly, world, _parity_worker, configs, timeout=240)
+
+
+def test_parity_of_both_transports_pooled_buffers_and_the_per_module_api() -> None:
+    configs = [
+        (3, "adamw", "megatron::gloo"),
+        (2, "adamw", "megatron::shm"),
+        (3, "adamw", "megatron:trace_pool"),
+        (3, "adamw", "per_module"),
+    ]
+    run_distributed(_strictly, 2, _parity_worker, configs, timeout=240)
+
+
+@pytest.mark.parametrize(("strategy", "mode"), [(1, "no_sync"), (3, "no_sync"), (2, "overlapped")])
+def test_gradient_accumulation_under_strict_collectives(strategy: int, mode: str) -> None:
+    run_distributed(_strictly, 2, _accumulation_worker, strategy, mode, timeout=120)
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_activation_recompute_under_strict_collectives(mode: str) -> None:
+    assert run_distributed(_strictly, 2, _recompute_worker, mode, timeout=120) == [(5, 8)] * 2
+
+
+def _deep_prefetch_worker(rank: int, world: int, depth: int) -> None:
+    batches = make_batches(STEPS, 8)
+    ref_losses, ref_state = reference_training("adamw", batches)
+    model = make_model()
+    for block in model.blocks:
+        fully_shard(block, prefetch_depth=depth)
+    fully_shard(model, prefetch_depth=depth)
+    optimizer = make_optimizer("adamw", trainable(model))
+    for step, (tokens, targets) in enumerate(batches):
+        loss = loss_fn(model(local_slice(tokens, rank, world)), local_slice(targets, rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        assert_close_rel(total / world, torch.tensor(ref_losses[step]), 1e-5, f"loss {step}")
+    state = full_state(model)
+    for name, value in ref_state.items():
+        assert_close_rel(state[name], value, 1e-5, f"prefetch_depth={depth} {name}")
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_forward_and_backward_prefetch_under_strict_collectives(depth: int) -> None:
+    run_distributed(_strictly, 2, _deep_prefetch_worker, depth, timeout=180)
+
+
+def _skip_unshard_waits(unit: FSDPUnit) -> None:
+    """A planted bug: use the gathered weights without waiting for the all-gathers."""
+    unit._pending_unshard = []
+    unit._swap(use_unsharded=True)
+
+
+def _drop_reductions(queue: ReductionQueue) -> None:
+    """A planted bug: end backward without waiting for the gradient reductions."""
+    queue._in_flight.clear()
+
+
+def _planted_bug_worker(rank: int, world: int, bug: str) -> list[bool]:
+    if bug == "unshard":
+        FSDPUnit.wait_unshard = _skip_unshard_waits  # type: ignore[method-assign]
+    else:
+        ReductionQueue.drain = _drop_reductions  # type: ignore[method-assign]
+    model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], sharding_strategy=3)
+    optimizer = make_optimizer("sgd", trainable(model))
+    nan_losses = []
+    with strict_async():
+        for tokens, targets in make_batches(2, 8):
+            local = local_slice(tokens, rank, world), local_slice(targets, rank, world)
+            loss = loss_fn(model(local[0]), local[1])
+            nan_losses.append(bool(torch.isnan(loss)))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return nan_losses
+
+
+@pytest.mark.parametrize(
+    ("bug", "expected"),
+    [
+        ("unshard", [True, True]),  # the first forward already reads poisoned weights
+        ("reduce", [False, True]),  # the step used poisoned gradients: the next loss is NaN
+    ],
+)
+def test_a_planted_missing_wait_turns_into_nan_in_the_loss(bug: str, expected: list[bool]) -> None:
+    assert run_distributed(_planted_bug_worker, 2, bug, timeout=120) == [expected] * 2
