@@ -23,7 +23,7 @@ import torch
 from ._compat import Work
 from .handle import CommHandle
 from .liveness import naming_dead_peers
-from .streams import current_stream
+from .streams import current_stream, stream_backend
 from .strict import deferred_handle, strict_async_enabled
 
 __all__ = ["Stage", "launch"]
@@ -52,7 +52,12 @@ def launch(
     with naming_dead_peers(label):
         if stages and all(stream is not None for stream, _ in stages):
             handle = _launch_on_streams(
-                stages, device=device, finish=finish, keep_alive=keep_alive, label=label
+                stages,
+                device=device,
+                finish=finish,
+                keep_alive=keep_alive,
+                label=label,
+                accesses=(reads, writes),
             )
         elif async_op and strict_async_enabled():
             issues = [issue for _, issue in stages]
@@ -78,20 +83,29 @@ def _launch_on_streams(
     finish: Callable[[], None] | None,
     keep_alive: Sequence[object],
     label: str,
+    accesses: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]],
 ) -> CommHandle:
+    """``accesses``: the caller's tensors the collective reads and writes, declared to the
+    stream backend (a simulator checks them; torch's streams need nothing)."""
+    reads, writes = accesses
+    backend = stream_backend()
     prev = current_stream(device)
     last = prev
-    for stream, issue in stages:
+    for index, (stream, issue) in enumerate(stages):
         assert stream is not None
+        # Without this the side stream may read inputs compute has not finished writing.
         stream.wait_stream(prev)
+        if index == 0:  # the first stage reads the caller's inputs
+            backend.note_collective(stream, reads, ())
         with stream:
             work = issue()
             if work is not None:
-                work.wait()  # the side stream (not the host) waits for the collective
+                backend.wait_work(work)  # the side stream (not the host) waits for it
         prev = last = stream
     if finish is not None:
         with last:
             finish()
+    backend.note_collective(last, (), writes)
     event = last.record_event()
     # The stages and finish own the temporaries (cast copies, receive buffers)
     # that later streams still use; free them only after the handle is waited.
