@@ -99,6 +99,7 @@ def typecheck(session: nox.Session) -> None:
     for layer in LAYERS:
         session.run("mypy", "--strict", str(ROOT / "packages" / layer / "src"))
     session.run("mypy", "--strict", str(ROOT / "benchmarks"))
+    session.run("mypy", "--strict", str(ROOT / "scripts"))
 
 
 def _build_all(session: nox.Session, dist: Path) -> None:
@@ -200,6 +201,13 @@ def bench(session: nox.Session) -> None:
     _install_workspace(session)
     session.install("matplotlib")
     session.run("python", str(ROOT / "benchmarks" / "run.py"), *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """The checks only a GPU can run (scripts/gpu_check.py): this machine's own torch and
+    pytest, nothing installed or downloaded, about 10 minutes; writes gpu_check_out/."""
+    session.run("python", str(ROOT / "scripts" / "gpu_check.py"), *session.posargs, external=True)
 
 
 @nox.session

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 from mfsdp_collectives import (
     PeerDiedError,
@@ -97,6 +99,17 @@ def test_dead_ranks_sees_a_killed_peer_without_any_collective() -> None:
     assert outcomes[0].result == [1]
 
 
+def _profiler_records_ranges_closed_on_another_thread() -> bool:
+    """The shm transport opens each range on the issuing thread and closes it on its worker."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        span = record_function("mfsdp_probe")
+        span.__enter__()  # type: ignore[no-untyped-call]
+        closer = threading.Thread(target=span.__exit__, args=(None, None, None))
+        closer.start()
+        closer.join()
+    return any(event.name == "mfsdp_probe" for event in prof.events())
+
+
 def _profiled(rank: int, world: int, transport: str) -> list[str]:
     group = dist.new_group(list(range(world)))
     enable_host_transport(group, transport)
@@ -122,6 +135,11 @@ def _profiled(rank: int, world: int, transport: str) -> list[str]:
     ],
 )
 def test_collectives_appear_in_the_profiler(transport: str, gather: str, scatter: str) -> None:
+    if transport == "shm" and not _profiler_records_ranges_closed_on_another_thread():
+        pytest.skip(
+            f"torch {torch.__version__}'s profiler drops a range closed on another thread "
+            "(2.11 does; 2.13 records it): the shared-memory ranges need a newer torch"
+        )
     for names in run_distributed(_profiled, 2, transport, timeout=60):
         assert names.count(gather) == 1, [n for n in set(names) if "aten" not in n]
         assert names.count(scatter) == 1, sorted(set(names))

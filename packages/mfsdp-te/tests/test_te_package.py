@@ -29,6 +29,7 @@ def test_te_extra_pulls_transformer_engine_pytorch() -> None:
     assert extras["te"] == ["transformer-engine[pytorch]"]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(
     not mfsdp_te.transformer_engine_available(),
     reason="Transformer Engine is not installed (it needs CUDA to build); the TE path runs there",
