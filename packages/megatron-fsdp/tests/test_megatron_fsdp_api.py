@@ -112,7 +112,7 @@ def _bad_input(rank: int, world: int, case: str) -> str:
         ("optimizer", "ValueError: optimizer holds no fully-sharded parameters"),
         ("contiguous_step", "TypeError: contiguous_step: RMSprop is not one of the elementwise"),
         ("step_chunk_numel", "ValueError: step_chunk_numel must be a positive int"),
-        ("hsdp", "NotImplementedError: dp_outer_dim='dp_outer': hybrid sharding (HSDP)"),
+        ("hsdp", "ValueError: dp_outer_dim was given without hybrid_fsdp_group"),
         ("meta", "NotImplementedError: init_model_with_meta_device=True"),
         ("nccl_ub", "NotImplementedError: nccl_ub=True: NCCL user buffers"),
     ],

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from megatron_fsdp.hybrid import hybrid_topology, parse_outer_strategy
 from mfsdp_checkpoint import enable_dcp
 from mfsdp_collectives import FSDPTopology
 from mfsdp_hooks import (
@@ -29,9 +30,6 @@ from mfsdp_hooks.megatron_fsdp import UnitSpec, resolve_unit_modules
 
 # argument -> (default, why it is not available yet)
 _NOT_YET: dict[str, tuple[Any, str]] = {
-    "dp_outer_dim": (None, "hybrid sharding (HSDP)"),
-    "hybrid_fsdp_group": (None, "hybrid sharding (HSDP)"),
-    "outer_dp_sharding_strategy": (0, "hybrid sharding (HSDP) outer strategies"),
     "tp_dim": (None, "(FSDP, TP) strided sharding"),
     "expt_device_mesh": (None, "expert-parallel (EP) sharding"),
     "init_model_with_meta_device": (False, "meta-device initialisation"),
@@ -118,9 +116,6 @@ def fully_shard_model(
     """Shard ``module`` (every ``fsdp_unit_modules`` match, then the root) and wrap it."""
     _reject_not_yet(
         {
-            "dp_outer_dim": dp_outer_dim,
-            "hybrid_fsdp_group": hybrid_fsdp_group,
-            "outer_dp_sharding_strategy": outer_dp_sharding_strategy,
             "tp_dim": tp_dim,
             "expt_device_mesh": expt_device_mesh,
             "init_model_with_meta_device": init_model_with_meta_device,
@@ -138,7 +133,16 @@ def fully_shard_model(
     policy = _policy(mixed_precision_policy, grad_reduce_in_fp32, preserve_fp32_weights)
     if device is not None:
         module = module.to(device)
-    topology = _topology(module, device_mesh, dp_shard_dim, device)
+    parse_outer_strategy(outer_dp_sharding_strategy, int(strategy))
+    if dp_outer_dim is None and hybrid_fsdp_group is None:
+        topology = _topology(module, device_mesh, dp_shard_dim, device)
+    else:
+        topology = hybrid_topology(
+            device_mesh,
+            dp_shard_dim=dp_shard_dim,
+            dp_outer_dim=dp_outer_dim,
+            hybrid_fsdp_group=hybrid_fsdp_group,
+        )
     wrapped = MegatronFSDP(
         module,
         fsdp_unit_modules,

@@ -93,3 +93,11 @@ def host_route(
             f"{group_name(group)}: pass the transport enable_host_transport returned for it"
         )
     return transport
+
+
+def check_pieces(pieces: FlatPieces, arg: str, out: torch.Tensor, out_arg: str) -> FlatPieces:
+    if pieces.device != out.device:
+        raise ValueError(
+            f"{arg} is on {pieces.device} but {out_arg} is on {out.device}; move both to one device"
+        )
+    return pieces

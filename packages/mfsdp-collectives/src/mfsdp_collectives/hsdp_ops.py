@@ -5,10 +5,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mfsdp_buffers import FlatPieces
+
 from ._checks import check_flat, check_same_device
 from ._compat import Work, all_reduce_async
 from ._launch import Stage, launch
-from ._op_args import check_shard_sizes, host_route, membership, reduce_spec, side_stream
+from ._op_args import (
+    check_pieces,
+    check_shard_sizes,
+    host_route,
+    membership,
+    reduce_spec,
+    side_stream,
+)
 from ._reduce import finish_into, reduce_op
 from .handle import CommHandle
 from .naming import group_name
@@ -20,8 +29,18 @@ from .tracer import record_comm
 __all__ = ["hsdp_reduce_scatter_into"]
 
 
+def _checked_input(
+    unsharded_grad: torch.Tensor | FlatPieces, out: torch.Tensor
+) -> torch.Tensor | FlatPieces:
+    if isinstance(unsharded_grad, FlatPieces):
+        return check_pieces(unsharded_grad, "unsharded_grad", out, "out_shard")
+    inp = check_flat(unsharded_grad, "unsharded_grad")
+    check_same_device(inp, "unsharded_grad", out, "out_shard")
+    return inp
+
+
 def hsdp_reduce_scatter_into(
-    unsharded_grad: torch.Tensor,
+    unsharded_grad: torch.Tensor | FlatPieces,
     out_shard: torch.Tensor,
     shard_group: dist.ProcessGroup,
     outer_group: dist.ProcessGroup | None,
@@ -55,13 +74,12 @@ def hsdp_reduce_scatter_into(
             stream=stream,
             transport=transport,
         )
-    inp = check_flat(unsharded_grad, "unsharded_grad")
     out = check_flat(out_shard, "out_shard")
+    inp = _checked_input(unsharded_grad, out)
     shard_group, _, size = membership(shard_group, "shard_group")
     outer_group, _, _ = membership(outer_group, "outer_group")
     if outer_group is shard_group:
         raise ValueError("outer_group must differ from shard_group; pass outer_group=None")
-    check_same_device(inp, "unsharded_grad", out, "out_shard")
     spec = reduce_spec(
         inp,
         "unsharded_grad",
@@ -70,15 +88,16 @@ def hsdp_reduce_scatter_into(
         post_scale=post_scale,
         reduce_dtype=reduce_dtype,
     )
-    check_shard_sizes(inp.numel(), "unsharded_grad", out, "out_shard", size)
-    rs_side = side_stream(stream, "reduce_scatter", inp.device)
-    outer_side = side_stream(stream, "outer", inp.device)
+    numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
+    check_shard_sizes(numel, "unsharded_grad", out, "out_shard", size)
+    rs_side = side_stream(stream, "reduce_scatter", out.device)
+    outer_side = side_stream(stream, "outer", out.device)
     if out.numel() == 0:
         return CommHandle.completed()
     rs_op, rs_factor = reduce_op(shard_group, spec.average)
     ar_op, ar_factor = reduce_op(outer_group, spec.average)
     factor = rs_factor * ar_factor * (spec.post_scale if spec.post_scale is not None else 1.0)
-    record_comm("reduce_scatter", group_name(shard_group), inp.numel(), spec.reduce_dtype)
+    record_comm("reduce_scatter", group_name(shard_group), numel, spec.reduce_dtype)
     record_comm("all_reduce", group_name(outer_group), out.numel(), spec.reduce_dtype)
     route = host_route(transport, shard_group, out)
     stage = ReduceScatterStage(inp, out, spec, shard_group, rs_op, bool(accumulate), route)
@@ -92,11 +111,11 @@ def hsdp_reduce_scatter_into(
     stages: list[Stage] = [(rs_side, stage), (outer_side, outer_all_reduce)]
     return launch(
         stages,
-        device=inp.device,
+        device=out.device,
         finish=finish,
         async_op=async_op,
         keep_alive=(inp, out),
-        reads=(inp,),
+        reads=inp.pieces if isinstance(inp, FlatPieces) else (inp,),
         writes=(out,),
         label=f"HSDP reduce_scatter on groups {group_name(shard_group)}, {group_name(outer_group)}",
     )

@@ -27,8 +27,15 @@ from ._compat import (
     broadcast_from_group_rank,
     reduce_scatter_single,
 )
-from ._launch import launch
-from ._op_args import check_shard_sizes, host_route, membership, reduce_spec, side_stream
+from ._launch import Stage, launch
+from ._op_args import (
+    check_pieces,
+    check_shard_sizes,
+    host_route,
+    membership,
+    reduce_spec,
+    side_stream,
+)
 from ._reduce import ReduceSpec, finish_into, prepare_input, reduce_op
 from .handle import CommHandle
 from .liveness import naming_dead_peers
@@ -156,14 +163,6 @@ class ReduceScatterStage:
         return self.recv
 
 
-def _check_pieces(pieces: FlatPieces, arg: str, out: torch.Tensor, out_arg: str) -> FlatPieces:
-    if pieces.device != out.device:
-        raise ValueError(
-            f"{arg} is on {pieces.device} but {out_arg} is on {out.device}; move both to one device"
-        )
-    return pieces
-
-
 def reduce_scatter_into(
     unsharded_grad: torch.Tensor | FlatPieces,
     out_shard: torch.Tensor,
@@ -189,7 +188,7 @@ def reduce_scatter_into(
     out = check_flat(out_shard, "out_shard")
     inp: torch.Tensor | FlatPieces
     if isinstance(unsharded_grad, FlatPieces):
-        inp = _check_pieces(unsharded_grad, "unsharded_grad", out, "out_shard")
+        inp = check_pieces(unsharded_grad, "unsharded_grad", out, "out_shard")
     else:
         inp = check_flat(unsharded_grad, "unsharded_grad")
         check_same_device(inp, "unsharded_grad", out, "out_shard")
@@ -241,17 +240,24 @@ def all_reduce_(
     reduce_dtype: torch.dtype | None = None,
     async_op: bool = True,
     stream: CommStreams | None = None,
+    outer_group: dist.ProcessGroup | None = None,
 ) -> CommHandle:
     """In-place all-reduce of a whole buffer (``no_shard`` gradients), same semantics as RS.
 
     With ``stream`` it runs on the reduce-scatter stream: it is the gradient
-    reduction of ``no_shard`` and must not queue behind parameter all-gathers.
+    reduction of ``no_shard`` and must not queue behind parameter all-gathers. With
+    ``outer_group`` (HSDP) the result is then all-reduced across it too, on the outer
+    stream: the mean (or sum) over every rank of both groups.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_contiguous():
         raise ValueError("tensor must be contiguous; reduce a contiguous flat buffer")
     group, _, _ = membership(group, "group")
+    if outer_group is not None:
+        outer_group, _, _ = membership(outer_group, "outer_group")
+        if outer_group is group:
+            raise ValueError("outer_group must differ from group; pass outer_group=None")
     spec = reduce_spec(
         tensor,
         "tensor",
@@ -261,6 +267,7 @@ def all_reduce_(
         reduce_dtype=reduce_dtype,
     )
     side = side_stream(stream, "reduce_scatter", tensor.device)
+    outer_side = side_stream(stream, "outer", tensor.device)
     if tensor.numel() == 0:
         return CommHandle.completed()
     op, factor = reduce_op(group, spec.average)
@@ -272,11 +279,18 @@ def all_reduce_(
         sent.append(prepare_input(tensor, spec))
         return all_reduce_async(sent[0], op, group)
 
+    stages: list[Stage] = [(side, issue)]
+    if outer_group is not None:
+        outer_op, outer_factor = reduce_op(outer_group, spec.average)
+        factor *= outer_factor
+        record_comm("all_reduce", group_name(outer_group), tensor.numel(), spec.reduce_dtype)
+        stages.append((outer_side, lambda: all_reduce_async(sent[0], outer_op, outer_group)))
+
     def finish() -> None:
         finish_into(sent.pop(), tensor, factor=factor, accumulate=False)
 
     return launch(
-        [(side, issue)],
+        stages,
         device=tensor.device,
         finish=finish,
         async_op=async_op,

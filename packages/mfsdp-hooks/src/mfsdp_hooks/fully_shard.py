@@ -204,6 +204,8 @@ def _agree_on_wrap(
         by_kind = field.name in ("grad_allocator", "codec")
         facts[field.name] = type(value).__name__ if by_kind else repr(value)
     check_ranks_agree(options.topology.shard_group, facts, what="fully_shard")
+    if options.topology.outer_group is not None:  # HSDP: the replicas must agree too
+        check_ranks_agree(options.topology.outer_group, facts, what="fully_shard")
 
 
 def _topology(mesh: DeviceMesh | FSDPTopology | None, module: nn.Module) -> FSDPTopology:
@@ -213,17 +215,21 @@ def _topology(mesh: DeviceMesh | FSDPTopology | None, module: nn.Module) -> FSDP
         device = next((p.device for p in module.parameters() if p.device.type != "meta"), None)
         return FSDPTopology.default(device)
     if isinstance(mesh, DeviceMesh):
-        if mesh.ndim != 1:
+        if mesh.ndim > 2:
             raise NotImplementedError(
-                f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}: hybrid sharding (HSDP) is not "
-                "supported yet; pass a 1-D mesh (e.g. mesh['dp_shard'])"
+                f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}: fully_shard takes a 1-D mesh "
+                "(FSDP) or a 2-D (replicate, shard) mesh (HSDP); pass mesh[('dp_outer', "
+                "'dp_shard')] or mesh['dp_shard']"
             )
-        dim = mesh.mesh_dim_names[0] if mesh.mesh_dim_names else None
-        if dim is None:
+        names = mesh.mesh_dim_names
+        if not names:
             raise ValueError(
-                "mesh needs a dim name: init_device_mesh(..., mesh_dim_names=('dp_shard',))"
+                "mesh needs dim names: init_device_mesh(..., mesh_dim_names=('dp_shard',)) or "
+                "('dp_outer', 'dp_shard') for HSDP"
             )
-        return FSDPTopology.from_mesh(mesh, dp_shard_dim=dim)
+        if mesh.ndim == 2:  # FSDP2's convention: (replicate, shard) means HSDP
+            return FSDPTopology.from_mesh(mesh, dp_shard_dim=names[1], dp_outer_dim=names[0])
+        return FSDPTopology.from_mesh(mesh, dp_shard_dim=names[0])
     raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
 
 

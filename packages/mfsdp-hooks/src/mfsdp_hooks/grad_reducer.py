@@ -28,7 +28,7 @@ from mfsdp_collectives import (
     CommStreams,
     FSDPTopology,
     all_reduce_,
-    reduce_scatter_into,
+    hsdp_reduce_scatter_into,
 )
 from mfsdp_hooks.grad_allocator import pools_memory
 from mfsdp_hooks.grad_shard import GradShard
@@ -90,8 +90,9 @@ class GradReducer:
             and topology.host_transport is not None
         )
         native_average = in_place or dist.get_backend(topology.shard_group) != "gloo"
+        # HSDP: the mean is over every data-parallel rank, inside and across the replicas.
         self._average, self._input_scale = reduce_config.collective_args(
-            topology.shard_size, native_average
+            topology.shard_size * topology.outer_size, native_average
         )
         self._output_scale: float | None = None
         self._held: list[torch.Tensor | None] | None = None
@@ -190,21 +191,27 @@ class GradReducer:
     def launch(self, streams: CommStreams | None) -> PendingReduction:
         """Issue the reduction of what was collected into the gradients the optimizer reads."""
         target, accumulate = self.grads.prepare(self._dist_params)
-        group = self._topology.shard_group
+        group, outer = self._topology.shard_group, self._topology.outer_group
         if self._strategy == ShardingStrategy.NO_SHARD:  # never held: no transport all-reduce
             handle = all_reduce_(
-                self._complete_buffer(), group, average=self._average, async_op=True, stream=streams
+                self._complete_buffer(),
+                group,
+                average=self._average,
+                stream=streams,
+                outer_group=outer,
             )
             return PendingReduction(self, handle, no_shard_target=(target, accumulate))
         grads = self._held_pieces() if self._held is not None else self._complete_buffer()
-        handle = reduce_scatter_into(
+        # HSDP: reduce-scatter inside the shard group, then all-reduce the shard across the
+        # replicas (each micro-batch's part is reduced across them exactly once).
+        handle = hsdp_reduce_scatter_into(
             grads,
             target,
             group,
+            outer,
             average=self._average,
             post_scale=self._output_scale,
             accumulate=accumulate,
-            async_op=True,
             stream=streams,
             transport=self._topology.host_transport,
         )

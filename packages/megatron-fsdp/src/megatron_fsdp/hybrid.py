@@ -1,0 +1,97 @@
+"""Hybrid sharding (HSDP) arguments of ``fully_shard_model``, checked before any collective.
+
+``dp_outer_dim`` names the mesh dim across which shards are replicated, and
+``hybrid_fsdp_group`` is the process group of the flattened ``(dp_outer, dp_shard)`` submesh
+(Megatron-FSDP takes both). Every check here is local and the same on every rank, so bad
+input raises on all of them before anything is communicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from mfsdp_collectives import FSDPTopology
+
+__all__ = ["hybrid_topology", "parse_outer_strategy"]
+
+_OUTER_STRATEGIES = {0: "no_shard", "no_shard": "no_shard", 1: "optim", "optim": "optim"}
+
+
+def parse_outer_strategy(value: object, zero_dp_strategy: int) -> str:
+    """``outer_dp_sharding_strategy``: 0/"no_shard" is HSDP; 1/"optim" is HFSDP."""
+    if isinstance(value, bool) or value not in _OUTER_STRATEGIES:
+        raise ValueError(
+            f"outer_dp_sharding_strategy={value!r} is not one of 0/'no_shard' (HSDP: replicate "
+            "across dp_outer) or 1/'optim' (HFSDP: also shard optimizer state across it)"
+        )
+    name = _OUTER_STRATEGIES[value]
+    if name == "optim":
+        if zero_dp_strategy != 3:
+            raise ValueError(
+                "outer_dp_sharding_strategy='optim' (HFSDP) needs zero_dp_strategy=3, got "
+                f"zero_dp_strategy={zero_dp_strategy}: pass zero_dp_strategy=3 or "
+                "outer_dp_sharding_strategy=0"
+            )
+        raise NotImplementedError(
+            "outer_dp_sharding_strategy='optim' (HFSDP: optimizer state sharded across "
+            "dp_outer as well) is not supported yet; use outer_dp_sharding_strategy=0 (HSDP)"
+        )
+    return name
+
+
+def _dp_ranks(mesh: DeviceMesh, dims: tuple[str, str]) -> list[int]:
+    """The global ranks of this rank's flattened ``dims`` submesh (other dims held fixed)."""
+    names = list(mesh.mesh_dim_names or ())
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None, "this rank is not in the mesh"
+    index: list[Any] = [
+        slice(None) if n in dims else c for n, c in zip(names, coordinate, strict=True)
+    ]
+    ranks: torch.Tensor = mesh.mesh[tuple(index)]
+    return sorted(int(r) for r in ranks.flatten().tolist())
+
+
+def hybrid_topology(
+    device_mesh: DeviceMesh | None,
+    *,
+    dp_shard_dim: str | None,
+    dp_outer_dim: str | None,
+    hybrid_fsdp_group: object,
+) -> FSDPTopology:
+    """The HSDP topology of ``device_mesh``, after checking the arguments agree with it."""
+    if (dp_outer_dim is None) != (hybrid_fsdp_group is None):
+        given = "dp_outer_dim" if dp_outer_dim is not None else "hybrid_fsdp_group"
+        missing = "hybrid_fsdp_group" if dp_outer_dim is not None else "dp_outer_dim"
+        raise ValueError(
+            f"{given} was given without {missing}: hybrid sharding needs both, the outer mesh "
+            "dim and the process group of the flattened (dp_outer, dp_shard) submesh"
+        )
+    if not isinstance(device_mesh, DeviceMesh):
+        raise ValueError(
+            "dp_outer_dim needs device_mesh: pass the mesh that has the dp_outer and dp_shard dims"
+        )
+    names = tuple(device_mesh.mesh_dim_names or ())
+    if dp_shard_dim is None or dp_shard_dim not in names or dp_outer_dim not in names:
+        raise ValueError(
+            f"dp_shard_dim={dp_shard_dim!r} and dp_outer_dim={dp_outer_dim!r} must both name "
+            f"dims of device_mesh, whose mesh_dim_names are {list(names)}"
+        )
+    if not isinstance(hybrid_fsdp_group, dist.ProcessGroup):
+        raise TypeError(
+            f"hybrid_fsdp_group must be a ProcessGroup, got {type(hybrid_fsdp_group).__name__}"
+        )
+    assert dp_outer_dim is not None
+    expected = _dp_ranks(device_mesh, (dp_outer_dim, dp_shard_dim))
+    got = sorted(dist.get_process_group_ranks(hybrid_fsdp_group))
+    if got != expected:
+        raise ValueError(
+            f"hybrid_fsdp_group holds ranks {got}, but this rank's flattened "
+            f"({dp_outer_dim}, {dp_shard_dim}) submesh of device_mesh (dims {list(names)}) is "
+            f"{expected}: pass device_mesh[({dp_outer_dim!r}, {dp_shard_dim!r})]._flatten()"
+            ".get_group() or a group over exactly those ranks"
+        )
+    return FSDPTopology.from_mesh(device_mesh, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim)
