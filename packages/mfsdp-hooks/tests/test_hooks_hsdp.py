@@ -36,8 +36,10 @@ def _mesh(outer: int, shard: int):  # type: ignore[no-untyped-def]
 
 
 def _hsdp_parity_worker(
-    rank: int, world: int, outer: int, strategy: int, api: str, accumulate: bool
+    rank: int, world: int, outer: int, strategy: int, api: str, accumulate: str
 ) -> None:
+    """``accumulate``: "" (one micro-batch per step), "no_sync" (all but the last micro-batch
+    under no_sync) or "finish" (all under no_sync, then finish_grad_sync)."""
     micro = MICRO if accumulate else 1
     batches = make_batches(STEPS * micro, GLOBAL_BATCH)
     reference = make_model()
@@ -59,11 +61,13 @@ def _hsdp_parity_worker(
             (loss_fn(reference(tokens), targets) / micro).backward()
             local = local_slice(tokens, rank, world), local_slice(targets, rank, world)
             loss = loss_fn(wrapped(local[0]), local[1]) / micro
-            if accumulate and index < micro - 1:
+            if accumulate == "finish" or (accumulate and index < micro - 1):
                 with wrapped.no_sync():  # type: ignore[operator]
                     loss.backward()
             else:
                 loss.backward()
+        if accumulate == "finish":
+            wrapped.finish_grad_sync()  # type: ignore[operator]
         ref_opt.step()
         ref_opt.zero_grad()
         optimizer.step()
@@ -76,21 +80,63 @@ def _hsdp_parity_worker(
 
 @pytest.mark.parametrize("strategy", [0, 1, 2, 3])
 def test_hsdp_parity_on_a_2x2_mesh(strategy: int) -> None:
-    run_distributed(_hsdp_parity_worker, 4, 2, strategy, "megatron", False, timeout=240)
+    run_distributed(_hsdp_parity_worker, 4, 2, strategy, "megatron", "", timeout=240)
 
 
 @pytest.mark.parametrize("outer", [4, 1])
 def test_hsdp_parity_on_the_edge_meshes(outer: int) -> None:
-    run_distributed(_hsdp_parity_worker, 4, outer, 3, "megatron", False, timeout=240)
+    run_distributed(_hsdp_parity_worker, 4, outer, 3, "megatron", "", timeout=240)
 
 
 def test_hsdp_parity_with_the_per_module_api_on_a_2d_mesh() -> None:
-    run_distributed(_hsdp_parity_worker, 4, 2, 3, "per_module", False, timeout=240)
+    run_distributed(_hsdp_parity_worker, 4, 2, 3, "per_module", "", timeout=240)
 
 
-@pytest.mark.parametrize("strategy", [1, 3])
-def test_hsdp_parity_with_gradient_accumulation(strategy: int) -> None:
-    run_distributed(_hsdp_parity_worker, 4, 2, strategy, "megatron", True, timeout=240)
+@pytest.mark.parametrize(
+    ("strategy", "api", "mode"),
+    [
+        (1, "megatron", "no_sync"),
+        (3, "megatron", "no_sync"),
+        (2, "megatron", "finish"),
+        (3, "megatron", "finish"),
+        (3, "per_module", "no_sync"),  # fully_shard syncs every micro-batch by default
+    ],
+)
+def test_hsdp_parity_with_gradient_accumulation(strategy: int, api: str, mode: str) -> None:
+    run_distributed(_hsdp_parity_worker, 4, 2, strategy, api, mode, timeout=240)
+
+
+def _outer_once_per_cycle_worker(rank: int, world: int, mode: str) -> list[tuple[int, int]]:
+    model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], mesh=_mesh(2, 2))
+    optimizer = make_optimizer("sgd", trainable(model))
+    micro = 3
+    counts = []
+    for step, (tokens, targets) in enumerate(make_batches(2 * micro, GLOBAL_BATCH)):
+        local = local_slice(tokens, rank, world), local_slice(targets, rank, world)
+        if step % micro == 0:
+            tracer = CommTracer().__enter__()
+        last = step % micro == micro - 1
+        if last and mode == "no_sync":
+            loss_fn(model(local[0]), local[1]).backward()
+        else:
+            with model.no_sync():
+                loss_fn(model(local[0]), local[1]).backward()
+        if last:
+            if mode == "finish":
+                model.finish_grad_sync()
+            tracer.__exit__(None, None, None)
+            counts.append((tracer.calls("reduce_scatter"), tracer.calls("all_reduce")))
+            optimizer.step()
+            optimizer.zero_grad()
+    return counts
+
+
+@pytest.mark.parametrize("mode", ["no_sync", "finish"])
+def test_hsdp_reduces_across_replicas_once_per_cycle(mode: str) -> None:
+    # ZeRO-3, 4 trainable groups, 3 micro-batches: every micro-batch reduce-scatters inside
+    # dp_shard (12), the shards cross dp_outer once per cycle (4), never per micro-batch.
+    counts = run_distributed(_outer_once_per_cycle_worker, 4, mode, timeout=120)
+    assert counts == [[(12, 4), (12, 4)]] * 4
 
 
 def _hsdp_bytes_worker(rank: int, world: int) -> tuple[dict[str, dict[str, int]], list[int]]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from hooks_models import Block, local_slice, loss_fn, make_batches, make_model, make_optimizer
+from test_hooks_hsdp import _hsdp_parity_worker
 from test_hooks_parity import _parity_worker
 from test_hooks_strict_async import _deep_prefetch_worker
 from test_hooks_training_modes import _accumulation_worker, _recompute_worker
@@ -55,6 +56,17 @@ def test_deep_prefetch_on_simulated_streams() -> None:
 @pytest.mark.parametrize(("strategy", "mode"), [(3, "no_sync"), (2, "overlapped")])
 def test_accumulation_on_simulated_streams(strategy: int, mode: str) -> None:
     run_distributed(_on_simulated_streams, 2, _accumulation_worker, strategy, mode, timeout=180)
+
+
+@pytest.mark.parametrize("mode", ["no_sync", "finish"])
+def test_hsdp_on_simulated_streams(mode: str) -> None:
+    args = (_hsdp_parity_worker, 2, 3, "megatron", mode)
+    ticks = run_distributed(_on_simulated_streams, 4, *args, timeout=240)
+    # The last micro-batch's two-level reduction uses the outer stream for the hop across
+    # the replicas; after all-no_sync micro-batches finish_grad_sync's all-reduce of the
+    # shard runs on the reduce-scatter stream.
+    expected = {"all_gather", "reduce_scatter"} | ({"outer"} if mode == "no_sync" else set())
+    assert expected <= _busy_streams(ticks)
 
 
 def test_recompute_on_simulated_streams() -> None:

@@ -25,6 +25,7 @@ from hooks_models import (
     reference_training,
     trainable,
 )
+from test_hooks_hsdp import _hsdp_parity_worker
 from test_hooks_parity import _parity_worker
 from test_hooks_training_modes import _accumulation_worker, _recompute_worker
 
@@ -61,6 +62,12 @@ def test_parity_of_both_transports_pooled_buffers_and_the_per_module_api() -> No
 @pytest.mark.parametrize(("strategy", "mode"), [(1, "no_sync"), (3, "no_sync"), (2, "overlapped")])
 def test_gradient_accumulation_under_strict_collectives(strategy: int, mode: str) -> None:
     run_distributed(_strictly, 2, _accumulation_worker, strategy, mode, timeout=120)
+
+
+@pytest.mark.parametrize(("strategy", "mode"), [(0, ""), (3, "no_sync"), (2, "finish")])
+def test_hsdp_under_strict_collectives(strategy: int, mode: str) -> None:
+    args = (_hsdp_parity_worker, 2, strategy, "megatron", mode)
+    run_distributed(_strictly, 4, *args, timeout=240)
 
 
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -9,7 +11,7 @@ from mfsdp_buffers import FlatPieces
 
 from ._checks import check_flat, check_same_device
 from ._compat import Work, all_reduce_async
-from ._launch import Stage, launch
+from ._launch import launch
 from ._op_args import (
     check_pieces,
     check_shard_sizes,
@@ -18,7 +20,7 @@ from ._op_args import (
     reduce_spec,
     side_stream,
 )
-from ._reduce import finish_into, reduce_op
+from ._reduce import ReduceSpec, finish_into, reduce_op
 from .handle import CommHandle
 from .naming import group_name
 from .ops import ReduceScatterStage, reduce_scatter_into
@@ -53,12 +55,16 @@ def hsdp_reduce_scatter_into(
     async_op: bool = True,
     stream: CommStreams | None = None,
     transport: SharedMemoryTransport | None = None,
+    outer_reduces_output: bool = False,
 ) -> CommHandle:
     """Two-level gradient reduction for HSDP.
 
     Reduce-scatter inside ``shard_group``, then all-reduce the (small) shard across
     ``outer_group``: the inter-node hop carries 1/shard_size of the bytes. With ``average``
     the result is the mean over all ``shard_size * outer_size`` ranks; no outer is FSDP.
+    ``outer_reduces_output``: the outer all-reduce takes the whole ``out_shard`` after this
+    call's part was added to it, i.e. also earlier parts reduced only inside the shard group
+    (gradient accumulation reduces across the replicas once per cycle).
     """
     if outer_group is None:
         return reduce_scatter_into(
@@ -95,22 +101,14 @@ def hsdp_reduce_scatter_into(
     if out.numel() == 0:
         return CommHandle.completed()
     rs_op, rs_factor = reduce_op(shard_group, spec.average)
-    ar_op, ar_factor = reduce_op(outer_group, spec.average)
-    factor = rs_factor * ar_factor * (spec.post_scale if spec.post_scale is not None else 1.0)
     record_comm("reduce_scatter", group_name(shard_group), numel, spec.reduce_dtype)
     record_comm("all_reduce", group_name(outer_group), out.numel(), spec.reduce_dtype)
     route = host_route(transport, shard_group, out)
     stage = ReduceScatterStage(inp, out, spec, shard_group, rs_op, bool(accumulate), route)
-
-    def outer_all_reduce() -> Work | None:
-        return all_reduce_async(stage.result(), ar_op, outer_group)
-
-    def finish() -> None:
-        finish_into(stage.result(), out, factor=factor, accumulate=bool(accumulate))
-
-    stages: list[Stage] = [(rs_side, stage), (outer_side, outer_all_reduce)]
+    outer = _OuterStage(stage, out, outer_group, spec, rs_factor, bool(accumulate))
+    run_outer, finish = outer.of_output if outer_reduces_output else outer.of_part
     return launch(
-        stages,
+        [(rs_side, stage), (outer_side, run_outer)],
         device=out.device,
         finish=finish,
         async_op=async_op,
@@ -119,3 +117,54 @@ def hsdp_reduce_scatter_into(
         writes=(out,),
         label=f"HSDP reduce_scatter on groups {group_name(shard_group)}, {group_name(outer_group)}",
     )
+
+
+class _OuterStage:
+    """The all-reduce across the replicas, and the finish that lands the result in ``out``."""
+
+    def __init__(
+        self,
+        inner: ReduceScatterStage,
+        out: torch.Tensor,
+        group: dist.ProcessGroup,
+        spec: ReduceSpec,
+        inner_factor: float,
+        accumulate: bool,
+    ) -> None:
+        self._inner, self._out, self._group, self._accumulate = inner, out, group, accumulate
+        self._op, self._outer_factor = reduce_op(group, spec.average)
+        post = spec.post_scale if spec.post_scale is not None else 1.0
+        self._inner_factor = inner_factor * post
+
+    @property
+    def of_part(self) -> tuple[Callable[[], Work | None], Callable[[], None]]:
+        """All-reduce this call's reduce-scattered part, then add it into ``out``."""
+
+        def run() -> Work | None:
+            return all_reduce_async(self._inner.result(), self._op, self._group)
+
+        def finish() -> None:
+            factor = self._inner_factor * self._outer_factor
+            finish_into(self._inner.result(), self._out, factor=factor, accumulate=self._accumulate)
+
+        return run, finish
+
+    @property
+    def of_output(self) -> tuple[Callable[[], Work | None], Callable[[], None]]:
+        """Add this call's part into ``out``, then all-reduce the whole of ``out``."""
+
+        def run() -> Work | None:
+            finish_into(
+                self._inner.result(),
+                self._out,
+                factor=self._inner_factor,
+                accumulate=self._accumulate,
+            )
+            return all_reduce_async(self._out, self._op, self._group)
+
+        def finish() -> None:
+            if self._outer_factor != 1.0:
+                with torch.no_grad():
+                    self._out.mul_(self._outer_factor)
+
+        return run, finish

@@ -15,6 +15,7 @@ and a pre-scale (1/N, ``gradient_scaling_factor``) rides on that copy.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ class PendingReduction:
     handle: CommHandle
     # no_shard: where the all-reduced buffer goes, and whether it adds to what is there.
     no_shard_target: tuple[torch.Tensor, bool] | None
+    outer_only: bool = False  # HSDP: only the shard's all-reduce across the replicas
     done: bool = False
 
     def wait(self) -> None:
@@ -54,6 +56,21 @@ class PendingReduction:
         self.done = True
         self.handle.wait()
         self.reducer.release(self)
+
+
+class ReplicaSync(enum.Enum):
+    """How far a gradient shard is reduced across the HSDP replicas in this cycle.
+
+    ``EMPTY`` (nothing in it) -> ``INNER_ONLY`` (a ``no_sync`` micro-batch's reduction stayed
+    in the shard group) -> ``COMPLETE`` (the reduction that ends the cycle took the whole
+    shard across the replicas). A reduction from ``EMPTY`` or ``COMPLETE`` that ends the cycle
+    reduces only its own part across them; a fresh shard (``zero_grad``) starts ``EMPTY``.
+    Without HSDP every reduction goes to ``COMPLETE``.
+    """
+
+    EMPTY = "empty"
+    INNER_ONLY = "inner_only"
+    COMPLETE = "complete"
 
 
 class GradReducer:
@@ -102,6 +119,7 @@ class GradReducer:
         self._gaps = layout.padding_gaps()
         self._buffer: torch.Tensor | None = None
         self._filled = [False] * count
+        self._across_replicas = ReplicaSync.EMPTY
 
     # ----------------------------------------------------------------- collect
     def begin_backward(self) -> None:
@@ -188,10 +206,26 @@ class GradReducer:
                     buffer[placement.offset : placement.offset + placement.numel].zero_()
         return buffer
 
-    def launch(self, streams: CommStreams | None) -> PendingReduction:
-        """Issue the reduction of what was collected into the gradients the optimizer reads."""
+    @property
+    def needs_outer_sync(self) -> bool:
+        """Its shard holds parts not yet reduced across the HSDP replicas."""
+        return self._across_replicas is ReplicaSync.INNER_ONLY
+
+    def launch(self, streams: CommStreams | None, *, ends_cycle: bool = True) -> PendingReduction:
+        """Issue the reduction of what was collected into the gradients the optimizer reads.
+
+        HSDP: a reduction that does not end the optimisation cycle (a ``no_sync`` micro-batch)
+        stays inside the shard group; the one that ends it reduces the whole shard across
+        the replicas, so each replica's accumulated gradient crosses them once per cycle.
+        """
         target, accumulate = self.grads.prepare(self._dist_params)
+        if not accumulate:
+            self._across_replicas = ReplicaSync.EMPTY
         group, outer = self._topology.shard_group, self._topology.outer_group
+        if outer is not None and not self.has_local_grads and self.needs_outer_sync:
+            handle = all_reduce_(target, outer, average=self._average, stream=streams)
+            self._across_replicas = ReplicaSync.COMPLETE
+            return PendingReduction(self, handle, no_shard_target=None, outer_only=True)
         if self._strategy == ShardingStrategy.NO_SHARD:  # never held: no transport all-reduce
             handle = all_reduce_(
                 self._complete_buffer(),
@@ -202,23 +236,27 @@ class GradReducer:
             )
             return PendingReduction(self, handle, no_shard_target=(target, accumulate))
         grads = self._held_pieces() if self._held is not None else self._complete_buffer()
-        # HSDP: reduce-scatter inside the shard group, then all-reduce the shard across the
-        # replicas (each micro-batch's part is reduced across them exactly once).
+        state = self._across_replicas
+        defer = outer is not None and not ends_cycle and state is not ReplicaSync.COMPLETE
         handle = hsdp_reduce_scatter_into(
             grads,
             target,
             group,
-            outer,
+            None if defer else outer,
             average=self._average,
             post_scale=self._output_scale,
             accumulate=accumulate,
             stream=streams,
             transport=self._topology.host_transport,
+            outer_reduces_output=state is ReplicaSync.INNER_ONLY,
         )
+        self._across_replicas = ReplicaSync.INNER_ONLY if defer else ReplicaSync.COMPLETE
         return PendingReduction(self, handle, no_shard_target=None)
 
     def release(self, pending: PendingReduction) -> None:
         """After ``pending`` landed: move a ``no_shard`` result in place, free the buffers."""
+        if pending.outer_only:
+            return  # it reduced the shard in place and used no collected gradients
         if self._held is not None:
             self._held = [None] * len(self._filled)
             return

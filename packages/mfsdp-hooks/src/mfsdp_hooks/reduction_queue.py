@@ -28,10 +28,12 @@ class ReductionQueue:
         self._reap_early = reap_early
         self._in_flight: deque[PendingReduction] = deque()
 
-    def launch(self, reducer: GradReducer, streams: CommStreams | None) -> None:
+    def launch(
+        self, reducer: GradReducer, streams: CommStreams | None, *, ends_cycle: bool = True
+    ) -> None:
         """Launch ``reducer``'s reduction, keeping at most ``window`` in flight."""
         self.settle(reducer)
-        pending = reducer.launch(streams)
+        pending = reducer.launch(streams, ends_cycle=ends_cycle)
         if not self._overlap:
             pending.wait()
             return

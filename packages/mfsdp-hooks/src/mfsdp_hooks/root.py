@@ -123,8 +123,14 @@ class FSDPRoot:
             self.reductions.settle(group.reducer)
 
     def reduce(self, group: ParameterGroup) -> None:
+        """Reduce what a unit's backward collected; outside ``no_sync`` (or when every
+        micro-batch syncs) this ends the optimisation cycle."""
+        ends = self.root_unit.requires_gradient_sync or self.options.sync_model_each_microbatch
+        self._launch(group, ends_cycle=ends)
+
+    def _launch(self, group: ParameterGroup, *, ends_cycle: bool) -> None:
         assert group.reducer is not None, "frozen parameter groups have no gradients to reduce"
-        self.reductions.launch(group.reducer, self.streams)
+        self.reductions.launch(group.reducer, self.streams, ends_cycle=ends_cycle)
 
     def reap_finished_reductions(self) -> None:
         self.reductions.reap_landed()
@@ -142,6 +148,8 @@ class FSDPRoot:
             # ``no_sync`` micro-batches leave reductions in flight (unless every micro-batch
             # syncs), overlapping them with the next micro-batch.
             synced = self.root_unit.requires_gradient_sync
+            if synced:
+                self._sync_across_replicas()
             if synced or self.options.sync_model_each_microbatch:
                 self.wait_reductions()
                 if self.options.report_nan_in_param_grad:
@@ -160,6 +168,13 @@ class FSDPRoot:
         finally:
             self.in_backward = False
 
+    def _sync_across_replicas(self) -> None:
+        """HSDP: shards that still hold ``no_sync`` parts (their unit reduced nothing in this
+        last micro-batch) are all-reduced across the replicas now."""
+        for group in self.groups:
+            if group.reducer is not None and group.reducer.needs_outer_sync:
+                self._launch(group, ends_cycle=True)
+
     def _grad_allocators(self) -> list[object]:
         """Each distinct gradient-buffer allocator of the tree once (units may share one)."""
         found: dict[int, object] = {}
@@ -173,12 +188,11 @@ class FSDPRoot:
         """Reduce whatever is still local (``no_sync`` windows) and wait for every reduction."""
         for group in self.groups:
             reducer = group.reducer
-            if (
-                reducer is not None
-                and reducer.has_local_grads
-                and not self.reductions.in_flight(reducer)
-            ):
-                self.reduce(group)
+            if reducer is None:
+                continue
+            if reducer.has_local_grads and not self.reductions.in_flight(reducer):
+                self._launch(group, ends_cycle=True)
+        self._sync_across_replicas()
         self.wait_reductions()
         if self.options.report_nan_in_param_grad:
             self.check_grads_finite()
