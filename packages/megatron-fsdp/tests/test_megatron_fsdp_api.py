@@ -92,7 +92,7 @@ def _bad_input(rank: int, world: int, case: str) -> str:
         elif case == "hsdp":
             fully_shard_model(_model(), fsdp_unit_modules=[Layer], dp_outer_dim="dp_outer")
         elif case == "meta":
-            fully_shard_model(_model(), init_model_with_meta_device=True)
+            fully_shard_model(_model(), init_model_with_meta_device=True, zero_dp_strategy=0)
         elif case == "nccl_ub":
             fully_shard_model(_model(), nccl_ub=True)
     except (ValueError, TypeError, NotImplementedError) as error:
@@ -113,7 +113,7 @@ def _bad_input(rank: int, world: int, case: str) -> str:
         ("contiguous_step", "TypeError: contiguous_step: RMSprop is not one of the elementwise"),
         ("step_chunk_numel", "ValueError: step_chunk_numel must be a positive int"),
         ("hsdp", "ValueError: dp_outer_dim was given without hybrid_fsdp_group"),
-        ("meta", "NotImplementedError: init_model_with_meta_device=True"),
+        ("meta", "ValueError: init_model_with_meta_device=True with sharding_strategy=0"),
         ("nccl_ub", "NotImplementedError: nccl_ub=True: NCCL user buffers"),
     ],
 )

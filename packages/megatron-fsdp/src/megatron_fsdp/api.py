@@ -32,7 +32,6 @@ from mfsdp_hooks.megatron_fsdp import UnitSpec, resolve_unit_modules
 _NOT_YET: dict[str, tuple[Any, str]] = {
     "tp_dim": (None, "(FSDP, TP) strided sharding"),
     "expt_device_mesh": (None, "expert-parallel (EP) sharding"),
-    "init_model_with_meta_device": (False, "meta-device initialisation"),
     "nccl_ub": (False, "NCCL user buffers"),
     "fsdp_manual_registration": (False, "NCCL user-buffer manual registration"),
     "disable_symmetric_registration": (False, "NCCL user-buffer symmetric registration"),
@@ -64,7 +63,7 @@ def _topology(
                 "that has this dim, or drop dp_shard_dim to let megatron-fsdp build a 1-D mesh"
             )
         if device is None:
-            device = next((p.device for p in module.parameters()), None)
+            device = next((p.device for p in module.parameters() if not p.is_meta), None)
         return FSDPTopology.default(device)
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
@@ -118,7 +117,6 @@ def fully_shard_model(
         {
             "tp_dim": tp_dim,
             "expt_device_mesh": expt_device_mesh,
-            "init_model_with_meta_device": init_model_with_meta_device,
             "nccl_ub": nccl_ub,
             "fsdp_manual_registration": fsdp_manual_registration,
             "disable_symmetric_registration": disable_symmetric_registration,
@@ -131,7 +129,7 @@ def fully_shard_model(
     strategy = parse_strategy(zero_dp_strategy, "zero_dp_strategy")
     resolve_unit_modules(fsdp_unit_modules)
     policy = _policy(mixed_precision_policy, grad_reduce_in_fp32, preserve_fp32_weights)
-    if device is not None:
+    if device is not None and not init_model_with_meta_device:
         module = module.to(device)
     parse_outer_strategy(outer_dp_sharding_strategy, int(strategy))
     if dp_outer_dim is None and hybrid_fsdp_group is None:
@@ -147,6 +145,7 @@ def fully_shard_model(
         module,
         fsdp_unit_modules,
         sync_model_each_microbatch=sync_model_each_microbatch,
+        init_model_with_meta_device=init_model_with_meta_device,
         mesh=topology,
         sharding_strategy=strategy,
         mp_policy=policy,

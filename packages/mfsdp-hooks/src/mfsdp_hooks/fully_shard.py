@@ -24,6 +24,7 @@ from mfsdp_collectives import (
 from mfsdp_hooks.codec import IDENTITY, ParamCodec
 from mfsdp_hooks.grad_allocator import make_grad_allocator
 from mfsdp_hooks.lookup import set_owning_model
+from mfsdp_hooks.meta_init import MetaMaterializer, check_initialisable, modules_in_scope
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root import FSDPRoot, root_of
@@ -179,12 +180,6 @@ def _check_module(module: object, mp_policy: object) -> None:
         raise TypeError(
             f"mp_policy must be an mfsdp_hooks.MixedPrecisionPolicy, got {type(mp_policy).__name__}"
         )
-    for param in module.parameters():
-        if param.device.type == "meta":
-            raise NotImplementedError(
-                "module has parameters on the meta device: meta-device initialisation "
-                "(init_model_with_meta_device) is not supported yet; materialise the model first"
-            )
 
 
 def _agree_on_wrap(
@@ -208,7 +203,8 @@ def _agree_on_wrap(
         check_ranks_agree(options.topology.outer_group, facts, what="fully_shard")
 
 
-def _topology(mesh: DeviceMesh | FSDPTopology | None, module: nn.Module) -> FSDPTopology:
+def resolve_topology(mesh: DeviceMesh | FSDPTopology | None, module: nn.Module) -> FSDPTopology:
+    """The topology ``fully_shard(module, mesh=mesh)`` uses (may communicate: new groups)."""
     if isinstance(mesh, FSDPTopology):
         return mesh
     if mesh is None:
@@ -281,11 +277,19 @@ def fully_shard(
     strategy = parse_strategy(sharding_strategy, "sharding_strategy")
     _check_overlap_options(max_inflight_reductions, prefetch_depth, backward_prefetch_grad_fraction)
     grad_allocator = make_grad_allocator(grad_buffer_allocator, max_inflight_reductions)
-    check_host_transport(host_transport)  # before _topology, which may communicate
+    check_host_transport(host_transport)  # before resolve_topology, which may communicate
+    # A module (partly) on the meta device: its own modules are initialised here, in module
+    # order, before sharding; whether they can be is checked before any collective.
+    scope = modules_in_scope(module, skip=lambda m: unit_of(m) is not None)
+    check_initialisable(scope, f"fully_shard({type(module).__name__})")
+    topology = resolve_topology(mesh, module)
+    materializer = MetaMaterializer(topology.device)
+    for _, sub in scope:
+        materializer.materialize(sub)
     slots = collect_slots(module)
     check_parameters_supported(slots, module)
     options = UnitOptions(
-        topology=_topology(mesh, module),
+        topology=topology,
         strategy=strategy,
         policy=mp_policy or MixedPrecisionPolicy(),
         reduce_config=GradReduceConfig(

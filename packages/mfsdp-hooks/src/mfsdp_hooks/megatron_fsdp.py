@@ -9,9 +9,16 @@ from typing import Any
 
 from torch import nn
 
-from mfsdp_hooks.fully_shard import FSDPModule, fsdp_units, fully_shard
+from mfsdp_hooks.fully_shard import FSDPModule, fsdp_units, fully_shard, resolve_topology
 from mfsdp_hooks.grad_allocator import make_grad_allocator
 from mfsdp_hooks.lookup import set_owning_model
+from mfsdp_hooks.meta_init import (
+    MetaMaterializer,
+    check_initialisable,
+    materialize_in_order,
+    modules_in_scope,
+)
+from mfsdp_hooks.strategy import ShardingStrategy, parse_strategy
 from mfsdp_hooks.unit import unit_of
 
 UnitSpec = type[nn.Module] | str
@@ -69,6 +76,7 @@ class MegatronFSDP(nn.Module):
         fsdp_unit_modules: Sequence[UnitSpec] | None = None,
         *,
         sync_model_each_microbatch: bool = False,
+        init_model_with_meta_device: bool = False,
         **shard_options: Any,
     ) -> None:
         super().__init__()
@@ -85,12 +93,13 @@ class MegatronFSDP(nn.Module):
             shard_options.get("max_inflight_reductions", 1),
         )
         targets = [m for m in module.modules() if classes and isinstance(m, classes)]
-        for sub in reversed(targets):
-            if sub is not module:
-                fully_shard(
-                    sub, sync_model_each_microbatch=sync_model_each_microbatch, **shard_options
-                )
-        fully_shard(module, sync_model_each_microbatch=sync_model_each_microbatch, **shard_options)
+        units = [sub for sub in reversed(targets) if sub is not module] + [module]
+        shard_options["sync_model_each_microbatch"] = sync_model_each_microbatch
+        if init_model_with_meta_device:
+            _init_from_meta_and_shard(module, units, shard_options)
+        else:
+            for target in units:
+                fully_shard(target, **shard_options)
         self.module = module
         self.fsdp_unit_modules = classes
         for unit in fsdp_units(module):
@@ -122,3 +131,26 @@ class MegatronFSDP(nn.Module):
 
     def install_optimized_model_weights(self) -> None:
         self._root_module.install_optimized_model_weights()
+
+
+def _init_from_meta_and_shard(
+    module: nn.Module, units: list[nn.Module], shard_options: dict[str, Any]
+) -> None:
+    """``init_model_with_meta_device=True``: initialise the whole model in module order (as
+    building it on the device would, so the same seed gives the same weights) and shard each
+    unit as soon as its last module is done (``meta_init``)."""
+    strategy = parse_strategy(shard_options.get("sharding_strategy", 3), "sharding_strategy")
+    if strategy == ShardingStrategy.NO_SHARD:
+        raise ValueError(
+            "init_model_with_meta_device=True with sharding_strategy=0 (no_shard) would "
+            "materialise the whole model on every rank: use sharding_strategy 1, 2 or 3"
+        )
+    modules = modules_in_scope(module, skip=lambda m: False)
+    check_initialisable(modules, "init_model_with_meta_device")
+    topology = resolve_topology(shard_options.pop("mesh", None), module)
+    materializer = MetaMaterializer(topology.device)
+
+    def wrap(unit: nn.Module) -> None:
+        fully_shard(unit, mesh=topology, **shard_options)
+
+    materialize_in_order(modules, materializer, units, wrap=wrap)

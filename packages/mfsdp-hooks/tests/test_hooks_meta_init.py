@@ -1,0 +1,147 @@
+"""Meta-device initialisation: the same weights as building on the device, one unit at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hooks_models import (
+    Block,
+    ToyModel,
+    assert_close_rel,
+    full_state,
+    local_slice,
+    loss_fn,
+    make_batches,
+    make_model,
+    make_optimizer,
+    trainable,
+)
+from torch import nn
+
+from mfsdp_buffers import LiveTensorTracker
+from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks import MegatronFSDP, fsdp_units, fully_shard
+
+STEPS = 10
+
+
+def _meta_model(n_blocks: int = 3) -> ToyModel:
+    with torch.device("meta"):
+        return ToyModel(n_blocks=n_blocks)
+
+
+def _meta_equals_direct_worker(rank: int, world: int, strategy: int) -> None:
+    reference = make_model()  # torch.manual_seed(0), then built on the CPU
+    torch.manual_seed(0)
+    model = MegatronFSDP(
+        _meta_model(),
+        fsdp_unit_modules=[Block],
+        sharding_strategy=strategy,
+        init_model_with_meta_device=True,
+    )
+    state = full_state(model.module)
+    for name, value in reference.state_dict().items():
+        assert torch.equal(state[name], value), f"{name} differs from the direct build"
+    assert torch.equal(state["head.weight"], state["embed.weight"]), "the tie was lost"
+    ref_opt = make_optimizer("adamw", trainable(reference))
+    optimizer = make_optimizer("adamw", trainable(model))
+    for step, (tokens, targets) in enumerate(make_batches(STEPS, 8)):
+        want = loss_fn(reference(tokens), targets)
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        got = loss_fn(model(local_slice(tokens, rank, world)), local_slice(targets, rank, world))
+        got.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = got.detach().clone()
+        dist.all_reduce(total)
+        assert_close_rel(total / world, want.detach(), 1e-5, f"strategy {strategy} step {step}")
+
+
+@pytest.mark.parametrize("strategy", [1, 2, 3])
+def test_meta_init_gives_the_weights_of_the_direct_build_and_trains_the_same(
+    strategy: int,
+) -> None:
+    run_distributed(_meta_equals_direct_worker, 2, strategy, timeout=180)
+
+
+def _per_module_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = _meta_model()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    assert not any(p.is_meta for p in model.parameters())
+    state = full_state(model)
+    # The same initialisations in the order the wraps ran them: each block's modules, then
+    # the root's own (embed, frozen, head on a scratch copy as its weight is tied, value).
+    reference = make_model()
+    torch.manual_seed(0)
+    for block in reference.blocks:
+        for module in block.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()  # type: ignore[operator]
+    reference.embed.reset_parameters()
+    reference.frozen.reset_parameters()
+    nn.Linear(reference.head.in_features, reference.head.out_features, bias=False)  # scratch
+    reference.value.reset_parameters()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(state[name], value), name
+
+
+def test_per_module_fully_shard_initialises_a_meta_unit_in_module_order() -> None:
+    run_distributed(_per_module_worker, 2, timeout=120)
+
+
+class _NoReset(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def _no_reset_worker(rank: int, world: int) -> str:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), _NoReset())
+    try:
+        MegatronFSDP(model, init_model_with_meta_device=True)
+    except ValueError as exc:
+        dist.barrier()  # every rank got here on its own: nothing was communicated before
+        return str(exc)
+    return "no error"
+
+
+def test_a_meta_module_without_reset_parameters_is_named_on_every_rank() -> None:
+    for message in run_distributed(_no_reset_worker, 2, timeout=60):
+        assert "init_model_with_meta_device" in message and "1 (_NoReset)" in message, message
+        assert "reset_parameters()" in message
+
+
+def _peak_worker(rank: int, world: int) -> tuple[int, int, int]:
+    blocks = 8
+    with LiveTensorTracker() as tracker:
+        torch.manual_seed(0)
+        model = MegatronFSDP(
+            _meta_model(blocks), fsdp_unit_modules=[Block], init_model_with_meta_device=True
+        )
+        peak = tracker.peak
+    units = fsdp_units(model.module)
+    shards = sum(
+        (g.main or g.model).shard.numel() * 4
+        for unit in units
+        for g in unit.groups  # fp32
+    )
+    full_unit = max(sum(g.layout.data_numel * 4 for g in unit.groups) for unit in units)
+    whole = sum(p.numel() * 4 for p in make_model(n_blocks=blocks).parameters())
+    return peak, shards + 2 * full_unit, whole
+
+
+def test_meta_init_never_holds_more_than_the_shards_and_two_units() -> None:
+    for peak, bound, whole in run_distributed(_peak_worker, 2, timeout=120):
+        slack = 64 * 1024
+        assert peak <= bound + slack, (peak, bound)
+        assert bound < whole, "the bound must be below the whole model for this to mean much"
