@@ -34,6 +34,18 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _has_dim(mesh: DeviceMesh, names: tuple[str, ...], dim: str) -> bool:
+    """A dim of the mesh, or a flattened one (``mesh[("dp_shard", "cp")]._flatten(
+    "dp_shard_cp")`` registers ``"dp_shard_cp"`` on the root mesh for context parallelism)."""
+    if dim in names:
+        return True
+    try:
+        mesh[dim]
+    except (KeyError, RuntimeError, ValueError):
+        return False
+    return True
+
+
 def _device_for_type(device_type: str) -> torch.device:
     """A concrete device (with index) for a mesh's device type on this rank."""
     if device_type == "cpu":
@@ -156,7 +168,7 @@ class FSDPTopology:
             )
         dims = {"dp_shard_dim": dp_shard_dim, "dp_outer_dim": dp_outer_dim, "tp_dim": tp_dim}
         for arg, dim in dims.items():
-            if dim is not None and dim not in names:
+            if dim is not None and not _has_dim(mesh, names, dim):
                 raise ValueError(
                     f"{arg}={dim!r} is not a dimension of the mesh; the mesh has "
                     f"mesh_dim_names={list(names)}: pass one of them or rename the mesh dims"
