@@ -87,6 +87,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--prefetch-depth", type=int, default=1, help="ours: units gathered ahead (>= 1)"
     )
     p.add_argument(
+        "--hsdp-outer",
+        type=int,
+        default=1,
+        help="replicas across dp_outer, both implementations: 2 with 4 ranks is HSDP on 2x2",
+    )
+    p.add_argument(
         "--optimizer-step",
         choices=("contiguous", "per-param"),
         default="contiguous",

@@ -91,12 +91,19 @@ class RunSpec:
     """Ours only: AdamW steps contiguous runs of the sharded buffers, not each parameter."""
     prefetch_depth: int = 1
     """Ours only: units gathered ahead in forward and backward."""
+    hsdp_outer: int = 1
+    """Replicas across ``dp_outer`` (both implementations): 1 is plain FSDP over every rank;
+    N > 1 is HSDP on an (N, world_size / N) mesh, FSDP2's ``fully_shard(mesh=2-D)``."""
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.hsdp_outer < 1 or self.world_size % self.hsdp_outer:
+            raise ValueError(
+                f"hsdp_outer={self.hsdp_outer} must be >= 1 and divide world_size={self.world_size}"
+            )
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"need steps >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
 

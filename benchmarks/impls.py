@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from benchmarks.configs import RunSpec
 from benchmarks.model import GPT, loss_fn
@@ -45,6 +46,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+def _hsdp_mesh(spec: RunSpec) -> DeviceMesh | None:
+    """The (dp_outer, dp_shard) mesh of an HSDP run, or None for plain FSDP."""
+    if spec.hsdp_outer == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (spec.hsdp_outer, spec.world_size // spec.hsdp_outer)
+    return init_device_mesh(spec.device_type, shape, mesh_dim_names=("dp_outer", "dp_shard"))
+
+
 def _adamw(params: list[torch.Tensor] | list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
 
@@ -59,9 +70,11 @@ def build_ours(model: GPT, spec: RunSpec) -> Trainer:
     )
     # One allocator for the whole model, so a pool is shared by its units.
     allocator = mfsdp_hooks.make_grad_allocator(spec.grad_allocator, max_inflight_reductions=1)
+    mesh = _hsdp_mesh(spec)
     for module in [*model.blocks, model]:
         mfsdp_hooks.fully_shard(
             module,
+            mesh=mesh,
             sharding_strategy=3,
             mp_policy=policy,
             grad_buffer_allocator=allocator,
@@ -81,7 +94,7 @@ def build_fsdp2(model: GPT, spec: RunSpec, device: torch.device) -> Trainer:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (spec.world_size,))
+    mesh = _hsdp_mesh(spec) or init_device_mesh(device.type, (spec.world_size,))
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16)
         if spec.precision == "bf16"

@@ -65,6 +65,7 @@ def benchmark_worlds(args: argparse.Namespace, s: Settings) -> list[tuple[int, R
                             backward_prefetch_grad_fraction=args.backward_prefetch_fraction,
                             contiguous_step=args.optimizer_step == "contiguous",
                             prefetch_depth=args.prefetch_depth,
+                            hsdp_outer=args.hsdp_outer,
                         )
                         plan.append((rep, spec))
     return plan
@@ -90,6 +91,7 @@ def profile_worlds(args: argparse.Namespace, s: Settings, out_dir: str) -> list[
             backward_prefetch_grad_fraction=args.backward_prefetch_fraction,
             contiguous_step=args.optimizer_step == "contiguous",
             prefetch_depth=args.prefetch_depth,
+            hsdp_outer=args.hsdp_outer,
         )
         for precision in args.precisions
         for impl in ("ours", "fsdp2", "local")
