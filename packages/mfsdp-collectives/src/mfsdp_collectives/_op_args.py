@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from mfsdp_buffers import FlatPieces
 
-from ._checks import check_dtype, check_floating, check_group, check_scale
+from ._checks import (
+    check_dtype,
+    check_flat,
+    check_floating,
+    check_group,
+    check_same_device,
+    check_scale,
+)
 from ._reduce import ReduceSpec
 from .naming import group_name
 from .shm import SharedMemoryTransport
@@ -101,3 +110,47 @@ def check_pieces(pieces: FlatPieces, arg: str, out: torch.Tensor, out_arg: str) 
             f"{arg} is on {pieces.device} but {out_arg} is on {out.device}; move both to one device"
         )
     return pieces
+
+
+@dataclass(frozen=True)
+class ReduceScatterArgs:
+    """A reduce-scatter's arguments after the local checks."""
+
+    inp: torch.Tensor | FlatPieces
+    out: torch.Tensor
+    group: dist.ProcessGroup
+    spec: ReduceSpec
+    numel: int  # elements of the (padded) input
+
+
+def check_reduce_scatter(
+    unsharded_grad: object,
+    out_shard: object,
+    group: object,
+    group_arg: str,
+    *,
+    average: object,
+    pre_scale: object,
+    post_scale: object,
+    reduce_dtype: object,
+) -> ReduceScatterArgs:
+    """Check a reduce-scatter's arguments on this rank, raising before anything is issued."""
+    out = check_flat(out_shard, "out_shard")
+    inp: torch.Tensor | FlatPieces
+    if isinstance(unsharded_grad, FlatPieces):
+        inp = check_pieces(unsharded_grad, "unsharded_grad", out, "out_shard")
+    else:
+        inp = check_flat(unsharded_grad, "unsharded_grad")
+        check_same_device(inp, "unsharded_grad", out, "out_shard")
+    pg, _, size = membership(group, group_arg)
+    spec = reduce_spec(
+        inp,
+        "unsharded_grad",
+        average=average,
+        pre_scale=pre_scale,
+        post_scale=post_scale,
+        reduce_dtype=reduce_dtype,
+    )
+    numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
+    check_shard_sizes(numel, "unsharded_grad", out, "out_shard", size)
+    return ReduceScatterArgs(inp, out, pg, spec, numel)

@@ -9,15 +9,12 @@ import torch.distributed as dist
 
 from mfsdp_buffers import FlatPieces
 
-from ._checks import check_flat, check_same_device
 from ._compat import Work, all_reduce_async
 from ._launch import launch
 from ._op_args import (
-    check_pieces,
-    check_shard_sizes,
+    check_reduce_scatter,
     host_route,
     membership,
-    reduce_spec,
     side_stream,
 )
 from ._reduce import ReduceSpec, finish_into, reduce_op
@@ -29,16 +26,6 @@ from .streams import CommStreams
 from .tracer import record_comm
 
 __all__ = ["hsdp_reduce_scatter_into"]
-
-
-def _checked_input(
-    unsharded_grad: torch.Tensor | FlatPieces, out: torch.Tensor
-) -> torch.Tensor | FlatPieces:
-    if isinstance(unsharded_grad, FlatPieces):
-        return check_pieces(unsharded_grad, "unsharded_grad", out, "out_shard")
-    inp = check_flat(unsharded_grad, "unsharded_grad")
-    check_same_device(inp, "unsharded_grad", out, "out_shard")
-    return inp
 
 
 def hsdp_reduce_scatter_into(
@@ -80,22 +67,20 @@ def hsdp_reduce_scatter_into(
             stream=stream,
             transport=transport,
         )
-    out = check_flat(out_shard, "out_shard")
-    inp = _checked_input(unsharded_grad, out)
-    shard_group, _, size = membership(shard_group, "shard_group")
-    outer_group, _, _ = membership(outer_group, "outer_group")
-    if outer_group is shard_group:
-        raise ValueError("outer_group must differ from shard_group; pass outer_group=None")
-    spec = reduce_spec(
-        inp,
-        "unsharded_grad",
+    args = check_reduce_scatter(
+        unsharded_grad,
+        out_shard,
+        shard_group,
+        "shard_group",
         average=average,
         pre_scale=pre_scale,
         post_scale=post_scale,
         reduce_dtype=reduce_dtype,
     )
-    numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
-    check_shard_sizes(numel, "unsharded_grad", out, "out_shard", size)
+    inp, out, shard_group, spec, numel = args.inp, args.out, args.group, args.spec, args.numel
+    outer_group, _, _ = membership(outer_group, "outer_group")
+    if outer_group is shard_group:
+        raise ValueError("outer_group must differ from shard_group; pass outer_group=None")
     rs_side = side_stream(stream, "reduce_scatter", out.device)
     outer_side = side_stream(stream, "outer", out.device)
     if out.numel() == 0:

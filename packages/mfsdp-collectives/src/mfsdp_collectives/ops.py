@@ -29,7 +29,7 @@ from ._compat import (
 )
 from ._launch import Stage, launch
 from ._op_args import (
-    check_pieces,
+    check_reduce_scatter,
     check_shard_sizes,
     host_route,
     membership,
@@ -185,24 +185,17 @@ def reduce_scatter_into(
     offsets): the shared-memory transport reads it in place; elsewhere it is copied into one
     flat tensor first.
     """
-    out = check_flat(out_shard, "out_shard")
-    inp: torch.Tensor | FlatPieces
-    if isinstance(unsharded_grad, FlatPieces):
-        inp = check_pieces(unsharded_grad, "unsharded_grad", out, "out_shard")
-    else:
-        inp = check_flat(unsharded_grad, "unsharded_grad")
-        check_same_device(inp, "unsharded_grad", out, "out_shard")
-    group, _, size = membership(group, "group")
-    spec = reduce_spec(
-        inp,
-        "unsharded_grad",
+    args = check_reduce_scatter(
+        unsharded_grad,
+        out_shard,
+        group,
+        "group",
         average=average,
         pre_scale=pre_scale,
         post_scale=post_scale,
         reduce_dtype=reduce_dtype,
     )
-    numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
-    check_shard_sizes(numel, "unsharded_grad", out, "out_shard", size)
+    inp, out, group, spec, numel = args.inp, args.out, args.group, args.spec, args.numel
     side = side_stream(stream, "reduce_scatter", out.device)
     if out.numel() == 0:
         return CommHandle.completed()
