@@ -18,6 +18,7 @@ from hooks_models import (
     trainable,
 )
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp_buffers import LiveTensorTracker
 from mfsdp_collectives.testing import run_distributed
@@ -31,14 +32,19 @@ def _meta_model(n_blocks: int = 3) -> ToyModel:
         return ToyModel(n_blocks=n_blocks)
 
 
-def _meta_equals_direct_worker(rank: int, world: int, strategy: int) -> None:
+def _meta_equals_direct_worker(rank: int, world: int, strategy: int, outer: int = 1) -> None:
     reference = make_model()  # torch.manual_seed(0), then built on the CPU
+    mesh = None
+    if outer > 1:  # HSDP: the same weights on every replica
+        shape = (outer, world // outer)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_outer", "dp_shard"))
     torch.manual_seed(0)
     model = MegatronFSDP(
         _meta_model(),
         fsdp_unit_modules=[Block],
         sharding_strategy=strategy,
         init_model_with_meta_device=True,
+        mesh=mesh,
     )
     state = full_state(model.module)
     for name, value in reference.state_dict().items():
@@ -65,6 +71,10 @@ def test_meta_init_gives_the_weights_of_the_direct_build_and_trains_the_same(
     strategy: int,
 ) -> None:
     run_distributed(_meta_equals_direct_worker, 2, strategy, timeout=180)
+
+
+def test_meta_init_under_hsdp_gives_every_replica_the_direct_build() -> None:
+    run_distributed(_meta_equals_direct_worker, 4, 3, 2, timeout=180)
 
 
 def _per_module_worker(rank: int, world: int) -> None:

@@ -34,6 +34,7 @@ ObjPath = tuple[str | int, ...]
 MAPPING_KEY = "mfsdp.mapping"
 OBJECTS_KEY = "mfsdp.objects"
 _BATCH_BYTES = 256 << 20
+HF_INDEX = "model.safetensors.index.json"  # Hugging Face's map of a split model's weights
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,34 @@ class SafetensorsReader(Reader):
         return decode_object(self._objects[key])
 
 
+class SafetensorsDirectoryReader(Reader):
+    """A Hugging Face model directory: weights split over ``*.safetensors`` files (named by
+    ``model.safetensors.index.json`` when present), read file by file through mmap."""
+
+    format = "safetensors"
+
+    def __init__(self, path: Path) -> None:
+        index = path / HF_INDEX
+        if index.exists():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        else:
+            names = sorted(p.name for p in path.glob("*.safetensors"))
+        self._files = {name: SafetensorsReader(path / name) for name in names}
+        self._file_of: dict[str, SafetensorsReader] = {}
+        self.entries = []
+        for reader in self._files.values():
+            for entry in reader.entries:
+                self._file_of[entry.key] = reader
+                self.entries.append(entry)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self._file_of[key].tensor(key)
+
+    def object(self, key: str) -> Any:
+        return self._file_of[key].object(key)
+
+
 class DCPReader(Reader):
     """A DCP directory read in a single process, a batch of tensors per ``dcp.load``."""
 
@@ -222,10 +251,15 @@ class DCPReader(Reader):
 
 
 def detect_format(path: Path) -> str:
-    """``"dcp"``, ``"safetensors"`` or ``"torch"`` from what is at ``path``."""
+    """``"dcp"``, ``"safetensors"``, ``"safetensors_dir"`` (a Hugging Face model directory)
+    or ``"torch"`` from what is at ``path``."""
     if not path.exists():
         raise CheckpointNotFoundError(f"no checkpoint at {path}")
     if path.is_dir():
+        if not (path / DCP_METADATA).exists() and (
+            (path / HF_INDEX).exists() or any(path.glob("*.safetensors"))
+        ):
+            return "safetensors_dir"
         return "dcp"
     with path.open("rb") as handle:
         head = handle.read(16)
@@ -242,4 +276,6 @@ def open_reader(path: Path, allow_pickle: bool = False) -> Reader:
         return DCPReader(path)
     if kind == "safetensors":
         return SafetensorsReader(path)
+    if kind == "safetensors_dir":
+        return SafetensorsDirectoryReader(path)
     return TorchFileReader(path, allow_pickle=allow_pickle)
