@@ -122,3 +122,23 @@ def _context_parallel_worker(rank: int, world: int) -> list[float]:
 def test_a_flattened_dp_x_cp_dim_shards_over_both_and_trains_as_one_process() -> None:
     for errors in run_distributed(_context_parallel_worker, 4, timeout=180):
         assert max(errors) <= 1e-5, errors
+
+
+def _hsdp_with_context_parallel_worker(rank: int, world: int) -> list[float]:
+    dims = ("dp_outer", "dp_shard", "cp")
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=dims)
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    model = fully_shard_model(
+        _model(),
+        fsdp_unit_modules=[Layer],
+        device_mesh=mesh,
+        dp_shard_dim="dp_shard_cp",
+        dp_outer_dim="dp_outer",
+        hybrid_fsdp_group=dist.group.WORLD,  # (dp_outer, dp_shard_cp) spans the 4 ranks
+    )
+    return _train_against_one_process(model, rank, world)
+
+
+def test_hsdp_over_a_flattened_dp_x_cp_shard_dim_trains_as_one_process() -> None:
+    for errors in run_distributed(_hsdp_with_context_parallel_worker, 4, timeout=180):
+        assert max(errors) <= 1e-5, errors

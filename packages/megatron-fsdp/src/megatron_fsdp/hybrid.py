@@ -8,8 +8,6 @@ input raises on all of them before anything is communicated.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -44,15 +42,22 @@ def parse_outer_strategy(value: object, zero_dp_strategy: int) -> str:
 
 
 def _dp_ranks(mesh: DeviceMesh, dims: tuple[str, str]) -> list[int]:
-    """The global ranks of this rank's flattened ``dims`` submesh (other dims held fixed)."""
-    names = list(mesh.mesh_dim_names or ())
-    coordinate = mesh.get_coordinate()
-    assert coordinate is not None, "this rank is not in the mesh"
-    index: list[Any] = [
-        slice(None) if n in dims else c for n, c in zip(names, coordinate, strict=True)
-    ]
-    ranks: torch.Tensor = mesh.mesh[tuple(index)]
+    """The global ranks of this rank's ``(dp_outer, dp_shard)`` submesh: the ranks its
+    flattened group must hold (the shard dim may itself be flattened, e.g. DP x CP)."""
+    ranks: torch.Tensor = mesh[dims].mesh
     return sorted(int(r) for r in ranks.flatten().tolist())
+
+
+def _names_a_dim(mesh: DeviceMesh, dim: str | None) -> bool:
+    if dim is None:
+        return False
+    if dim in (mesh.mesh_dim_names or ()):
+        return True
+    try:  # a dim flattened onto the mesh (``mesh[("dp_shard", "cp")]._flatten(...)``)
+        mesh[dim]
+    except (KeyError, RuntimeError, ValueError):
+        return False
+    return True
 
 
 def hybrid_topology(
@@ -75,7 +80,7 @@ def hybrid_topology(
             "dp_outer_dim needs device_mesh: pass the mesh that has the dp_outer and dp_shard dims"
         )
     names = tuple(device_mesh.mesh_dim_names or ())
-    if dp_shard_dim is None or dp_shard_dim not in names or dp_outer_dim not in names:
+    if not (_names_a_dim(device_mesh, dp_shard_dim) and _names_a_dim(device_mesh, dp_outer_dim)):
         raise ValueError(
             f"dp_shard_dim={dp_shard_dim!r} and dp_outer_dim={dp_outer_dim!r} must both name "
             f"dims of device_mesh, whose mesh_dim_names are {list(names)}"
@@ -84,7 +89,7 @@ def hybrid_topology(
         raise TypeError(
             f"hybrid_fsdp_group must be a ProcessGroup, got {type(hybrid_fsdp_group).__name__}"
         )
-    assert dp_outer_dim is not None
+    assert dp_outer_dim is not None and dp_shard_dim is not None
     expected = _dp_ranks(device_mesh, (dp_outer_dim, dp_shard_dim))
     got = sorted(dist.get_process_group_ranks(hybrid_fsdp_group))
     if got != expected:
