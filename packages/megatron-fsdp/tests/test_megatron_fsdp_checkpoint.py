@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp import fully_shard_model, fully_shard_optimizer
 from mfsdp_collectives.testing import run_distributed
@@ -22,12 +24,24 @@ class Layer(nn.Module):
         return torch.tanh(self.linear(x)) + x
 
 
-def _build(seed: int, strategy: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _hsdp_args() -> dict[str, object]:
+    """HSDP on 4 ranks as (dp_outer=2, dp_shard=2)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    return {
+        "device_mesh": mesh,
+        "dp_shard_dim": "dp_shard",
+        "dp_outer_dim": "dp_outer",
+        "hybrid_fsdp_group": dist.group.WORLD,
+    }
+
+
+def _build(seed: int, strategy: int, hsdp: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = fully_shard_model(
         nn.Sequential(Layer(), Layer(), nn.Linear(7, 3)),
         fsdp_unit_modules=[Layer],
         zero_dp_strategy=strategy,
+        **(_hsdp_args() if hsdp else {}),  # type: ignore[arg-type]
     )
     optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     return model, optimizer
@@ -49,15 +63,17 @@ def _steps(
     return losses
 
 
-def _save_worker(rank: int, world: int, path: str) -> list[float]:
-    model, optimizer = _build(seed=0, strategy=3)
+def _save_worker(rank: int, world: int, path: str, hsdp: bool = False) -> list[float]:
+    model, optimizer = _build(seed=0, strategy=3, hsdp=hsdp)
     losses = _steps(model, optimizer, rank, world, 3, start=0)
     dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
     return losses + _steps(model, optimizer, rank, world, 3, start=3)
 
 
-def _load_worker(rank: int, world: int, path: str, strategy: int) -> list[float]:
-    model, optimizer = _build(seed=123, strategy=strategy)  # a different init, overwritten
+def _load_worker(
+    rank: int, world: int, path: str, strategy: int, hsdp: bool = False
+) -> list[float]:
+    model, optimizer = _build(seed=123, strategy=strategy, hsdp=hsdp)  # another init, overwritten
     ckpt_state_dict = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     dcp.load(state_dict=ckpt_state_dict, checkpoint_id=path)
     model.load_state_dict(ckpt_state_dict["model"], strict=False)
@@ -70,5 +86,15 @@ def test_seed_snippet_saves_and_resumes(tmp_path: Path, world: int, strategy: in
     path = str(tmp_path / "ckpt")
     uninterrupted = run_distributed(_save_worker, 2, path, timeout=120)[0]
     resumed = run_distributed(_load_worker, world, path, strategy, timeout=120)[0]
+    for got, want in zip(resumed, uninterrupted[3:], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (resumed, uninterrupted)
+
+
+@pytest.mark.parametrize(("world", "hsdp"), [(2, False), (4, False), (4, True)])
+def test_an_hsdp_checkpoint_resumes_exactly(tmp_path: Path, world: int, hsdp: bool) -> None:
+    """Saved under HSDP (4 ranks as 2x2); resumed in plain FSDP on 2 and 4 ranks, and in HSDP."""
+    path = str(tmp_path / "ckpt")
+    uninterrupted = run_distributed(_save_worker, 4, path, True, timeout=180)[0]
+    resumed = run_distributed(_load_worker, world, path, 3, hsdp, timeout=180)[0]
     for got, want in zip(resumed, uninterrupted[3:], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want), (resumed, uninterrupted)
