@@ -24,24 +24,27 @@ class Layer(nn.Module):
         return torch.tanh(self.linear(x)) + x
 
 
-def _hsdp_args() -> dict[str, object]:
-    """HSDP on 4 ranks as (dp_outer=2, dp_shard=2)."""
+def _hybrid_args(hybrid: str) -> dict[str, object]:
+    """Plain FSDP (""), or on 4 ranks as (dp_outer=2, dp_shard=2) "hsdp" or "hfsdp"."""
+    if not hybrid:
+        return {}
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
     return {
         "device_mesh": mesh,
         "dp_shard_dim": "dp_shard",
         "dp_outer_dim": "dp_outer",
         "hybrid_fsdp_group": dist.group.WORLD,
+        "outer_dp_sharding_strategy": "optim" if hybrid == "hfsdp" else "no_shard",
     }
 
 
-def _build(seed: int, strategy: int, hsdp: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _build(seed: int, strategy: int, hybrid: str = "") -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = fully_shard_model(
         nn.Sequential(Layer(), Layer(), nn.Linear(7, 3)),
         fsdp_unit_modules=[Layer],
         zero_dp_strategy=strategy,
-        **(_hsdp_args() if hsdp else {}),  # type: ignore[arg-type]
+        **_hybrid_args(hybrid),  # type: ignore[arg-type]
     )
     optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     return model, optimizer
@@ -63,17 +66,15 @@ def _steps(
     return losses
 
 
-def _save_worker(rank: int, world: int, path: str, hsdp: bool = False) -> list[float]:
-    model, optimizer = _build(seed=0, strategy=3, hsdp=hsdp)
+def _save_worker(rank: int, world: int, path: str, hybrid: str = "") -> list[float]:
+    model, optimizer = _build(seed=0, strategy=3, hybrid=hybrid)
     losses = _steps(model, optimizer, rank, world, 3, start=0)
     dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
     return losses + _steps(model, optimizer, rank, world, 3, start=3)
 
 
-def _load_worker(
-    rank: int, world: int, path: str, strategy: int, hsdp: bool = False
-) -> list[float]:
-    model, optimizer = _build(seed=123, strategy=strategy, hsdp=hsdp)  # another init, overwritten
+def _load_worker(rank: int, world: int, path: str, strategy: int, hybrid: str = "") -> list[float]:
+    model, optimizer = _build(seed=123, strategy=strategy, hybrid=hybrid)  # another init
     ckpt_state_dict = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     dcp.load(state_dict=ckpt_state_dict, checkpoint_id=path)
     model.load_state_dict(ckpt_state_dict["model"], strict=False)
@@ -90,11 +91,24 @@ def test_seed_snippet_saves_and_resumes(tmp_path: Path, world: int, strategy: in
         assert abs(got - want) <= 1e-5 * abs(want), (resumed, uninterrupted)
 
 
-@pytest.mark.parametrize(("world", "hsdp"), [(2, False), (4, False), (4, True)])
-def test_an_hsdp_checkpoint_resumes_exactly(tmp_path: Path, world: int, hsdp: bool) -> None:
-    """Saved under HSDP (4 ranks as 2x2); resumed in plain FSDP on 2 and 4 ranks, and in HSDP."""
+@pytest.mark.parametrize(
+    ("saved", "world", "loaded"),
+    [
+        ("hsdp", 2, ""),
+        ("hsdp", 4, ""),
+        ("hsdp", 4, "hsdp"),
+        ("hsdp", 4, "hfsdp"),
+        ("hfsdp", 2, ""),
+        ("hfsdp", 4, "hsdp"),
+    ],
+)
+def test_a_hybrid_checkpoint_resumes_exactly(
+    tmp_path: Path, saved: str, world: int, loaded: str
+) -> None:
+    """Saved on 4 ranks as 2x2 (HSDP, or HFSDP with the optimizer state cut across dp_outer);
+    resumed in plain FSDP on 2 and 4 ranks, in HSDP and in HFSDP."""
     path = str(tmp_path / "ckpt")
-    uninterrupted = run_distributed(_save_worker, 4, path, True, timeout=180)[0]
-    resumed = run_distributed(_load_worker, world, path, 3, hsdp, timeout=180)[0]
+    uninterrupted = run_distributed(_save_worker, 4, path, saved, timeout=180)[0]
+    resumed = run_distributed(_load_worker, world, path, 3, loaded, timeout=180)[0]
     for got, want in zip(resumed, uninterrupted[3:], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want), (resumed, uninterrupted)

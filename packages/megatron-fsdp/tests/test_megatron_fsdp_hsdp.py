@@ -14,9 +14,10 @@ from mfsdp_collectives.testing import run_distributed
 STEPS = 10
 
 
-def _hsdp_worker(rank: int, world: int, zero: int, outer_strategy: object) -> list[float]:
+def _hybrid_model(zero: int, outer_strategy: object) -> torch.nn.Module:
+    """The test model on 4 ranks as (dp_outer=2, dp_shard=2)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
-    model = fully_shard_model(
+    return fully_shard_model(
         _model(),
         fsdp_unit_modules=[Layer],
         device_mesh=mesh,
@@ -24,9 +25,12 @@ def _hsdp_worker(rank: int, world: int, zero: int, outer_strategy: object) -> li
         dp_outer_dim="dp_outer",
         hybrid_fsdp_group=dist.group.WORLD,  # the flattened (dp_outer, dp_shard) submesh
         zero_dp_strategy=zero,
-        outer_dp_sharding_strategy=outer_strategy,
+        outer_dp_sharding_strategy=outer_strategy,  # type: ignore[arg-type]
     )
-    return _train_against_one_process(model, rank, world)
+
+
+def _hsdp_worker(rank: int, world: int, zero: int, outer_strategy: object) -> list[float]:
+    return _train_against_one_process(_hybrid_model(zero, outer_strategy), rank, world)
 
 
 def _train_against_one_process(model: torch.nn.Module, rank: int, world: int) -> list[float]:
@@ -52,8 +56,12 @@ def _train_against_one_process(model: torch.nn.Module, rank: int, world: int) ->
     return errors
 
 
-@pytest.mark.parametrize(("zero", "outer_strategy"), [(3, 0), (1, "no_shard"), (2, 0)])
-def test_fully_shard_model_hsdp_trains_as_one_process(zero: int, outer_strategy: object) -> None:
+@pytest.mark.parametrize(
+    ("zero", "outer_strategy"), [(3, 0), (1, "no_shard"), (2, 0), (3, 1), (3, "optim")]
+)
+def test_fully_shard_model_hsdp_and_hfsdp_train_as_one_process(
+    zero: int, outer_strategy: object
+) -> None:
     for errors in run_distributed(_hsdp_worker, 4, zero, outer_strategy, timeout=180):
         assert max(errors) <= 1e-5, errors
 
@@ -77,7 +85,8 @@ def _bad_hsdp(rank: int, world: int, case: str) -> str:
         kwargs["dp_outer_dim"] = "dp_replicate"
     elif case == "hfsdp_zero1":
         kwargs.update(outer_dp_sharding_strategy=1, zero_dp_strategy=1)
-    elif case == "hfsdp":
+    elif case == "hfsdp_without_outer":
+        del kwargs["dp_outer_dim"], kwargs["hybrid_fsdp_group"], kwargs["device_mesh"]
         kwargs["outer_dp_sharding_strategy"] = "optim"
     elif case == "outer_strategy":
         kwargs["outer_dp_sharding_strategy"] = 2
@@ -97,7 +106,7 @@ def _bad_hsdp(rank: int, world: int, case: str) -> str:
         ("wrong_group", "ValueError: hybrid_fsdp_group holds ranks"),
         ("unknown_dim", "ValueError: dp_shard_dim='dp_shard' and dp_outer_dim='dp_replicate'"),
         ("hfsdp_zero1", "ValueError: outer_dp_sharding_strategy='optim' (HFSDP) needs"),
-        ("hfsdp", "NotImplementedError: outer_dp_sharding_strategy='optim' (HFSDP"),
+        ("hfsdp_without_outer", "ValueError: outer_dp_sharding_strategy='optim' (HFSDP) shards"),
         ("outer_strategy", "ValueError: outer_dp_sharding_strategy=2 is not one of"),
     ],
 )
@@ -142,3 +151,36 @@ def _hsdp_with_context_parallel_worker(rank: int, world: int) -> list[float]:
 def test_hsdp_over_a_flattened_dp_x_cp_shard_dim_trains_as_one_process() -> None:
     for errors in run_distributed(_hsdp_with_context_parallel_worker, 4, timeout=180):
         assert max(errors) <= 1e-5, errors
+
+
+def _hfsdp_full_state_worker(rank: int, world: int, rank0_only: bool) -> bool:
+    """Under HFSDP, gathering the full state dict puts the sub-shards back in layout order
+    (the group's rank order is not sub-shard order): it equals the gathered compute weights.
+    """
+    from mfsdp_checkpoint import gather_full_state_dict
+    from mfsdp_hooks import fsdp_units, locate
+
+    model = _hybrid_model(3, "optim")
+    _train_against_one_process(model, rank, world)  # the weights moved away from the init
+    gathered = gather_full_state_dict(model, rank0_only=rank0_only)
+    units = fsdp_units(model)
+    for unit in units:
+        unit.unshard()
+    compute = {}
+    for name, param in model.module.named_parameters():
+        location = locate(param)
+        assert location is not None
+        compute[name] = location.group.unsharded_params[location.index].detach().clone()
+    for unit in units:
+        unit.reshard()
+    if rank0_only and rank != 0:
+        return gathered == {}
+    found = {name.removeprefix("module."): value for name, value in gathered.items()}
+    return found.keys() == compute.keys() and all(
+        torch.equal(found[k], compute[k]) for k in compute
+    )
+
+
+@pytest.mark.parametrize("rank0_only", [True, False])
+def test_hfsdp_full_state_dict_reassembles_the_sub_shards_in_order(rank0_only: bool) -> None:
+    assert run_distributed(_hfsdp_full_state_worker, 4, rank0_only, timeout=180) == [True] * 4

@@ -195,3 +195,31 @@ def test_padding_gaps_and_parameters_tile_the_buffer(
         assert start < end
         covered[start:end] += 1
     assert bool((covered == 1).all())  # every element: exactly one parameter or one gap
+
+
+@given(shapes=_SHAPES, shard=st.integers(1, 4), outer=st.integers(1, 4), align=_ALIGN)
+def test_a_merged_layout_cuts_each_shard_into_its_sub_shards(
+    shapes: list[tuple[int, ...]], shard: int, outer: int, align: int
+) -> None:
+    # HFSDP: a dp_shard rank's compute shard is the concatenation of the sub-shards its
+    # dp_outer peers hold, parameter by parameter (row ranges tile in sub-shard order).
+    fine = FlatLayout.build(shapes, shard * outer, align)
+    coarse = fine.merged(outer)
+    assert coarse.world_size == shard and coarse.padded_numel == fine.padded_numel
+    for rank in range(shard):
+        start, end = coarse.shard_range(rank)
+        subs = [fine.shard_range(rank * outer + o) for o in range(outer)]
+        assert subs[0][0] == start and subs[-1][1] == end
+        for index in range(fine.num_params):
+            whole = coarse.local_piece(index, rank)
+            parts = [fine.local_piece(index, rank * outer + o) for o in range(outer)]
+            if whole.numel:
+                assert sum(p.numel for p in parts) == whole.numel
+                rows = [(p.row_start, p.row_end) for p in parts if p.numel]
+                assert rows[0][0] == whole.row_start and rows[-1][1] == whole.row_end
+                assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))
+
+
+def test_merged_refuses_a_factor_that_does_not_divide_the_world() -> None:
+    with pytest.raises(ValueError, match="factor=3 must be a positive divisor of world_size=4"):
+        FlatLayout.build([(8, 2)], 4).merged(3)

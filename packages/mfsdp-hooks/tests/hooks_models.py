@@ -87,5 +87,5 @@ def local_rows(param: Any) -> slice:
     location = locate(param)
     assert location is not None, "not a distributed parameter"
     group = location.group
-    piece = group.layout.local_piece(location.index, group.topology.shard_rank)
+    piece = group.optim_layout.local_piece(location.index, group.topology.optim_rank)
     return slice(piece.row_start, piece.row_end)

@@ -131,8 +131,13 @@ def fully_shard_model(
     policy = _policy(mixed_precision_policy, grad_reduce_in_fp32, preserve_fp32_weights)
     if device is not None and not init_model_with_meta_device:
         module = module.to(device)
-    parse_outer_strategy(outer_dp_sharding_strategy, int(strategy))
+    outer_strategy = parse_outer_strategy(outer_dp_sharding_strategy, int(strategy))
     if dp_outer_dim is None and hybrid_fsdp_group is None:
+        if outer_strategy == "optim":
+            raise ValueError(
+                "outer_dp_sharding_strategy='optim' (HFSDP) shards across dp_outer: pass "
+                "device_mesh, dp_outer_dim and hybrid_fsdp_group too"
+            )
         topology = _topology(module, device_mesh, dp_shard_dim, device)
     else:
         topology = hybrid_topology(
@@ -140,6 +145,7 @@ def fully_shard_model(
             dp_shard_dim=dp_shard_dim,
             dp_outer_dim=dp_outer_dim,
             hybrid_fsdp_group=hybrid_fsdp_group,
+            outer_strategy=outer_strategy,
         )
     wrapped = MegatronFSDP(
         module,

@@ -1,4 +1,5 @@
-"""Hybrid sharding (HSDP) arguments of ``fully_shard_model``, checked before any collective.
+"""Hybrid sharding (HSDP, HFSDP) arguments of ``fully_shard_model``, checked before any
+collective.
 
 ``dp_outer_dim`` names the mesh dim across which shards are replicated, and
 ``hybrid_fsdp_group`` is the process group of the flattened ``(dp_outer, dp_shard)`` submesh
@@ -27,16 +28,11 @@ def parse_outer_strategy(value: object, zero_dp_strategy: int) -> str:
             "across dp_outer) or 1/'optim' (HFSDP: also shard optimizer state across it)"
         )
     name = _OUTER_STRATEGIES[value]
-    if name == "optim":
-        if zero_dp_strategy != 3:
-            raise ValueError(
-                "outer_dp_sharding_strategy='optim' (HFSDP) needs zero_dp_strategy=3, got "
-                f"zero_dp_strategy={zero_dp_strategy}: pass zero_dp_strategy=3 or "
-                "outer_dp_sharding_strategy=0"
-            )
-        raise NotImplementedError(
-            "outer_dp_sharding_strategy='optim' (HFSDP: optimizer state sharded across "
-            "dp_outer as well) is not supported yet; use outer_dp_sharding_strategy=0 (HSDP)"
+    if name == "optim" and zero_dp_strategy != 3:
+        raise ValueError(
+            "outer_dp_sharding_strategy='optim' (HFSDP) needs zero_dp_strategy=3, got "
+            f"zero_dp_strategy={zero_dp_strategy}: pass zero_dp_strategy=3 or "
+            "outer_dp_sharding_strategy=0"
         )
     return name
 
@@ -66,8 +62,11 @@ def hybrid_topology(
     dp_shard_dim: str | None,
     dp_outer_dim: str | None,
     hybrid_fsdp_group: object,
+    outer_strategy: str = "no_shard",
 ) -> FSDPTopology:
-    """The HSDP topology of ``device_mesh``, after checking the arguments agree with it."""
+    """The HSDP topology of ``device_mesh``, after checking the arguments agree with it;
+    with ``outer_strategy="optim"`` (HFSDP) the optimizer-facing shards are cut across
+    ``hybrid_fsdp_group`` (one collective over it, after every local check)."""
     if (dp_outer_dim is None) != (hybrid_fsdp_group is None):
         given = "dp_outer_dim" if dp_outer_dim is not None else "hybrid_fsdp_group"
         missing = "hybrid_fsdp_group" if dp_outer_dim is not None else "dp_outer_dim"
@@ -99,4 +98,9 @@ def hybrid_topology(
             f"{expected}: pass device_mesh[({dp_outer_dim!r}, {dp_shard_dim!r})]._flatten()"
             ".get_group() or a group over exactly those ranks"
         )
-    return FSDPTopology.from_mesh(device_mesh, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim)
+    topology = FSDPTopology.from_mesh(
+        device_mesh, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim
+    )
+    if outer_strategy == "optim":
+        topology.shard_optimizer_across_outer(hybrid_fsdp_group)
+    return topology

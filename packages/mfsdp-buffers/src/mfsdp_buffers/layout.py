@@ -205,6 +205,24 @@ class FlatLayout:
             shard_numel=shard,
         )
 
+    def merged(self, factor: int) -> FlatLayout:
+        """The same packing cut into ``world_size // factor`` shards, shard ``r`` being this
+        layout's shards ``r * factor`` to ``r * factor + factor - 1``.
+
+        HFSDP builds its layout over ``shard x outer`` sub-shards and merges it by ``outer``:
+        a ``dp_shard`` rank's compute shard is then exactly its ``dp_outer`` peers' sub-shards.
+        """
+        if isinstance(factor, bool) or operator.index(factor) < 1 or self.world_size % factor:
+            raise ValueError(
+                f"factor={factor!r} must be a positive divisor of world_size={self.world_size}"
+            )
+        return FlatLayout(
+            placements=self.placements,
+            world_size=self.world_size // factor,
+            alignment=self.alignment,
+            shard_numel=self.shard_numel * factor,
+        )
+
     # ------------------------------------------------------------- accessors
 
     @property

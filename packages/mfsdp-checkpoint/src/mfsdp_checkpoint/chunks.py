@@ -64,14 +64,14 @@ def group_chunks(group: ParameterGroup) -> tuple[RowChunk, ...]:
     cached = _CACHE.get(group)
     if cached is not None:
         return cached
-    rank = group.topology.shard_rank
+    rank = group.topology.optim_rank  # the optimizer-facing shard (HFSDP: a sub-shard)
     chunks = []
     for index, shape in enumerate(group.shapes):
         size = torch.Size(shape)
         if group.strategy == ShardingStrategy.NO_SHARD:
             chunks.append(RowChunk(size, 0, size[0], writes=True))
             continue
-        piece = group.layout.local_piece(index, rank)
+        piece = group.optim_layout.local_piece(index, rank)
         if size.numel() == 0:
             # Nothing to write anywhere; one rank still records the tensor so it has metadata.
             chunks.append(RowChunk(size, 0, size[0], writes=rank == 0))

@@ -61,10 +61,12 @@ def export_plan(model: nn.Module) -> ExportPlan:
 
 
 def _gather_group(group: ParameterGroup, to_all: bool) -> list[torch.Tensor] | None:
-    """Every rank's flat shard of ``group`` on rank 0 (on all ranks with ``to_all``)."""
-    layout = group.layout
+    """Every optimizer-facing shard of ``group``, in layout order, on rank 0 of the group
+    that holds them (on all its ranks with ``to_all``): the shard group, or under HFSDP the
+    ``dp_outer x dp_shard`` group, whose rank order is not sub-shard order."""
+    layout = group.optim_layout
     topology = group.topology
-    rank, world = topology.shard_rank, topology.shard_size
+    holders, rank, world = topology.optim_group, topology.optim_rank, topology.optim_size
     first = group.dist_params[0]
     assert isinstance(first, DTensor)
     local = local_tensor(first)
@@ -76,21 +78,23 @@ def _gather_group(group: ParameterGroup, to_all: bool) -> list[torch.Tensor] | N
             shard[start : start + piece.numel].copy_(local_tensor(param).reshape(-1))
     if world == 1:
         return [shard]
+    dst = dist.get_global_rank(holders, 0)
+    if not to_all and dist.get_rank(holders) != 0:
+        dist.gather(shard, None, dst=dst, group=holders)
+        return None
+    received = [torch.empty_like(shard) for _ in range(world)]
     if to_all:
-        received = [torch.empty_like(shard) for _ in range(world)]
-        dist.all_gather(received, shard, group=topology.shard_group)
-        return received
-    dst = dist.get_global_rank(topology.shard_group, 0)
-    if rank == 0:
-        received = [torch.empty_like(shard) for _ in range(world)]
-        dist.gather(shard, received, dst=dst, group=topology.shard_group)
-        return received
-    dist.gather(shard, None, dst=dst, group=topology.shard_group)
-    return None
+        dist.all_gather(received, shard, group=holders)
+    else:
+        dist.gather(shard, received, dst=dst, group=holders)
+    in_layout_order = [received[0]] * world
+    for group_rank, tensor in enumerate(received):
+        in_layout_order[topology.optim_index_of(group_rank)] = tensor
+    return in_layout_order
 
 
 def _full_param(group: ParameterGroup, index: int, shards: list[torch.Tensor]) -> torch.Tensor:
-    layout = group.layout
+    layout = group.optim_layout
     pieces = []
     for rank, shard in enumerate(shards):
         piece = layout.local_piece(index, rank)

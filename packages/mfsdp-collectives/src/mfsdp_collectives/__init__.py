@@ -2,7 +2,7 @@
 
 Process-group topology (from a DeviceMesh, explicit groups or the world),
 async collectives on flat buffers (all-gather, reduce-scatter, all-reduce,
-HSDP two-level reduction, broadcast; a shared-memory transport for the ranks
+HSDP/HFSDP two-level reductions, broadcast; a shared-memory transport for the ranks
 of one host) returning handles that include their
 post-processing, side streams for overlap on accelerators, NCCL user buffers,
 communication accounting, and the multi-rank test harness
@@ -21,7 +21,7 @@ from .host_transport import (
     enable_host_transport,
     host_transport_of,
 )
-from .hsdp_ops import hsdp_reduce_scatter_into
+from .hsdp_ops import hfsdp_reduce_scatter_into, hsdp_reduce_scatter_into
 from .liveness import PeerDiedError, dead_ranks, exchange_identities, naming_dead_peers
 from .naming import group_name, register_group_name
 from .nccl_ub import UserBufferPool, register_user_buffers
@@ -31,6 +31,7 @@ from .ops import (
     broadcast_,
     reduce_scatter_into,
 )
+from .optim_sharding import OptimizerSharding
 from .shm import SharedMemoryTransport
 from .streams import CommStreams
 from .strict import strict_async, strict_async_enabled
@@ -46,6 +47,7 @@ __all__ = [
     "CommTracer",
     "FSDPTopology",
     "HOST_TRANSPORTS",
+    "OptimizerSharding",
     "PeerDiedError",
     "RankMismatchError",
     "SharedMemoryTransport",
@@ -62,6 +64,7 @@ __all__ = [
     "enable_host_transport",
     "exchange_identities",
     "group_name",
+    "hfsdp_reduce_scatter_into",
     "host_transport_of",
     "hsdp_reduce_scatter_into",
     "naming_dead_peers",

@@ -17,7 +17,7 @@ from ._checks import (
     check_same_device,
     check_scale,
 )
-from ._reduce import ReduceSpec
+from ._reduce import ReduceSpec, reduce_op
 from .naming import group_name
 from .shm import SharedMemoryTransport
 from .streams import CommStreams
@@ -104,6 +104,16 @@ def host_route(
     return transport
 
 
+def routed_reduce_op(
+    route: SharedMemoryTransport | None, group: dist.ProcessGroup, average: bool
+) -> tuple[dist.ReduceOp.RedOpType, float]:
+    """``reduce_op`` for a reduction that ``route`` may carry: the shared-memory transport
+    averages the output chunk itself, so nothing is owed afterwards."""
+    if route is not None:
+        return (dist.ReduceOp.AVG if average else dist.ReduceOp.SUM), 1.0
+    return reduce_op(group, average)
+
+
 def check_pieces(pieces: FlatPieces, arg: str, out: torch.Tensor, out_arg: str) -> FlatPieces:
     if pieces.device != out.device:
         raise ValueError(
@@ -133,15 +143,16 @@ def check_reduce_scatter(
     pre_scale: object,
     post_scale: object,
     reduce_dtype: object,
+    out_arg: str = "out_shard",
 ) -> ReduceScatterArgs:
     """Check a reduce-scatter's arguments on this rank, raising before anything is issued."""
-    out = check_flat(out_shard, "out_shard")
+    out = check_flat(out_shard, out_arg)
     inp: torch.Tensor | FlatPieces
     if isinstance(unsharded_grad, FlatPieces):
-        inp = check_pieces(unsharded_grad, "unsharded_grad", out, "out_shard")
+        inp = check_pieces(unsharded_grad, "unsharded_grad", out, out_arg)
     else:
         inp = check_flat(unsharded_grad, "unsharded_grad")
-        check_same_device(inp, "unsharded_grad", out, "out_shard")
+        check_same_device(inp, "unsharded_grad", out, out_arg)
     pg, _, size = membership(group, group_arg)
     spec = reduce_spec(
         inp,
@@ -152,5 +163,5 @@ def check_reduce_scatter(
         reduce_dtype=reduce_dtype,
     )
     numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
-    check_shard_sizes(numel, "unsharded_grad", out, "out_shard", size)
+    check_shard_sizes(numel, "unsharded_grad", out, out_arg, size)
     return ReduceScatterArgs(inp, out, pg, spec, numel)

@@ -1,4 +1,8 @@
-"""Hierarchical (HSDP) gradient reduction: inside the shard group, then across replicas."""
+"""Hierarchical gradient reduction: inside the shard group, then across ``dp_outer``.
+
+HSDP all-reduces the shard across the replicas; HFSDP reduce-scatters it across them, so
+each rank ends with 1/(shard x outer) of the gradient.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +13,15 @@ import torch.distributed as dist
 
 from mfsdp_buffers import FlatPieces
 
+from ._checks import check_flat, check_same_device, overlaps
 from ._compat import Work, all_reduce_async
 from ._launch import launch
 from ._op_args import (
     check_reduce_scatter,
+    check_shard_sizes,
     host_route,
     membership,
+    routed_reduce_op,
     side_stream,
 )
 from ._reduce import ReduceSpec, finish_into, reduce_op
@@ -25,7 +32,7 @@ from .shm import SharedMemoryTransport
 from .streams import CommStreams
 from .tracer import record_comm
 
-__all__ = ["hsdp_reduce_scatter_into"]
+__all__ = ["hfsdp_reduce_scatter_into", "hsdp_reduce_scatter_into"]
 
 
 def hsdp_reduce_scatter_into(
@@ -153,3 +160,91 @@ class _OuterStage:
                     self._out.mul_(self._outer_factor)
 
         return run, finish
+
+
+def hfsdp_reduce_scatter_into(
+    unsharded_grad: torch.Tensor | FlatPieces,
+    out_sub_shard: torch.Tensor,
+    shard_group: dist.ProcessGroup,
+    outer_group: dist.ProcessGroup,
+    *,
+    partial: torch.Tensor,
+    partial_accumulate: bool = False,
+    average: bool = True,
+    post_scale: float | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+    async_op: bool = True,
+    stream: CommStreams | None = None,
+    transport: SharedMemoryTransport | None = None,
+    outer_transport: SharedMemoryTransport | None = None,
+) -> CommHandle:
+    """Two-level reduce-scatter for HFSDP: gradients end sharded across both groups.
+
+    Reduce-scatter ``unsharded_grad`` inside ``shard_group`` into ``partial`` (this rank's
+    1/shard_size slice; with ``partial_accumulate`` added to what it holds: the micro-batches
+    a ``no_sync`` kept inside the shard group), then reduce-scatter ``partial`` across
+    ``outer_group`` into ``out_sub_shard`` (its 1/outer_size slice, stored or added with
+    ``accumulate``). With ``average`` the result is the mean over all ranks of both groups;
+    ``post_scale`` applies to the inner result. ``transport`` carries the inner level and
+    ``outer_transport`` the outer one (the shared-memory transports of the two groups).
+    """
+    args = check_reduce_scatter(
+        unsharded_grad,
+        partial,
+        shard_group,
+        "shard_group",
+        average=average,
+        pre_scale=None,
+        post_scale=post_scale,
+        reduce_dtype=reduce_dtype,
+        out_arg="partial",
+    )
+    partial = args.out
+    inp, shard_group, spec, numel = args.inp, args.group, args.spec, args.numel
+    out = check_flat(out_sub_shard, "out_sub_shard")
+    check_same_device(out, "out_sub_shard", partial, "partial")
+    outer_group, _, outer_size = membership(outer_group, "outer_group")
+    if outer_group is shard_group:
+        raise ValueError("outer_group must differ from shard_group; use reduce_scatter_into")
+    check_shard_sizes(partial.numel(), "partial", out, "out_sub_shard", outer_size)
+    if overlaps(partial, out):
+        raise ValueError("partial and out_sub_shard overlap; pass separate tensors")
+    rs_side = side_stream(stream, "reduce_scatter", out.device)
+    outer_side = side_stream(stream, "outer", out.device)
+    if out.numel() == 0:
+        return CommHandle.completed()
+    route = host_route(transport, shard_group, partial)
+    inner_op, inner_factor = routed_reduce_op(route, shard_group, spec.average)
+    inner_factor *= spec.post_scale if spec.post_scale is not None else 1.0
+    outer_route = host_route(outer_transport, outer_group, out)
+    outer_op, outer_factor = routed_reduce_op(outer_route, outer_group, spec.average)
+    record_comm("reduce_scatter", group_name(shard_group), numel, spec.reduce_dtype)
+    record_comm("reduce_scatter", group_name(outer_group), partial.numel(), spec.reduce_dtype)
+    inner = ReduceScatterStage(
+        inp, partial, spec, shard_group, inner_op, bool(partial_accumulate), route
+    )
+    outer_spec = ReduceSpec(spec.average, None, None, spec.reduce_dtype)
+    outer = ReduceScatterStage(
+        partial, out, outer_spec, outer_group, outer_op, bool(accumulate), outer_route
+    )
+
+    def run_outer() -> Work | None:
+        finish_into(
+            inner.result(), partial, factor=inner_factor, accumulate=bool(partial_accumulate)
+        )
+        return outer()
+
+    def finish() -> None:
+        finish_into(outer.result(), out, factor=outer_factor, accumulate=bool(accumulate))
+
+    return launch(
+        [(rs_side, inner), (outer_side, run_outer)],
+        device=out.device,
+        finish=finish,
+        async_op=async_op,
+        keep_alive=(inp, partial, out),
+        reads=inp.pieces if isinstance(inp, FlatPieces) else (inp,),
+        writes=(partial, out),
+        label=f"HFSDP reduce_scatter on {group_name(shard_group)}, {group_name(outer_group)}",
+    )

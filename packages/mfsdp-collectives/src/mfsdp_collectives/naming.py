@@ -23,12 +23,14 @@ _registered: dict[str, str] = {}  # c10d group_name -> readable name
 _cache: dict[str, str] = {}
 
 
-def register_group_name(group: dist.ProcessGroup, name: str) -> None:
-    """Give ``group`` a readable ``name`` (the latest registration wins)."""
+def register_group_name(group: dist.ProcessGroup, name: str, *, replace: bool = True) -> None:
+    """Give ``group`` a readable ``name`` (the latest registration wins unless ``replace`` is
+    False: then a group that already has a role keeps it)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     with _lock:
-        _registered[group.group_name] = name
+        if replace or group.group_name not in _registered:
+            _registered[group.group_name] = name
 
 
 def group_name(group: dist.ProcessGroup) -> str:

@@ -34,6 +34,7 @@ from ._op_args import (
     host_route,
     membership,
     reduce_spec,
+    routed_reduce_op,
     side_stream,
 )
 from ._reduce import ReduceSpec, finish_into, prepare_input, reduce_op
@@ -200,10 +201,7 @@ def reduce_scatter_into(
     if out.numel() == 0:
         return CommHandle.completed()
     route = host_route(transport, group, out)
-    if route is not None:  # it averages the output chunk itself
-        op, factor = (dist.ReduceOp.AVG if spec.average else dist.ReduceOp.SUM), 1.0
-    else:
-        op, factor = reduce_op(group, spec.average)
+    op, factor = routed_reduce_op(route, group, spec.average)
     factor *= spec.post_scale if spec.post_scale is not None else 1.0
     record_comm("reduce_scatter", group_name(group), numel, spec.reduce_dtype)
     stage = ReduceScatterStage(inp, out, spec, group, op, bool(accumulate), route)

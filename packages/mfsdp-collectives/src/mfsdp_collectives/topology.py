@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .host_transport import check_host_transport, enable_host_transport, host_transport_of
 from .naming import group_name, register_group_name
+from .optim_sharding import OptimizerSharding
 from .shm import SharedMemoryTransport
 
 __all__ = ["FSDPTopology", "default_device", "group_name"]
@@ -97,6 +98,8 @@ class FSDPTopology:
     ``shard_group`` is where parameters/gradients are sharded; ``outer_group``
     (HSDP) is where shards are replicated; ``tp_group`` is only carried for the
     upper layers. ``shard_mesh`` is the 1-D mesh DTensors of the sharded dim use.
+    ``optim_sharding`` (HFSDP, set by ``shard_optimizer_across_outer``) says that the
+    optimizer-facing shards are cut across ``outer_group`` as well.
     """
 
     shard_group: dist.ProcessGroup
@@ -108,21 +111,28 @@ class FSDPTopology:
     # How the shard group's CPU all-gathers and reduce-scatters travel, chosen once by
     # ``choose_host_transport``: the shared-memory transport, or None for c10d.
     host_transport: SharedMemoryTransport | None = None
+    optim_sharding: OptimizerSharding | None = None
+    # HFSDP: how the reduce-scatter and all-gather across dp_outer travel (chosen likewise).
+    outer_transport: SharedMemoryTransport | None = None
 
     def choose_host_transport(self, choice: str) -> None:
         """Pick the shard group's CPU transport (``"auto"``, ``"shm"``, ``"gloo"``; see
-        ``enable_host_transport``). Collective over the shard group unless ``"gloo"``;
-        nothing to choose on accelerators."""
+        ``enable_host_transport``), and under HFSDP the outer group's. Collective over the
+        groups unless ``"gloo"``; nothing to choose on accelerators."""
         check_host_transport(choice)
         if self.device.type != "cpu":
             return
-        if choice == "gloo" and host_transport_of(self.shard_group) is not None:
+        outer = self.outer_group if self.shards_optimizer_across_outer else None
+        groups = [g for g in (self.shard_group, outer) if g is not None]
+        if choice == "gloo" and any(host_transport_of(g) is not None for g in groups):
             raise ValueError(
                 "host_transport='gloo', but an earlier fully_shard already put this shard "
                 "group's collectives on shared memory; pass a mesh over a separate process "
                 "group for this model, or the same host_transport as before"
             )
         self.host_transport = enable_host_transport(self.shard_group, choice)
+        if outer is not None:
+            self.outer_transport = enable_host_transport(outer, choice)
 
     @property
     def shard_rank(self) -> int:
@@ -143,6 +153,58 @@ class FSDPTopology:
     @property
     def is_hsdp(self) -> bool:
         return self.outer_group is not None
+
+    @property
+    def shards_optimizer_across_outer(self) -> bool:
+        """HFSDP: main weights, gradients and optimizer state are 1/(shard x outer)."""
+        return self.optim_sharding is not None
+
+    @property
+    def optim_group(self) -> dist.ProcessGroup:
+        """The ranks the optimizer-facing shards partition (each holds one of them)."""
+        sharding = self.optim_sharding
+        return self.shard_group if sharding is None else sharding.group
+
+    @property
+    def optim_rank(self) -> int:
+        """Which optimizer-facing shard of the flat buffer this rank holds."""
+        sharding = self.optim_sharding
+        return self.shard_rank if sharding is None else sharding.index
+
+    @property
+    def optim_size(self) -> int:
+        sharding = self.optim_sharding
+        return self.shard_size if sharding is None else sharding.size
+
+    @property
+    def optim_mesh(self) -> DeviceMesh | None:
+        """The 1-D mesh of the distributed parameters' DTensors."""
+        sharding = self.optim_sharding
+        return self.shard_mesh if sharding is None else sharding.mesh
+
+    def optim_index_of(self, group_rank: int) -> int:
+        """The optimizer-facing shard held by rank ``group_rank`` of ``optim_group``."""
+        sharding = self.optim_sharding
+        return group_rank if sharding is None else sharding.index_of_group_rank[group_rank]
+
+    def shard_optimizer_across_outer(self, group: dist.ProcessGroup) -> None:
+        """Turn HSDP into HFSDP: ``group`` holds the ranks of the flattened (dp_outer,
+        dp_shard) submesh, over which main weights, gradients and optimizer state are cut.
+        Collective over ``group``."""
+        _check_group(group, "hybrid_fsdp_group", optional=False)
+        if self.outer_group is None:
+            raise ValueError(
+                "sharding the optimizer across dp_outer (HFSDP) needs an outer group: build "
+                "the topology with dp_outer_dim (or outer_group) first"
+            )
+        self.optim_sharding = OptimizerSharding.across_outer(
+            group,
+            shard_rank=self.shard_rank,
+            shard_size=self.shard_size,
+            outer_rank=self.outer_rank,
+            outer_size=self.outer_size,
+            device_type=self.device.type,
+        )
 
     @classmethod
     def from_mesh(

@@ -283,6 +283,11 @@ def fully_shard(
     scope = modules_in_scope(module, skip=lambda m: unit_of(m) is not None)
     check_initialisable(scope, f"fully_shard({type(module).__name__})")
     topology = resolve_topology(mesh, module)
+    if topology.shards_optimizer_across_outer and strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
+        raise ValueError(
+            f"sharding_strategy={strategy}: a topology that shards the optimizer across "
+            "dp_outer (HFSDP) needs ZeRO-3; pass sharding_strategy=3 or replicate across dp_outer"
+        )
     materializer = MetaMaterializer(topology.device)
     for _, sub in scope:
         materializer.materialize(sub)

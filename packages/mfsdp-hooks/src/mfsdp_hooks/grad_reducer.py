@@ -7,6 +7,11 @@ strategies, an all-reduce for ``no_shard``. What is in flight is a ``PendingRedu
 which only the root's ``ReductionQueue`` holds and waits on; waiting it also releases the
 reducer's buffers.
 
+HFSDP (optimizer state sharded across ``dp_outer`` too) reduce-scatters at both levels: a
+``no_sync`` micro-batch's reduction stays in the shard group, summed into a ``partial``
+compute-shard buffer held until the cycle ends; the reduction that ends it takes the partial
+across ``dp_outer`` into the sub-shard the optimizer reads.
+
 Where the shared-memory host transport carries the reduce-scatter, the reducer keeps
 autograd's per-parameter gradients and the transport reads them in place (``FlatPieces``);
 elsewhere they are copied on arrival into a temporary unsharded buffer in the reduce dtype,
@@ -23,15 +28,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mfsdp_buffers import Allocator, FlatLayout, FlatPieces, release_to
+from mfsdp_buffers import Allocator, FlatLayout
 from mfsdp_collectives import (
     CommHandle,
     CommStreams,
     FSDPTopology,
     all_reduce_,
+    hfsdp_reduce_scatter_into,
     hsdp_reduce_scatter_into,
+    reduce_scatter_into,
 )
 from mfsdp_hooks.grad_allocator import pools_memory
+from mfsdp_hooks.grad_collector import GradCollector
 from mfsdp_hooks.grad_shard import GradShard
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.strategy import ShardingStrategy
@@ -47,7 +55,8 @@ class PendingReduction:
     handle: CommHandle
     # no_shard: where the all-reduced buffer goes, and whether it adds to what is there.
     no_shard_target: tuple[torch.Tensor, bool] | None
-    outer_only: bool = False  # HSDP: only the shard's all-reduce across the replicas
+    outer_only: bool = False  # only the reduction across dp_outer of what a no_sync kept
+    ends_partial: bool = False  # HFSDP: the partial crossed dp_outer; free it once landed
     done: bool = False
 
     def wait(self) -> None:
@@ -65,7 +74,9 @@ class ReplicaSync(enum.Enum):
     in the shard group) -> ``COMPLETE`` (the reduction that ends the cycle took the whole
     shard across the replicas). A reduction from ``EMPTY`` or ``COMPLETE`` that ends the cycle
     reduces only its own part across them; a fresh shard (``zero_grad``) starts ``EMPTY``.
-    Without HSDP every reduction goes to ``COMPLETE``.
+    Without HSDP every reduction goes to ``COMPLETE``. Under HFSDP the parts kept inside the
+    shard group live in the reducer's partial buffer, not in the shard: ``INNER_ONLY`` means
+    the partial holds them, and ``zero_main_grads`` drops them with the gradients.
     """
 
     EMPTY = "empty"
@@ -94,10 +105,6 @@ class GradReducer:
         self._topology = topology
         self._strategy = strategy
         self.reduce_dtype = reduce_dtype
-        self._allocator = allocator
-        count = len(layout.placements)
-        self.expected = count
-        self.received = 0
         # Per-parameter gradients are kept as they arrive when the reduce-scatter can read
         # them in place; a pre-scale then becomes the same post-scale on the output shard.
         in_place = (
@@ -112,100 +119,20 @@ class GradReducer:
             topology.shard_size * topology.outer_size, native_average
         )
         self._output_scale: float | None = None
-        self._held: list[torch.Tensor | None] | None = None
         if in_place:
-            self._held = [None] * count
             self._output_scale, self._input_scale = self._input_scale, None
-        self._gaps = layout.padding_gaps()
-        self._buffer: torch.Tensor | None = None
-        self._filled = [False] * count
+        self.collector = GradCollector(
+            layout,
+            reduce_dtype=reduce_dtype,
+            device=grads.device,
+            allocator=allocator,
+            hold=in_place,
+            input_scale=self._input_scale,
+        )
         self._across_replicas = ReplicaSync.EMPTY
-
-    # ----------------------------------------------------------------- collect
-    def begin_backward(self) -> None:
-        self.received = 0
-
-    @property
-    def all_received(self) -> bool:
-        return self.received >= self.expected
-
-    def accumulate(self, index: int, grad: torch.Tensor) -> bool:
-        """Take one parameter's unsharded gradient (kept, or added into the reduce buffer).
-
-        The caller makes sure no reduction of this reducer is in flight (its buffer may be
-        reused). Returns True when every gradient of the group has arrived in this backward.
-        """
-        flat = grad.reshape(-1)
-        if self._held is not None:
-            self._hold(index, flat)
-        else:
-            self._copy_in(index, flat)
-        self.received += 1
-        return self.all_received
-
-    def _hold(self, index: int, flat_grad: torch.Tensor) -> None:
-        """Keep autograd's gradient itself (the caller dropped ``param.grad``: it is ours)."""
-        assert self._held is not None
-        held = self._held[index]
-        if held is None:
-            self._held[index] = flat_grad
-            return
-        if held.dtype != self.reduce_dtype:
-            held = held.to(self.reduce_dtype)
-        with torch.no_grad():
-            self._held[index] = held.add_(flat_grad)
-
-    def _allocate(self) -> torch.Tensor:
-        if self._buffer is None:
-            self._buffer = self._allocator.allocate(
-                ("grad", id(self)), self.layout.padded_numel, self.reduce_dtype, self.grads.device
-            )
-        return self._buffer
-
-    def _copy_in(self, index: int, flat_grad: torch.Tensor) -> None:
-        placement = self.layout.placements[index]
-        slot = self._allocate()[placement.offset : placement.offset + placement.numel]
-        scale = self._input_scale
-        with torch.no_grad():
-            # A pre-scale (1/N, gradient_scaling_factor) rides on the copy we make anyway,
-            # instead of a separate scaled copy of the whole bucket before the collective.
-            if self._filled[index]:
-                slot.add_(flat_grad, alpha=1.0 if scale is None else scale)
-            elif scale is None:
-                slot.copy_(flat_grad)
-            else:
-                torch.mul(flat_grad, scale, out=slot)
-            self._filled[index] = True
-
-    @property
-    def has_local_grads(self) -> bool:
-        if self._held is not None:
-            return any(g is not None for g in self._held)
-        return self._buffer is not None
+        self._partial: torch.Tensor | None = None
 
     # ----------------------------------------------------------------- reduce
-    def _held_pieces(self) -> FlatPieces:
-        assert self._held is not None
-        placements = self.layout.placements
-        return FlatPieces(
-            self.layout.padded_numel,
-            [(placements[i].offset, grad) for i, grad in enumerate(self._held) if grad is not None],
-            dtype=self.reduce_dtype,
-            device=self.grads.device,
-        )
-
-    def _complete_buffer(self) -> torch.Tensor:
-        """The reduce buffer with padding and missing gradients zeroed."""
-        buffer = self._allocate()
-        with torch.no_grad():
-            for start, end in self._gaps:
-                buffer[start:end].zero_()
-            for index, filled in enumerate(self._filled):
-                if not filled:
-                    placement = self.layout.placements[index]
-                    buffer[placement.offset : placement.offset + placement.numel].zero_()
-        return buffer
-
     @property
     def needs_outer_sync(self) -> bool:
         """Its shard holds parts not yet reduced across the HSDP replicas."""
@@ -218,24 +145,28 @@ class GradReducer:
         stays inside the shard group; the one that ends it reduces the whole shard across
         the replicas, so each replica's accumulated gradient crosses them once per cycle.
         """
+        if self._topology.shards_optimizer_across_outer:
+            return self._launch_to_sub_shard(streams, ends_cycle=ends_cycle)
         target, accumulate = self.grads.prepare(self._dist_params)
         if not accumulate:
             self._across_replicas = ReplicaSync.EMPTY
         group, outer = self._topology.shard_group, self._topology.outer_group
-        if outer is not None and not self.has_local_grads and self.needs_outer_sync:
+        if outer is not None and not self.collector.has_grads and self.needs_outer_sync:
             handle = all_reduce_(target, outer, average=self._average, stream=streams)
             self._across_replicas = ReplicaSync.COMPLETE
             return PendingReduction(self, handle, no_shard_target=None, outer_only=True)
         if self._strategy == ShardingStrategy.NO_SHARD:  # never held: no transport all-reduce
+            buffer = self.collector.collected()
+            assert isinstance(buffer, torch.Tensor)
             handle = all_reduce_(
-                self._complete_buffer(),
+                buffer,
                 group,
                 average=self._average,
                 stream=streams,
                 outer_group=outer,
             )
             return PendingReduction(self, handle, no_shard_target=(target, accumulate))
-        grads = self._held_pieces() if self._held is not None else self._complete_buffer()
+        grads = self.collector.collected()
         state = self._across_replicas
         defer = outer is not None and not ends_cycle and state is not ReplicaSync.COMPLETE
         handle = hsdp_reduce_scatter_into(
@@ -253,22 +184,76 @@ class GradReducer:
         self._across_replicas = ReplicaSync.INNER_ONLY if defer else ReplicaSync.COMPLETE
         return PendingReduction(self, handle, no_shard_target=None)
 
+    def _partial_buffer(self) -> torch.Tensor:
+        """The cycle's compute-shard gradient, in the gradients' dtype (micro-batches add
+        into it); not from the allocator, whose buffers live for one reduction."""
+        if self._partial is None:
+            self._partial = self.grads.new_flat(self.layout.shard_numel)
+        return self._partial
+
+    def drop_partial(self) -> None:
+        """Forget the ``no_sync`` parts kept in the shard group (the gradients were zeroed)."""
+        self._partial = None
+        if self._across_replicas is ReplicaSync.INNER_ONLY:
+            self._across_replicas = ReplicaSync.EMPTY
+
+    def _launch_to_sub_shard(
+        self, streams: CommStreams | None, *, ends_cycle: bool
+    ) -> PendingReduction:
+        """HFSDP: reduce-scatter in the shard group into the partial; the reduction that
+        ends the cycle reduce-scatters the partial across ``dp_outer`` into the sub-shard."""
+        topology, outer = self._topology, self._topology.outer_group
+        assert outer is not None, "HFSDP without an outer group"
+        kept = self._across_replicas is ReplicaSync.INNER_ONLY
+        if not ends_cycle:
+            handle = reduce_scatter_into(
+                self.collector.collected(),
+                self._partial_buffer(),
+                topology.shard_group,
+                average=self._average,
+                post_scale=self._output_scale,
+                reduce_dtype=self.reduce_dtype,
+                accumulate=kept,
+                stream=streams,
+                transport=topology.host_transport,
+            )
+            self._across_replicas = ReplicaSync.INNER_ONLY
+            return PendingReduction(self, handle, no_shard_target=None)
+        target, accumulate = self.grads.prepare(self._dist_params)
+        self._across_replicas = ReplicaSync.COMPLETE
+        if not self.collector.has_grads:  # finish_grad_sync: only what no_sync kept is left
+            handle = reduce_scatter_into(
+                self._partial_buffer(),
+                target,
+                outer,
+                average=self._average,
+                reduce_dtype=self.reduce_dtype,
+                accumulate=accumulate,
+                stream=streams,
+                transport=topology.outer_transport,
+            )
+            return PendingReduction(self, handle, None, outer_only=True, ends_partial=True)
+        handle = hfsdp_reduce_scatter_into(
+            self.collector.collected(),
+            target,
+            topology.shard_group,
+            outer,
+            partial=self._partial_buffer(),
+            partial_accumulate=kept,
+            average=self._average,
+            post_scale=self._output_scale,
+            reduce_dtype=self.reduce_dtype,
+            accumulate=accumulate,
+            stream=streams,
+            transport=topology.host_transport,
+            outer_transport=topology.outer_transport,
+        )
+        return PendingReduction(self, handle, no_shard_target=None, ends_partial=True)
+
     def release(self, pending: PendingReduction) -> None:
         """After ``pending`` landed: move a ``no_shard`` result in place, free the buffers."""
+        if pending.ends_partial:
+            self.drop_partial()
         if pending.outer_only:
             return  # it reduced the shard in place and used no collected gradients
-        if self._held is not None:
-            self._held = [None] * len(self._filled)
-            return
-        buffer = self._buffer
-        assert buffer is not None
-        if pending.no_shard_target is not None:
-            target, accumulate = pending.no_shard_target
-            with torch.no_grad():
-                if accumulate:
-                    target.add_(buffer)
-                else:
-                    target.copy_(buffer)
-        release_to(self._allocator, ("grad", id(self)), buffer)
-        self._buffer = None
-        self._filled = [False] * len(self._filled)
+        self.collector.clear(move_into=pending.no_shard_target)

@@ -62,6 +62,10 @@ class GradShard:
             return replicated_dtensor(local, self.mesh)
         return sharded_dtensor(local, self.mesh, self.layout.placements[index].shape)
 
+    def new_flat(self, numel: int) -> torch.Tensor:
+        """An uninitialised flat tensor of the gradients' dtype and device."""
+        return torch.empty(numel, dtype=self.dtype, device=self.device)
+
     def prepare(self, params: Sequence[nn.Parameter]) -> tuple[torch.Tensor, bool]:
         """The flat tensor the next reduction writes into, and whether it must add to it.
 

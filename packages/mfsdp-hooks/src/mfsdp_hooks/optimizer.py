@@ -177,6 +177,8 @@ def attach_optimizer(
             "building the optimizer, before creating schedulers"
         )
     stepper = _stepper_for(optimizer, contiguous_step, step_chunk_numel)
+    for group in optimizer_groups(optimizer):
+        group.freshness.attach_stepper()
     optimizer.__dict__[_ATTACHMENT] = _Attachment(stepper)
     optimizer.__class__ = _fsdp_optimizer_class(type(optimizer))
     return optimizer

@@ -8,6 +8,12 @@ A ``ParameterGroup`` owns, laid out by one ``FlatLayout``:
 * reduced gradients in the optimizer dtype (a ``GradShard``): sharded for ZeRO-1/2/3, whole
   for ``no_shard``, owned by the distributed parameters' ``.grad``.
 
+Under HFSDP (``topology.shards_optimizer_across_outer``) two layouts cut the same packing:
+``layout`` into the ``dp_shard`` compute shards, which persist and are all-gathered for
+forward and backward, and ``optim_layout`` into ``dp_shard x dp_outer`` sub-shards for the
+main weights, the gradients and the optimizer state. After a step, the sub-shards are
+all-gathered across ``dp_outer`` into the compute shard once (``_refresh_compute_shard``).
+
 It also owns two sets of ``nn.Parameter`` objects created once: the unsharded parameters
 (zero-copy views into the unsharded model-weight buffer, used by forward and backward) and
 the distributed parameters (DTensors of the original shapes over the optimizer-facing shard,
@@ -28,7 +34,6 @@ from mfsdp_buffers import (
     Allocator,
     BufferRole,
     DataParallelBuffer,
-    FlatLayout,
     PlainAllocator,
 )
 from mfsdp_collectives import (
@@ -38,12 +43,12 @@ from mfsdp_collectives import (
     all_gather_into,
 )
 from mfsdp_hooks.codec import IDENTITY, ParamCodec
-from mfsdp_hooks.dtensor_views import replicated_dtensor, sharded_dtensor
 from mfsdp_hooks.grad_reducer import GradReducer
 from mfsdp_hooks.grad_shard import GradShard
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root_protocol import GroupRoot
+from mfsdp_hooks.shard_cuts import ShardCuts
 from mfsdp_hooks.strategy import ShardingStrategy
 from mfsdp_hooks.weight_freshness import WeightFreshness
 
@@ -99,9 +104,8 @@ class ParameterGroup:
                 raise ValueError(
                     f"parameter {name!r} is 0-d and cannot be sharded: reshape it to (1,)"
                 )
-        self.layout = FlatLayout.build(
-            self.shapes, world_size=topology.shard_size, alignment=alignment
-        )
+        self.cuts = ShardCuts(self.shapes, topology, alignment=alignment)
+        self.layout, self.optim_layout = self.cuts.layout, self.cuts.optim_layout
         self.compute_dtype = policy.compute_dtype(self.original_dtype)
         self.reduce_dtype = policy.grad_reduce_dtype(self.original_dtype)
         optimizer_dtype = policy.optimizer_dtype(self.original_dtype)
@@ -118,8 +122,14 @@ class ParameterGroup:
             self.grads = self._grad_shard(policy.grad_dtype(self.original_dtype), optimizer_dtype)
         self._fill_buffers(params)
         self.unsharded_params = self._adopt_params(params)
-        self.dist_params = self._make_dist_params()
+        self.dist_params = self.cuts.dist_params(
+            self.main if self.main is not None else self.model,
+            strategy,
+            requires_grad=self.requires_grad,
+        )
         self.freshness = WeightFreshness(steppable=self.requires_grad)
+        if topology.shards_optimizer_across_outer and codec is not IDENTITY:
+            self.freshness.mark_dirty()  # the kept compute shard was cast in, not encoded
         self.reducer: GradReducer | None = None
         if self.grads is not None:
             self.reducer = GradReducer(
@@ -140,6 +150,8 @@ class ParameterGroup:
         """The compute-dtype model weights, and main weights when the optimizer's dtype differs
         (under ZeRO-3 with main weights no compute-dtype shard persists)."""
         rank, strategy, name = self.topology.shard_rank, self.strategy, self.names[0]
+        # HFSDP keeps the compute shard: rebuilding it costs an all-gather across dp_outer.
+        rebuilt = strategy.shards_params and optimizer_dtype != self.compute_dtype
         model = DataParallelBuffer(
             self.layout,
             rank,
@@ -148,13 +160,13 @@ class ParameterGroup:
             role=BufferRole.MODEL_WEIGHT,
             sharded=strategy.shards_params,
             name=f"{name}:model",
-            persistent_shard=not (strategy.shards_params and optimizer_dtype != self.compute_dtype),
+            persistent_shard=not rebuilt or self.topology.shards_optimizer_across_outer,
         )
         if optimizer_dtype == self.compute_dtype:
             return model, None
         main = DataParallelBuffer(
-            self.layout,
-            rank,
+            self.optim_layout,
+            self.topology.optim_rank,
             dtype=optimizer_dtype,
             device=self.topology.device,
             role=BufferRole.MAIN_WEIGHT,
@@ -170,14 +182,15 @@ class ParameterGroup:
                 f"optimizer weights' dtype {optimizer_dtype} for {self.names[0]!r}: optimizers "
                 "need gradients in the dtype of their parameters; leave main_grads_dtype None"
             )
-        assert self.topology.shard_mesh is not None, "FSDPTopology without a shard mesh"
+        mesh = self.topology.optim_mesh
+        assert mesh is not None, "FSDPTopology without a shard mesh"
         return GradShard(
-            self.layout,
-            self.topology.shard_rank,
+            self.optim_layout,
+            self.topology.optim_rank,
             dtype=grad_dtype,
             device=self.topology.device,
             sharded=self.strategy.shards_optimizer_state,
-            mesh=self.topology.shard_mesh,
+            mesh=mesh,
         )
 
     def _fill_buffers(self, params: Sequence[nn.Parameter]) -> None:
@@ -200,32 +213,6 @@ class ParameterGroup:
             self.model.release()
         return list(params)
 
-    def _optimizer_buffer(self) -> DataParallelBuffer:
-        return self.main if self.main is not None else self.model
-
-    def _local_rows(self, buffer: DataParallelBuffer, index: int) -> torch.Tensor:
-        """This rank's rows of parameter ``index`` inside ``buffer``'s persistent storage."""
-        if buffer.sharded:
-            return buffer.local_view(index)
-        buffer.materialize()
-        piece = self.layout.local_piece(index, self.topology.shard_rank)
-        return buffer.unsharded_view(index)[piece.row_start : piece.row_end]
-
-    def _make_dtensor(self, buffer: DataParallelBuffer, index: int) -> torch.Tensor:
-        mesh = self.topology.shard_mesh
-        assert mesh is not None, "FSDPTopology without a shard mesh cannot build DTensors"
-        if self.strategy == ShardingStrategy.NO_SHARD:
-            buffer.materialize()
-            return replicated_dtensor(buffer.unsharded_view(index), mesh)
-        return sharded_dtensor(self._local_rows(buffer, index), mesh, self.shapes[index])
-
-    def _make_dist_params(self) -> list[nn.Parameter]:
-        buffer = self._optimizer_buffer()
-        return [
-            nn.Parameter(self._make_dtensor(buffer, i), requires_grad=self.requires_grad)
-            for i in range(len(self.shapes))
-        ]
-
     # ----------------------------------------------------------------- weights
     @property
     def is_unsharded(self) -> bool:
@@ -236,20 +223,36 @@ class ParameterGroup:
         if self.model.sharded:
             if self.model.is_materialized and not self.freshness.dirty:
                 return None
+            if self.freshness.dirty:
+                self._refresh_compute_shard(streams)
             self.freshness.dirty = False
             return self._gather(streams)
         if self.freshness.dirty:
             return self.install_weights(streams)
         return None
 
+    def _refresh_compute_shard(self, streams: CommStreams | None) -> None:
+        """HFSDP: rebuild the compute shard from the ``dp_outer`` peers' updated sub-shards
+        (encoding this rank's main sub-shard into its slot first); a no-op otherwise."""
+        outer = self.topology.outer_group
+        if not self.topology.shards_optimizer_across_outer or outer is None:
+            return
+        slot = self.cuts.sub_shard(self.model)
+        if self.main is not None:
+            with torch.no_grad():
+                self.codec.encode(self.main.shard, slot)
+        transport = self.topology.outer_transport
+        all_gather_into(slot, self.model.shard, outer, stream=streams, transport=transport).wait()
+
     def _gather(self, streams: CommStreams | None) -> Waitable:
         """All-gather ZeRO-3 weights straight into the unsharded buffer.
 
-        With separate main weights nothing of the compute dtype persists: this rank's slot of
-        the unsharded buffer is filled by encoding the main shard, then gathered in place.
+        With separate main weights (and no HFSDP) nothing of the compute dtype persists: this
+        rank's slot of the unsharded buffer is filled by encoding the main shard, then
+        gathered in place.
         """
         unsharded = self.model.materialize()
-        if self.main is not None:
+        if self.main is not None and not self.model.has_persistent_shard:
             with torch.no_grad():
                 self.codec.encode(self.main.shard, self.model.shard)
         handle = all_gather_into(
@@ -274,6 +277,7 @@ class ParameterGroup:
         """Bring the compute weights up to date with optimizer-updated weights."""
         self.freshness.dirty = False
         if self.model.sharded:
+            self._refresh_compute_shard(streams)
             return self._gather(streams) if self.model.is_materialized else None
         full = self.model.materialize()
         if self.strategy == ShardingStrategy.NO_SHARD or self.topology.shard_size == 1:
@@ -305,6 +309,8 @@ class ParameterGroup:
         """Zero the reduced gradients in place, if the parameters still hold them."""
         if self.grads is not None:
             self.grads.zero_()
+        if self.reducer is not None:
+            self.reducer.drop_partial()
 
     def grad_nan_flags(self) -> torch.Tensor:
         """One flag per parameter: 1 when its local reduced gradient holds NaN or Inf."""

@@ -190,7 +190,7 @@ class FSDPRoot:
             reducer = group.reducer
             if reducer is None:
                 continue
-            if reducer.has_local_grads and not self.reductions.in_flight(reducer):
+            if reducer.collector.has_grads and not self.reductions.in_flight(reducer):
                 self._launch(group, ends_cycle=True)
         self._sync_across_replicas()
         self.wait_reductions()
@@ -206,20 +206,21 @@ class FSDPRoot:
     def check_grads_finite(self) -> None:
         """Raise on every rank, naming each parameter whose reduced gradient is not finite.
 
-        One all-reduce of the flags per shard group: the rank holding a bad shard tells all.
+        One all-reduce of the flags over the ranks that hold the gradient shards (the shard
+        group; under HFSDP both DP levels): the rank holding a bad shard tells all.
         """
         checked = [(u, g) for u in self.units for g in u.groups if g.requires_grad]
-        # One all-reduce per shard group (units may shard over different groups), in unit
-        # order, which every rank shares.
+        # One all-reduce per group (units may shard over different groups), in unit order,
+        # which every rank shares.
         by_group: dict[int, list[tuple[FSDPUnit, ParameterGroup]]] = {}
         for unit, group in checked:
-            by_group.setdefault(id(group.topology.shard_group), []).append((unit, group))
+            by_group.setdefault(id(group.topology.optim_group), []).append((unit, group))
         bad: list[str] = []
         for members in by_group.values():
             flags = torch.cat([g.grad_nan_flags() for _, g in members])
-            shard_group = members[0][1].topology.shard_group
-            with naming_dead_peers("the NaN/Inf gradient check", shard_group):
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=shard_group)
+            holders = members[0][1].topology.optim_group
+            with naming_dead_peers("the NaN/Inf gradient check", holders):
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=holders)
             names = [self._unit_path[id(u)] + name for u, g in members for name in g.names]
             bad += [name for name, flag in zip(names, flags.tolist(), strict=True) if flag]
         if bad:

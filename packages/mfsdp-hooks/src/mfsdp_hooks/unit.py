@@ -297,11 +297,12 @@ class FSDPUnit:
         assert self.root is not None and reducer is not None
         self.root.reap_finished_reductions()
         self.root.settle_reduction(group)  # its buffer may still be in a reduction
-        complete = reducer.accumulate(index, grad)
+        complete = reducer.collector.accumulate(index, grad)
         param.grad = None
         self._grad_numel_received += grad.numel()
         self._maybe_issue_backward_prefetch()
-        if complete and all(g.reducer is None or g.reducer.all_received for g in self.groups):
+        waiting = [g for g in self.groups if g.reducer and not g.reducer.collector.all_received]
+        if complete and not waiting:
             self._maybe_issue_backward_prefetch(force=True)
             self.post_backward()
 
@@ -322,5 +323,5 @@ class FSDPUnit:
         self._deferred_prefetch = []
         for group in self.groups:
             if group.reducer is not None:
-                group.reducer.begin_backward()
+                group.reducer.collector.begin_backward()
         self.reshard()

@@ -10,7 +10,11 @@ rebuilt from the first:
   begins. A bare optimizer (one the engine never sees: nothing is registered process-wide,
   and a step through DTensors bumps no version counter) may step at any moment in it, so
   every forward (and every unshard a user asks for) in the window marks the weights dirty
-  again. An attached optimizer closes the window itself, right after its step.
+  again. An attached optimizer closes the window itself, right after its step; once one
+  steps a group (``attach_stepper``), its synced backwards open no window at all, so the
+  micro-batches of a cycle that syncs each of them do not re-install (under HFSDP each
+  install is an all-gather across ``dp_outer``). A bare optimizer stepping a group that an
+  attached one also steps must be followed by ``install_optimized_model_weights()``.
 
 Transitions, all here: ``open_step_window`` (synced backward ends, or ``finish_grad_sync``)
 -> ``recheck_step_window`` (forward or user unshard: dirty if open) -> ``close_step_window``
@@ -27,15 +31,20 @@ class WeightFreshness:
 
     def __init__(self, *, steppable: bool) -> None:
         self._steppable = steppable
+        self._attached = False
         self.dirty = False
         self.step_window_open = False
+
+    def attach_stepper(self) -> None:
+        """An attached optimizer steps this group and marks the weights dirty itself."""
+        self._attached = True
 
     def mark_dirty(self) -> None:
         self.dirty = True
 
     def open_step_window(self) -> None:
         """Its gradients are synced: an optimizer the engine does not see may step next."""
-        self.step_window_open = self._steppable
+        self.step_window_open = self._steppable and not self._attached
 
     def close_step_window(self, *, stepped: bool) -> None:
         """A backward began (no step comes between a forward and its backward), or an

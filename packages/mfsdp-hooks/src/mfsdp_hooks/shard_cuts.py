@@ -1,0 +1,72 @@
+"""How one parameter group's flat buffer is cut into shards, and this rank's views of them.
+
+Two cuts of one packing: ``layout`` into the compute shards the shard group all-gathers for
+forward and backward, and ``optim_layout`` into the optimizer-facing shards (main weights,
+gradients, optimizer state). Without HFSDP they are the same cut. Under HFSDP the second
+has ``shard x outer`` sub-shards and the first is it merged across ``dp_outer``, so a
+rank's sub-shard is a slice of its own compute shard (``sub_shard``). The distributed
+parameters the optimizer and ``state_dict`` see are DTensors over this rank's rows of the
+optimizer-facing shard (``dist_params``), on the topology's optimizer mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from mfsdp_buffers import DataParallelBuffer, FlatLayout
+from mfsdp_collectives import FSDPTopology
+from mfsdp_hooks.dtensor_views import replicated_dtensor, sharded_dtensor
+from mfsdp_hooks.strategy import ShardingStrategy
+
+__all__ = ["ShardCuts"]
+
+
+class ShardCuts:
+    """The compute and optimizer-facing cuts of one group, for this rank of ``topology``."""
+
+    def __init__(
+        self, shapes: Sequence[torch.Size], topology: FSDPTopology, *, alignment: int
+    ) -> None:
+        self.shapes = list(shapes)
+        self.topology = topology
+        self.optim_layout = FlatLayout.build(
+            self.shapes, world_size=topology.optim_size, alignment=alignment
+        )
+        self.layout = self.optim_layout.merged(topology.optim_size // topology.shard_size)
+        self.optim_rank = topology.optim_rank
+
+    def sub_shard(self, buffer: DataParallelBuffer) -> torch.Tensor:
+        """This rank's optimizer-facing shard inside ``buffer``'s shard (a buffer of either
+        cut): all of it, or under HFSDP its ``dp_outer`` slice of the compute shard."""
+        start = self.optim_layout.shard_range(self.optim_rank)[0]
+        start -= buffer.layout.shard_range(buffer.rank)[0]
+        return buffer.shard[start : start + self.optim_layout.shard_numel]
+
+    def local_rows(self, buffer: DataParallelBuffer, index: int) -> torch.Tensor:
+        """This rank's optimizer-facing rows of parameter ``index`` in ``buffer``'s storage."""
+        piece = self.optim_layout.local_piece(index, self.optim_rank)
+        if buffer.sharded:
+            flat = self.sub_shard(buffer)[piece.shard_offset : piece.shard_offset + piece.numel]
+            return flat.view(piece.num_rows, *self.shapes[index][1:])
+        buffer.materialize()
+        return buffer.unsharded_view(index)[piece.row_start : piece.row_end]
+
+    def dist_params(
+        self, buffer: DataParallelBuffer, strategy: ShardingStrategy, *, requires_grad: bool
+    ) -> list[nn.Parameter]:
+        """One parameter per original parameter: a DTensor of its shape over ``buffer``
+        (row-sharded; replicated for ``no_shard``), sharing its storage."""
+        mesh = self.topology.optim_mesh
+        assert mesh is not None, "FSDPTopology without a shard mesh cannot build DTensors"
+        params = []
+        for index, shape in enumerate(self.shapes):
+            if strategy == ShardingStrategy.NO_SHARD:
+                buffer.materialize()
+                tensor = replicated_dtensor(buffer.unsharded_view(index), mesh)
+            else:
+                tensor = sharded_dtensor(self.local_rows(buffer, index), mesh, shape)
+            params.append(nn.Parameter(tensor, requires_grad=requires_grad))
+        return params
