@@ -93,6 +93,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="replicas across dp_outer, both implementations: 2 with 4 ranks is HSDP on 2x2",
     )
     p.add_argument(
+        "--outer-optim",
+        action="store_true",
+        help="ours, with --hsdp-outer: HFSDP (optimizer state sharded across dp_outer too)",
+    )
+    p.add_argument(
         "--optimizer-step",
         choices=("contiguous", "per-param"),
         default="contiguous",

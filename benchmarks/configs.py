@@ -94,6 +94,8 @@ class RunSpec:
     hsdp_outer: int = 1
     """Replicas across ``dp_outer`` (both implementations): 1 is plain FSDP over every rank;
     N > 1 is HSDP on an (N, world_size / N) mesh, FSDP2's ``fully_shard(mesh=2-D)``."""
+    outer_optim: bool = False
+    """Ours only, with ``hsdp_outer > 1``: HFSDP (optimizer state cut across dp_outer too)."""
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -104,6 +106,8 @@ class RunSpec:
             raise ValueError(
                 f"hsdp_outer={self.hsdp_outer} must be >= 1 and divide world_size={self.world_size}"
             )
+        if self.outer_optim and self.hsdp_outer == 1:
+            raise ValueError("outer_optim (HFSDP) needs hsdp_outer > 1: pass --hsdp-outer N")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"need steps >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
 

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from benchmarks.configs import RunSpec
 from benchmarks.model import GPT, loss_fn
+from mfsdp_collectives import FSDPTopology
 
 LR = 1e-3
 WEIGHT_DECAY = 0.01
@@ -56,6 +57,19 @@ def _hsdp_mesh(spec: RunSpec) -> DeviceMesh | None:
     return init_device_mesh(spec.device_type, shape, mesh_dim_names=("dp_outer", "dp_shard"))
 
 
+def _topology_of(mesh: DeviceMesh | None, spec: RunSpec) -> FSDPTopology | None:
+    """HFSDP's topology (the optimizer cut across dp_outer), or None to pass ``mesh``."""
+    if mesh is None or not spec.outer_optim:
+        return None
+    import torch.distributed as dist
+
+    topology = FSDPTopology.from_mesh(mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
+    group = dist.group.WORLD  # the flattened (dp_outer, dp_shard) mesh spans every rank
+    assert group is not None
+    topology.shard_optimizer_across_outer(group)
+    return topology
+
+
 def _adamw(params: list[torch.Tensor] | list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
 
@@ -71,10 +85,11 @@ def build_ours(model: GPT, spec: RunSpec) -> Trainer:
     # One allocator for the whole model, so a pool is shared by its units.
     allocator = mfsdp_hooks.make_grad_allocator(spec.grad_allocator, max_inflight_reductions=1)
     mesh = _hsdp_mesh(spec)
+    topology = _topology_of(mesh, spec)
     for module in [*model.blocks, model]:
         mfsdp_hooks.fully_shard(
             module,
-            mesh=mesh,
+            mesh=topology or mesh,
             sharding_strategy=3,
             mp_policy=policy,
             grad_buffer_allocator=allocator,

@@ -66,6 +66,7 @@ def benchmark_worlds(args: argparse.Namespace, s: Settings) -> list[tuple[int, R
                             contiguous_step=args.optimizer_step == "contiguous",
                             prefetch_depth=args.prefetch_depth,
                             hsdp_outer=args.hsdp_outer,
+                            outer_optim=args.outer_optim,
                         )
                         plan.append((rep, spec))
     return plan
@@ -92,6 +93,7 @@ def profile_worlds(args: argparse.Namespace, s: Settings, out_dir: str) -> list[
             contiguous_step=args.optimizer_step == "contiguous",
             prefetch_depth=args.prefetch_depth,
             hsdp_outer=args.hsdp_outer,
+            outer_optim=args.outer_optim,
         )
         for precision in args.precisions
         for impl in ("ours", "fsdp2", "local")
