@@ -30,7 +30,6 @@ from mfsdp_hooks.megatron_fsdp import UnitSpec, resolve_unit_modules
 
 # argument -> (default, why it is not available yet)
 _NOT_YET: dict[str, tuple[Any, str]] = {
-    "tp_dim": (None, "(FSDP, TP) strided sharding"),
     "expt_device_mesh": (None, "expert-parallel (EP) sharding"),
     "nccl_ub": (False, "NCCL user buffers"),
     "fsdp_manual_registration": (False, "NCCL user-buffer manual registration"),
@@ -55,8 +54,14 @@ def _topology(
     device_mesh: DeviceMesh | None,
     dp_shard_dim: str | None,
     device: torch.device | str | None,
+    tp_dim: str | None,
 ) -> FSDPTopology:
     if device_mesh is None:
+        if tp_dim is not None:
+            raise ValueError(
+                f"tp_dim={tp_dim!r} was given without device_mesh: pass the mesh that has "
+                "the dp_shard and tp dims"
+            )
         if dp_shard_dim is not None:
             raise ValueError(
                 f"dp_shard_dim={dp_shard_dim!r} was given without device_mesh: pass the mesh "
@@ -75,7 +80,7 @@ def _topology(
                 "name the sub-mesh FSDP shards over (e.g. dp_shard_dim='dp_shard_cp')"
             )
         dp_shard_dim = names[0] if names else "dp_shard"
-    return FSDPTopology.from_mesh(device_mesh, dp_shard_dim=dp_shard_dim)
+    return FSDPTopology.from_mesh(device_mesh, dp_shard_dim=dp_shard_dim, tp_dim=tp_dim)
 
 
 def fully_shard_model(
@@ -115,7 +120,6 @@ def fully_shard_model(
     """Shard ``module`` (every ``fsdp_unit_modules`` match, then the root) and wrap it."""
     _reject_not_yet(
         {
-            "tp_dim": tp_dim,
             "expt_device_mesh": expt_device_mesh,
             "nccl_ub": nccl_ub,
             "fsdp_manual_registration": fsdp_manual_registration,
@@ -138,7 +142,7 @@ def fully_shard_model(
                 "outer_dp_sharding_strategy='optim' (HFSDP) shards across dp_outer: pass "
                 "device_mesh, dp_outer_dim and hybrid_fsdp_group too"
             )
-        topology = _topology(module, device_mesh, dp_shard_dim, device)
+        topology = _topology(module, device_mesh, dp_shard_dim, device, tp_dim)
     else:
         topology = hybrid_topology(
             device_mesh,
@@ -146,6 +150,7 @@ def fully_shard_model(
             dp_outer_dim=dp_outer_dim,
             hybrid_fsdp_group=hybrid_fsdp_group,
             outer_strategy=outer_strategy,
+            tp_dim=tp_dim,
         )
     wrapped = MegatronFSDP(
         module,

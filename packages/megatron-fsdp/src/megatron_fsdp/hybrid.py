@@ -63,6 +63,7 @@ def hybrid_topology(
     dp_outer_dim: str | None,
     hybrid_fsdp_group: object,
     outer_strategy: str = "no_shard",
+    tp_dim: str | None = None,
 ) -> FSDPTopology:
     """The HSDP topology of ``device_mesh``, after checking the arguments agree with it;
     with ``outer_strategy="optim"`` (HFSDP) the optimizer-facing shards are cut across
@@ -99,7 +100,7 @@ def hybrid_topology(
             ".get_group() or a group over exactly those ranks"
         )
     topology = FSDPTopology.from_mesh(
-        device_mesh, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim
+        device_mesh, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim, tp_dim=tp_dim
     )
     if outer_strategy == "optim":
         topology.shard_optimizer_across_outer(hybrid_fsdp_group)

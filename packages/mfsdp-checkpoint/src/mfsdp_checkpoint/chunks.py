@@ -34,21 +34,33 @@ _CHUNKS_ATTR = "__create_chunk_list__"
 
 @dataclass(frozen=True)
 class RowChunk:
-    """This rank's rows ``[row_start, row_end)`` of a tensor of ``global_shape``."""
+    """This rank's rows ``[row_start, row_end)`` of a tensor of ``global_shape``.
+
+    A tensor-parallel parameter's rows are rows of its TP-local tensor (``local_shape``),
+    which starts at ``base`` in the global one; otherwise both are the global tensor.
+    """
 
     global_shape: torch.Size
     row_start: int
     row_end: int
     writes: bool
     """False for an empty piece: writing it would collide with a neighbour's chunk offset."""
+    base: tuple[int, ...] | None = None
+    local_shape: torch.Size | None = None
 
     @property
     def offsets(self) -> torch.Size:
-        return torch.Size([self.row_start] + [0] * (len(self.global_shape) - 1))
+        base = self.base or (0,) * len(self.global_shape)
+        return torch.Size([base[0] + self.row_start, *base[1:]])
 
     @property
     def sizes(self) -> torch.Size:
-        return torch.Size([self.row_end - self.row_start, *self.global_shape[1:]])
+        shape = self.local_shape if self.local_shape is not None else self.global_shape
+        return torch.Size([self.row_end - self.row_start, *shape[1:]])
+
+    def like(self, shape: torch.Size) -> RowChunk:
+        """The same rows of a tensor of ``shape`` (optimizer state row-aligned with them)."""
+        return RowChunk(shape, self.row_start, self.row_end, self.writes)
 
     def storage(self) -> ChunkStorageMetadata:
         return ChunkStorageMetadata(offsets=self.offsets, sizes=self.sizes)
@@ -66,17 +78,21 @@ def group_chunks(group: ParameterGroup) -> tuple[RowChunk, ...]:
         return cached
     rank = group.topology.optim_rank  # the optimizer-facing shard (HFSDP: a sub-shard)
     chunks = []
-    for index, shape in enumerate(group.shapes):
-        size = torch.Size(shape)
+    for index, (shape, spec) in enumerate(zip(group.shapes, group.tp_specs, strict=True)):
+        size = torch.Size(shape)  # the TP-local shape for a tensor-parallel parameter
+        whole, base, local = size, None, None
+        if spec is not None:
+            whole, base, local = spec.global_shape, spec.local_offset, size
         if group.strategy == ShardingStrategy.NO_SHARD:
-            chunks.append(RowChunk(size, 0, size[0], writes=True))
+            chunks.append(RowChunk(whole, 0, size[0], True, base, local))
             continue
         piece = group.optim_layout.local_piece(index, rank)
         if size.numel() == 0:
             # Nothing to write anywhere; one rank still records the tensor so it has metadata.
-            chunks.append(RowChunk(size, 0, size[0], writes=rank == 0))
+            chunks.append(RowChunk(whole, 0, size[0], rank == 0, base, local))
             continue
-        chunks.append(RowChunk(size, piece.row_start, piece.row_end, writes=not piece.is_empty))
+        writes = not piece.is_empty
+        chunks.append(RowChunk(whole, piece.row_start, piece.row_end, writes, base, local))
     result = tuple(chunks)
     _CACHE[group] = result
     return result
@@ -129,13 +145,12 @@ def _row_chunk_for(tensor: DTensor, param_chunk: RowChunk) -> RowChunk | None:
     if shape == param_chunk.global_shape:
         return param_chunk
     if (
-        len(shape) >= 1
+        param_chunk.base is None
+        and len(shape) >= 1
         and shape[0] == param_chunk.global_shape[0]
         and local[0] == (param_chunk.row_end - param_chunk.row_start)
     ):
-        return RowChunk(
-            torch.Size(shape), param_chunk.row_start, param_chunk.row_end, param_chunk.writes
-        )
+        return param_chunk.like(torch.Size(shape))
     return None
 
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from mfsdp_checkpoint import _dist
 from mfsdp_checkpoint.param_index import ParamIndex, ParamRef
 from mfsdp_checkpoint.safetensors_io import TensorSpec, write_safetensors
-from mfsdp_hooks import ParameterGroup, ShardingStrategy, local_tensor
+from mfsdp_hooks import ParameterGroup, ShardingStrategy, local_tensor, tp_full_tensor
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,21 @@ def _full_param(group: ParameterGroup, index: int, shards: list[torch.Tensor]) -
     return torch.cat(pieces).reshape(shape)
 
 
+def _full_value(
+    group: ParameterGroup, ref: ParamRef, shards: list[torch.Tensor] | None, receives: bool
+) -> torch.Tensor | None:
+    """The whole parameter on CPU where it is received (None elsewhere). A tensor-parallel
+    one is gathered over TP too, by every rank that holds its full TP-local tensor."""
+    spec = group.tp_specs[ref.index]
+    if group.strategy == ShardingStrategy.NO_SHARD:
+        local: torch.Tensor | None = local_tensor(ref.param).detach()
+    else:
+        local = _full_param(group, ref.index, shards) if shards else None
+    if local is not None and spec is not None:
+        local = tp_full_tensor(local, spec)
+    return local.to("cpu", copy=True) if local is not None and receives else None
+
+
 def iter_full_tensors(
     model: nn.Module, plan: ExportPlan, *, to_all: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
@@ -115,15 +130,11 @@ def iter_full_tensors(
     """
     receives = to_all or _dist.rank() == 0
     for group, refs in plan.groups:
-        if group.strategy == ShardingStrategy.NO_SHARD:
-            for ref, names in refs:
-                full = local_tensor(ref.param).detach().to("cpu", copy=True) if receives else None
-                for name in names:
-                    yield name, full
-            continue
-        shards = _gather_group(group, to_all)
+        shards = None
+        if group.strategy != ShardingStrategy.NO_SHARD:
+            shards = _gather_group(group, to_all)
         for ref, names in refs:
-            full = _full_param(group, ref.index, shards).to("cpu", copy=True) if shards else None
+            full = _full_value(group, ref, shards, receives)
             for name in names:
                 yield name, full
         del shards

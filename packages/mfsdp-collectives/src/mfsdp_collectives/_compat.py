@@ -13,6 +13,7 @@ from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "Work",
@@ -103,3 +104,23 @@ def supports_avg(group: dist.ProcessGroup) -> bool:
     without a collective.
     """
     return backend_name(group) in _AVG_BACKENDS
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose dims are those of ``meshes`` (submeshes of one root mesh), as FSDP2
+    builds its (dp, tp) mesh. torch has no public API for it yet (2.13): this is the one
+    place that calls the private one."""
+    try:
+        joined: DeviceMesh = DeviceMesh._concatenate(meshes)
+    except AttributeError as error:
+        raise NotImplementedError(
+            f"torch {torch.__version__} cannot join DeviceMeshes: FSDP x TP needs a torch "
+            "whose DeviceMesh can be concatenated (2.10 or later)"
+        ) from error
+    except RuntimeError as error:
+        raise ValueError(
+            f"the DP mesh and the TP mesh {[m.mesh_dim_names for m in meshes]} must be "
+            "submeshes of one DeviceMesh (e.g. mesh['dp_shard'] and mesh['tp'] of "
+            f"init_device_mesh(..., mesh_dim_names=('dp_shard', 'tp'))): {error}"
+        ) from error
+    return joined

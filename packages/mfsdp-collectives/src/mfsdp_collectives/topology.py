@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ._compat import concatenate_meshes
 from .host_transport import check_host_transport, enable_host_transport, host_transport_of
 from .naming import group_name, register_group_name
 from .optim_sharding import OptimizerSharding
@@ -181,6 +182,17 @@ class FSDPTopology:
         """The 1-D mesh of the distributed parameters' DTensors."""
         sharding = self.optim_sharding
         return self.shard_mesh if sharding is None else sharding.mesh
+
+    def with_tp(self, tp_mesh: DeviceMesh) -> DeviceMesh:
+        """The 2-D ``(dp, tp)`` mesh of a tensor-parallel parameter's DTensors: the optimizer
+        mesh joined with its TP mesh (both submeshes of one DeviceMesh)."""
+        dp_mesh = self.optim_mesh
+        if dp_mesh is None or self.shards_optimizer_across_outer:
+            raise NotImplementedError(
+                "tensor-parallel parameters need a DP mesh from the same DeviceMesh as their TP "
+                "mesh, and HFSDP with TP is not supported yet: pass the mesh's dp_shard dim"
+            )
+        return concatenate_meshes([dp_mesh, tp_mesh])
 
     def optim_index_of(self, group_rank: int) -> int:
         """The optimizer-facing shard held by rank ``group_rank`` of ``optim_group``."""

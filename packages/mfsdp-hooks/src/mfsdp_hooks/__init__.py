@@ -17,12 +17,15 @@ from mfsdp_hooks.optimizer import FSDPOptimizer, attach_optimizer, optimizer_gro
 from mfsdp_hooks.param_group import ParameterGroup
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.strategy import ShardingStrategy, parse_strategy
+from mfsdp_hooks.tensor_parallel import TPSpec, tp_full_tensor
 from mfsdp_hooks.training_state import TrainingState
 from mfsdp_hooks.unit import FSDPUnit, UnitOptions
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "TPSpec",
+    "tp_full_tensor",
     "GRAD_ALLOCATORS",
     "FSDPModule",
     "FSDPUnit",

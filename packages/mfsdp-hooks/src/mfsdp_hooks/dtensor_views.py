@@ -7,9 +7,11 @@ such pieces; helpers in the checkpoint layer know the true row ranges from the l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -27,11 +29,22 @@ def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def sharded_dtensor(local: torch.Tensor, mesh: DeviceMesh, shape: torch.Size) -> DTensor:
-    """A row-sharded DTensor of global ``shape`` whose local tensor *is* ``local`` (no copy)."""
+def sharded_dtensor(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    shape: torch.Size,
+    placements: Sequence[Placement] = (Shard(0),),
+) -> DTensor:
+    """A DTensor of global ``shape`` whose local tensor *is* ``local`` (no copy): row-sharded
+    over a 1-D mesh unless other ``placements`` are given (a (dp, tp) mesh)."""
     with torch.no_grad():
         return DTensor.from_local(
-            local, mesh, [Shard(0)], run_check=False, shape=shape, stride=contiguous_stride(shape)
+            local,
+            mesh,
+            list(placements),
+            run_check=False,
+            shape=shape,
+            stride=contiguous_stride(shape),
         )
 
 

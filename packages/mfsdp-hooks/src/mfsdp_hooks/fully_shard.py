@@ -35,6 +35,7 @@ from mfsdp_hooks.slots import (
     describe_parameters,
 )
 from mfsdp_hooks.strategy import ShardingStrategy, parse_strategy
+from mfsdp_hooks.tensor_parallel import check_tp_parameters
 from mfsdp_hooks.unit import FSDPUnit, UnitOptions, unit_of
 
 _OWNER_ATTR = "_mfsdp_param_owners"
@@ -293,6 +294,8 @@ def fully_shard(
         materializer.materialize(sub)
     slots = collect_slots(module)
     check_parameters_supported(slots, module)
+    named = [(name, p) for p, name, _ in slots.values()]
+    check_tp_parameters(named, topology, f"fully_shard({type(module).__name__})")
     options = UnitOptions(
         topology=topology,
         strategy=strategy,

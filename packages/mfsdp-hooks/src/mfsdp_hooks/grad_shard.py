@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from mfsdp_buffers import FlatLayout
-from mfsdp_hooks.dtensor_views import local_tensor, replicated_dtensor, sharded_dtensor
+from mfsdp_hooks.dtensor_views import local_tensor
+
+
+class DTensorMaker(Protocol):
+    """Builds parameter ``index``'s DTensor over ``local`` (``ShardCuts.dtensor``)."""
+
+    def __call__(self, local: torch.Tensor, index: int, *, sharded: bool) -> torch.Tensor: ...
 
 
 class GradShard:
@@ -30,14 +36,14 @@ class GradShard:
         dtype: torch.dtype,
         device: torch.device,
         sharded: bool,
-        mesh: DeviceMesh,
+        make_dtensor: DTensorMaker,
     ) -> None:
         self.layout = layout
         self.rank = rank
         self.dtype = dtype
         self.device = device
         self.sharded = sharded
-        self.mesh = mesh
+        self._make_dtensor = make_dtensor
         self.numel = layout.shard_numel if sharded else layout.padded_numel
         self._storage: weakref.ref[torch.Tensor] | None = None
 
@@ -57,10 +63,7 @@ class GradShard:
         )
 
     def _dtensor(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        local = self.local_rows(flat, index)
-        if not self.sharded:
-            return replicated_dtensor(local, self.mesh)
-        return sharded_dtensor(local, self.mesh, self.layout.placements[index].shape)
+        return self._make_dtensor(self.local_rows(flat, index), index, sharded=self.sharded)
 
     def new_flat(self, numel: int) -> torch.Tensor:
         """An uninitialised flat tensor of the gradients' dtype and device."""

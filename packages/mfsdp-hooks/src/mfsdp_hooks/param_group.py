@@ -50,6 +50,7 @@ from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root_protocol import GroupRoot
 from mfsdp_hooks.shard_cuts import ShardCuts
 from mfsdp_hooks.strategy import ShardingStrategy
+from mfsdp_hooks.tensor_parallel import local_value, tp_spec_of, unsharded_param
 from mfsdp_hooks.weight_freshness import WeightFreshness
 
 DEFAULT_ALIGNMENT = 16
@@ -98,13 +99,16 @@ class ParameterGroup:
         self.strategy = strategy
         self.requires_grad = params[0].requires_grad
         self.original_dtype = params[0].dtype
-        self.shapes = [p.shape for p in params]
+        # Tensor parallelism: the TP-local tensors are what FSDP flattens and shards.
+        self.tp_specs = [tp_spec_of(p) for p in params]
+        values = [local_value(p) for p in params]
+        self.shapes = [v.shape for v in values]
         for name, shape in zip(self.names, self.shapes, strict=True):
             if len(shape) == 0:
                 raise ValueError(
                     f"parameter {name!r} is 0-d and cannot be sharded: reshape it to (1,)"
                 )
-        self.cuts = ShardCuts(self.shapes, topology, alignment=alignment)
+        self.cuts = ShardCuts(self.shapes, topology, alignment=alignment, tp_specs=self.tp_specs)
         self.layout, self.optim_layout = self.cuts.layout, self.cuts.optim_layout
         self.compute_dtype = policy.compute_dtype(self.original_dtype)
         self.reduce_dtype = policy.grad_reduce_dtype(self.original_dtype)
@@ -120,7 +124,7 @@ class ParameterGroup:
         self.grads: GradShard | None = None
         if self.requires_grad:
             self.grads = self._grad_shard(policy.grad_dtype(self.original_dtype), optimizer_dtype)
-        self._fill_buffers(params)
+        self._fill_buffers(values)
         self.unsharded_params = self._adopt_params(params)
         self.dist_params = self.cuts.dist_params(
             self.main if self.main is not None else self.model,
@@ -182,36 +186,42 @@ class ParameterGroup:
                 f"optimizer weights' dtype {optimizer_dtype} for {self.names[0]!r}: optimizers "
                 "need gradients in the dtype of their parameters; leave main_grads_dtype None"
             )
-        mesh = self.topology.optim_mesh
-        assert mesh is not None, "FSDPTopology without a shard mesh"
         return GradShard(
             self.optim_layout,
             self.topology.optim_rank,
             dtype=grad_dtype,
             device=self.topology.device,
             sharded=self.strategy.shards_optimizer_state,
-            mesh=mesh,
+            make_dtensor=self.cuts.dtensor,
         )
 
-    def _fill_buffers(self, params: Sequence[nn.Parameter]) -> None:
+    def _fill_buffers(self, values: Sequence[torch.Tensor]) -> None:
         with torch.no_grad():
             if self.model.has_persistent_shard:
-                self.model.copy_params_in([p.detach() for p in params])
+                self.model.copy_params_in(values)
             if self.main is not None:
-                self.main.copy_params_in([p.detach() for p in params])
+                self.main.copy_params_in(values)
 
     def _adopt_params(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
         """Point the user's parameters at the unsharded buffer, freeing their own storage.
 
         Keeping the same ``nn.Parameter`` objects preserves every outside reference to them
-        (an optimizer built before wrapping, tied weights, user code).
+        (an optimizer built before wrapping, tied weights, user code). A tensor-parallel
+        parameter becomes a new DTensor over the buffer (a DTensor's local tensor cannot be
+        swapped in place), as FSDP2 replaces its parameters.
         """
         self.model.materialize()
-        for index, param in enumerate(params):
-            param.data = self.model.unsharded_view(index)
+        adopted = []
+        for index, (param, spec) in enumerate(zip(params, self.tp_specs, strict=True)):
+            view = self.model.unsharded_view(index)
+            if spec is None:
+                param.data = view
+            else:
+                param = unsharded_param(view, spec, requires_grad=param.requires_grad)
+            adopted.append(param)
         if self.model.sharded:
             self.model.release()
-        return list(params)
+        return adopted
 
     # ----------------------------------------------------------------- weights
     @property

@@ -6,7 +6,9 @@ gradients, optimizer state). Without HFSDP they are the same cut. Under HFSDP th
 has ``shard x outer`` sub-shards and the first is it merged across ``dp_outer``, so a
 rank's sub-shard is a slice of its own compute shard (``sub_shard``). The distributed
 parameters the optimizer and ``state_dict`` see are DTensors over this rank's rows of the
-optimizer-facing shard (``dist_params``), on the topology's optimizer mesh.
+optimizer-facing shard (``dist_params``), on the topology's optimizer mesh; a
+tensor-parallel parameter's (its shape here is the TP-local one) on the 2-D ``(dp, tp)``
+mesh, with its TP placement on the second dim (``dtensor``).
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
 from mfsdp_buffers import DataParallelBuffer, FlatLayout
 from mfsdp_collectives import FSDPTopology
 from mfsdp_hooks.dtensor_views import replicated_dtensor, sharded_dtensor
 from mfsdp_hooks.strategy import ShardingStrategy
+from mfsdp_hooks.tensor_parallel import TPSpec
 
 __all__ = ["ShardCuts"]
 
@@ -28,10 +32,17 @@ class ShardCuts:
     """The compute and optimizer-facing cuts of one group, for this rank of ``topology``."""
 
     def __init__(
-        self, shapes: Sequence[torch.Size], topology: FSDPTopology, *, alignment: int
+        self,
+        shapes: Sequence[torch.Size],
+        topology: FSDPTopology,
+        *,
+        alignment: int,
+        tp_specs: Sequence[TPSpec | None] = (),
     ) -> None:
         self.shapes = list(shapes)
         self.topology = topology
+        self.tp_specs = list(tp_specs) or [None] * len(self.shapes)
+        self._dp_tp_meshes = {id(s.mesh): topology.with_tp(s.mesh) for s in self.tp_specs if s}
         self.optim_layout = FlatLayout.build(
             self.shapes, world_size=topology.optim_size, alignment=alignment
         )
@@ -54,19 +65,32 @@ class ShardCuts:
         buffer.materialize()
         return buffer.unsharded_view(index)[piece.row_start : piece.row_end]
 
+    def dtensor(self, local: torch.Tensor, index: int, *, sharded: bool) -> torch.Tensor:
+        """Parameter ``index``'s DTensor over ``local`` (this rank's rows of it, or all of it
+        when not ``sharded``): its original global shape, on the optimizer mesh, or with TP on
+        the ``(dp, tp)`` mesh."""
+        spec = self.tp_specs[index]
+        mesh = self.topology.optim_mesh
+        assert mesh is not None, "FSDPTopology without a shard mesh cannot build DTensors"
+        if spec is None:
+            if not sharded:
+                return replicated_dtensor(local, mesh)
+            return sharded_dtensor(local, mesh, self.shapes[index])
+        placements = [Shard(0) if sharded else Replicate(), *spec.placements]
+        dp_tp = self._dp_tp_meshes[id(spec.mesh)]
+        return sharded_dtensor(local, dp_tp, spec.global_shape, placements)
+
     def dist_params(
         self, buffer: DataParallelBuffer, strategy: ShardingStrategy, *, requires_grad: bool
     ) -> list[nn.Parameter]:
-        """One parameter per original parameter: a DTensor of its shape over ``buffer``
-        (row-sharded; replicated for ``no_shard``), sharing its storage."""
-        mesh = self.topology.optim_mesh
-        assert mesh is not None, "FSDPTopology without a shard mesh cannot build DTensors"
+        """One parameter per original parameter: its DTensor over ``buffer`` (row-sharded;
+        replicated for ``no_shard``), sharing its storage."""
         params = []
-        for index, shape in enumerate(self.shapes):
+        for index in range(len(self.shapes)):
             if strategy == ShardingStrategy.NO_SHARD:
                 buffer.materialize()
-                tensor = replicated_dtensor(buffer.unsharded_view(index), mesh)
+                tensor = self.dtensor(buffer.unsharded_view(index), index, sharded=False)
             else:
-                tensor = sharded_dtensor(self.local_rows(buffer, index), mesh, shape)
+                tensor = self.dtensor(self.local_rows(buffer, index), index, sharded=True)
             params.append(nn.Parameter(tensor, requires_grad=requires_grad))
         return params

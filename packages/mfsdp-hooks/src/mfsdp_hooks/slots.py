@@ -4,9 +4,10 @@ A unit owns the parameters of its module that no already-wrapped sub-module owns
 may sit in several (module, attribute) slots (tied weights), all of which the unit swaps
 between the sharded and the unsharded tensor.
 
-Only plain parameters can be flattened into a buffer and handed back as views: a tensor
-subclass (torchao's float8 weight wrapper, Transformer Engine's ``Float8Tensor``, a user's
-``DTensor`` from tensor parallelism) carries state outside its storage that a flat copy
+Only plain parameters and tensor-parallel ``DTensor`` ones (``tensor_parallel``: their
+TP-local tensor is flattened, the TP placement kept beside it) can be flattened into a
+buffer and handed back as views: another tensor subclass (torchao's float8 weight wrapper,
+Transformer Engine's ``Float8Tensor``) carries state outside its storage that a flat copy
 drops, so the optimizer and the weight install would silently lose it. Such parameters
 are refused at wrap time, before any collective, on every rank (every rank holds the same
 model, so every rank reaches the same verdict).
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "UNIT_ATTR",
@@ -67,7 +69,7 @@ def collect_slots(module: nn.Module) -> SlotMap:
 
 
 def _is_plain(param: torch.Tensor) -> bool:
-    return type(param) is nn.Parameter or type(param) is torch.Tensor
+    return type(param) is nn.Parameter or type(param) is torch.Tensor or type(param) is DTensor
 
 
 def check_parameters_supported(slots: SlotMap, module: nn.Module) -> None:
@@ -80,7 +82,8 @@ def check_parameters_supported(slots: SlotMap, module: nn.Module) -> None:
     )
     raise NotImplementedError(
         f"fully_shard({type(module).__name__}): parameter(s) {listed} are tensor subclasses, "
-        "which the engine cannot shard yet: a flat sharded copy would drop their extra state "
+        "which the engine cannot shard yet (beyond DTensors of tensor parallelism): a flat "
+        "sharded copy would drop their extra state "
         "and train them wrong. Use plain nn.Parameter weights (e.g. convert to float8 or "
         "apply tensor parallelism after training, or train without it) until FP8 and tensor "
         "parallel parameters are supported"

@@ -21,6 +21,7 @@ from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root_protocol import UnitRoot
 from mfsdp_hooks.slots import UNIT_ATTR, Slot, SlotMap, install_params
 from mfsdp_hooks.strategy import ShardingStrategy
+from mfsdp_hooks.tensor_parallel import grad_local
 from mfsdp_hooks.training_state import TrainingState, in_backward_pass
 
 
@@ -290,9 +291,9 @@ class FSDPUnit:
                 target.unshard_async()
 
     def _on_grad_ready(self, group: ParameterGroup, index: int, param: torch.Tensor) -> None:
-        grad = param.grad
-        if grad is None:
+        if param.grad is None:
             return
+        grad = grad_local(param.grad, group.tp_specs[index])  # TP: reduced over DP only
         reducer = group.reducer
         assert self.root is not None and reducer is not None
         self.root.reap_finished_reductions()

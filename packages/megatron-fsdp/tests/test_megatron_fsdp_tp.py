@@ -1,0 +1,127 @@
+"""FSDP x TP through fully_shard_model(..., tp_dim="tp"): parity, checkpoints and bad input.
+
+A checkpoint saved on 4 ranks as (dp_shard=2, tp=2) resumes under plain FSDP on 2 and on 4
+ranks and under 2x2 again, and training continues exactly; one saved under plain FSDP
+resumes under FSDP x TP.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from megatron_fsdp import fully_shard_model, fully_shard_optimizer
+from mfsdp_checkpoint import gather_full_state_dict
+from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks.tp_testing import TP_OUT, TP_WIDTH, MLPBlock, tp_model
+
+STEPS = 10
+
+
+def _wrap(tp: bool, world: int) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+    """The MLP model under FSDP x TP (2x2) or plain FSDP; returns its DP rank and size."""
+    if tp:
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "tp"))
+        model = fully_shard_model(
+            tp_model("mlp", mesh["tp"]),
+            fsdp_unit_modules=[MLPBlock],
+            device_mesh=mesh,
+            dp_shard_dim="dp_shard",
+            tp_dim="tp",
+        )
+        dp_rank, dp_size = mesh["dp_shard"].get_local_rank(), world // 2
+    else:
+        model = fully_shard_model(tp_model("mlp", None), fsdp_unit_modules=[MLPBlock])
+        dp_rank, dp_size = dist.get_rank(), world
+    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return model, optimizer, dp_rank if dp_size > 1 else 0
+
+
+def _steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer, dp: tuple[int, int], start: int, n: int
+) -> list[float]:
+    """Global-batch losses of ``n`` steps, each DP rank on its share of 8 samples."""
+    dp_rank, dp_size = dp
+    losses = []
+    for step in range(start, start + n):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 4, TP_WIDTH, generator=gen), torch.randn(8, 4, TP_OUT, generator=gen)
+        loss = nn.functional.mse_loss(model(x.chunk(dp_size)[dp_rank]), y.chunk(dp_size)[dp_rank])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+    return losses
+
+
+def _parity_worker(rank: int, world: int) -> tuple[list[float], list[float]]:
+    model, optimizer, dp_rank = _wrap(True, world)
+    reference = tp_model("mlp", None)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    want = []
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 4, TP_WIDTH, generator=gen), torch.randn(8, 4, TP_OUT, generator=gen)
+        loss = nn.functional.mse_loss(reference(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append(loss.item())
+    got = _steps(model, optimizer, (dp_rank, world // 2), 0, STEPS)
+    full = gather_full_state_dict(model, rank0_only=False)
+    for name, value in reference.state_dict().items():
+        key = name if name in full else f"module.{name}"
+        torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6)
+    return got, want
+
+
+def test_fully_shard_model_with_tp_dim_trains_as_one_process() -> None:
+    for got, want in run_distributed(_parity_worker, 4, timeout=240):
+        for a, b in zip(got, want, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+
+
+def _save_worker(rank: int, world: int, path: str, tp: bool) -> list[float]:
+    model, optimizer, dp_rank = _wrap(tp, world)
+    dp = (dp_rank, world // 2 if tp else world)
+    losses = _steps(model, optimizer, dp, 0, 3)
+    dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
+    return losses + _steps(model, optimizer, dp, 3, 3)
+
+
+def _load_worker(rank: int, world: int, path: str, tp: bool) -> list[float]:
+    model, optimizer, dp_rank = _wrap(tp, world)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    dcp.load(state_dict=state, checkpoint_id=path)
+    model.load_state_dict(state["model"], strict=False)
+    optimizer.load_state_dict(state["optimizer"])
+    return _steps(model, optimizer, (dp_rank, world // 2 if tp else world), 3, 3)
+
+
+@pytest.mark.parametrize(
+    ("saved_tp", "world", "loaded_tp"), [(True, 2, False), (True, 4, False), (True, 4, True)]
+)
+def test_an_fsdp_x_tp_checkpoint_resumes_exactly(
+    tmp_path: Path, saved_tp: bool, world: int, loaded_tp: bool
+) -> None:
+    path = str(tmp_path / "ckpt")
+    uninterrupted = run_distributed(_save_worker, 4, path, saved_tp, timeout=180)[0]
+    resumed = run_distributed(_load_worker, world, path, loaded_tp, timeout=180)[0]
+    for got, want in zip(resumed, uninterrupted[3:], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (resumed, uninterrupted)
+
+
+def test_a_plain_fsdp_checkpoint_resumes_under_fsdp_x_tp(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    uninterrupted = run_distributed(_save_worker, 2, path, False, timeout=180)[0]
+    resumed = run_distributed(_load_worker, 4, path, True, timeout=180)[0]
+    for got, want in zip(resumed, uninterrupted[3:], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (resumed, uninterrupted)

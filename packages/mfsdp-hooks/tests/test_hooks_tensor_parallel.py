@@ -1,0 +1,145 @@
+"""FSDP x TP: a model parallelised with torch's DTensor TP, then fully sharded over DP.
+
+Four gloo ranks as a (dp_shard=2, tp=2) mesh train exactly as one process on the global
+batch: colwise/rowwise linears, a sequence-parallel LayerNorm, and a plain (TP-replicated)
+head in the same model. The optimizer sees DTensors on the 2-D (dp, tp) mesh; the DP
+reduce-scatter moves the TP-local bytes only and never runs over the TP group.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hooks_models import assert_close_rel
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from mfsdp_collectives import CommTracer
+from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks import fsdp_units, fully_shard
+from mfsdp_hooks.tp_testing import TP_OUT, TP_WIDTH, full_value, sequence_shard, tp_model
+
+STEPS = 10
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(8, 4, TP_WIDTH, generator=gen), torch.randn(8, 4, TP_OUT, generator=gen)
+
+
+def _parity_worker(rank: int, world: int, kind: str, strategy: int) -> list[float]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    dp_rank, tp_mesh = mesh["dp_shard"].get_local_rank(), mesh["tp"]
+    reference = tp_model(kind, None)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+    model = tp_model(kind, tp_mesh)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp_shard"], sharding_strategy=strategy)
+    fully_shard(model, mesh=mesh["dp_shard"], sharding_strategy=strategy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor), name
+        if "blocks" in name:  # TP parameters: rows over dp, the TP placement over tp
+            assert param.device_mesh.mesh_dim_names == ("dp_shard", "tp"), name
+            assert param.placements[0] in (Shard(0), Replicate()), name
+    tokens, targets = _batch()
+    errors = []
+    for step in range(STEPS):
+        x = tokens + step
+        want = nn.functional.mse_loss(reference(x), targets)
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        local_x = x.chunk(2)[dp_rank]
+        inputs = sequence_shard(local_x, tp_mesh) if kind == "sp" else local_x
+        out = full_value(model(inputs))
+        loss = nn.functional.mse_loss(out, targets.chunk(2)[dp_rank])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # every TP rank holds its DP group's loss
+        errors.append(abs(total.item() / world - want.item()) / abs(want.item()))
+    units = fsdp_units(model)
+    for unit in units:
+        unit.unshard()
+    for name, value in model.state_dict().items():
+        assert_close_rel(full_value(value), reference.state_dict()[name], 1e-5, f"{kind} {name}")
+    for unit in units:
+        unit.reshard()
+    return errors
+
+
+@pytest.mark.parametrize(("kind", "strategy"), [("mlp", 3), ("mlp", 2), ("mlp", 1), ("sp", 3)])
+def test_fsdp_x_tp_trains_as_one_process(kind: str, strategy: int) -> None:
+    for errors in run_distributed(_parity_worker, 4, kind, strategy, timeout=240):
+        assert max(errors) <= 1e-5, errors
+
+
+def _comm_worker(rank: int, world: int) -> tuple[dict[str, dict[str, int]], list[int], bool]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    model = tp_model("mlp", mesh["tp"])
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    tokens, targets = _batch()
+    dp_rank = mesh["dp_shard"].get_local_rank()
+    for _ in range(2):  # the first records the prefetch order
+        with CommTracer() as tracer:
+            out = model(tokens.chunk(2)[dp_rank])
+            nn.functional.mse_loss(out, targets.chunk(2)[dp_rank]).backward()
+    groups = [g for u in fsdp_units(model) for g in u.groups if g.requires_grad]
+    tp_unit = fsdp_units(model.blocks[0])[0]  # type: ignore[index]
+    # Colwise weight and bias, rowwise weight: halves; the rowwise bias: whole.
+    tp_local = tp_unit.groups[0].layout.data_numel == 8 * 16 + 16 // 2 + 8
+    return tracer.summary(), [g.layout.padded_numel for g in groups], tp_local
+
+
+def test_the_dp_reduce_scatter_moves_tp_local_bytes_and_never_spans_tp() -> None:
+    for summary, padded, tp_local in run_distributed(_comm_worker, 4, timeout=120):
+        # Each block's buffer holds its TP-local half (colwise weight and bias, rowwise
+        # weight) plus the replicated rowwise bias; fp32 gradients cross dp_shard once.
+        assert tp_local
+        assert summary["dp_shard/reduce_scatter"] == {
+            "calls": len(padded),
+            "bytes": 4 * sum(padded),
+        }
+        dp_keys = {k for k in summary if not k.startswith("dp_shard/")}
+        assert dp_keys == set(), summary  # no FSDP collective on any other group
+
+
+def _bad_tp_worker(rank: int, world: int, case: str) -> str:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    model = tp_model("mlp", mesh["tp"])
+    dp_mesh = mesh["dp_shard"]
+    if case == "2d_param":  # a parameter already sharded over both dims
+        from torch.distributed.tensor import distribute_tensor
+
+        weight = model.head.weight
+        model.head.weight = nn.Parameter(
+            distribute_tensor(weight.detach(), mesh, [Replicate(), Shard(0)])
+        )
+    elif case == "same_mesh":  # FSDP over the TP dim itself
+        dp_mesh = mesh["tp"]
+    try:
+        fully_shard(model, mesh=dp_mesh)
+    except (ValueError, NotImplementedError) as error:
+        dist.barrier()  # every rank got here on its own: nothing was communicated
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("2d_param", "NotImplementedError: fully_shard(TPModel): tensor-parallel parameter(s)"),
+        ("same_mesh", "ValueError: the DP mesh and the TP mesh"),
+    ],
+)
+def test_tp_parameters_the_engine_cannot_shard_are_refused_on_every_rank(
+    case: str, expected: str
+) -> None:
+    messages = run_distributed(_bad_tp_worker, 4, case, timeout=60)
+    assert all(m.startswith(expected) for m in messages), messages
