@@ -15,21 +15,26 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 from megatron_fsdp import fully_shard_model, fully_shard_optimizer
 from mfsdp_checkpoint import gather_full_state_dict
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks.tp_testing import TP_OUT, TP_WIDTH, MLPBlock, tp_model
+from mfsdp_hooks.tp_testing import TP_OUT, TP_WIDTH, MLPBlock, megatron_tp_model, tp_model
 
 STEPS = 10
 
 
-def _wrap(tp: bool, world: int) -> tuple[nn.Module, torch.optim.Optimizer, int]:
-    """The MLP model under FSDP x TP (2x2) or plain FSDP; returns its DP rank and size."""
+def _wrap(
+    tp: bool, world: int, megatron: bool = False
+) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+    """The MLP model under FSDP x TP (2x2; torch's DTensor TP, or ``megatron``-style layers)
+    or plain FSDP; returns its DP rank."""
     if tp:
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "tp"))
+        tp_mesh = mesh["tp"]
         model = fully_shard_model(
-            tp_model("mlp", mesh["tp"]),
+            megatron_tp_model(tp_mesh) if megatron else tp_model("mlp", tp_mesh),
             fsdp_unit_modules=[MLPBlock],
             device_mesh=mesh,
             dp_shard_dim="dp_shard",
@@ -62,8 +67,15 @@ def _steps(
     return losses
 
 
-def _parity_worker(rank: int, world: int) -> tuple[list[float], list[float]]:
-    model, optimizer, dp_rank = _wrap(True, world)
+def _parity_worker(rank: int, world: int, megatron: bool) -> tuple[list[float], list[float]]:
+    model, optimizer, dp_rank = _wrap(True, world, megatron)
+    for name, param in model.named_parameters():
+        # DTensor TP also keeps the replicated rowwise bias on the TP mesh; Megatron does not.
+        tp_cut = "blocks" in name and not (megatron and name.endswith("down.bias"))
+        assert isinstance(param, DTensor) and param.device_mesh.ndim == (2 if tp_cut else 1)
+        if megatron and tp_cut:  # Megatron-Core's attributes survive the sharding
+            assert param.tensor_model_parallel, name  # type: ignore[attr-defined]
+            assert param.placements[1] == Shard(param.partition_dim), name  # type: ignore[attr-defined]
     reference = tp_model("mlp", None)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     want = []
@@ -83,14 +95,17 @@ def _parity_worker(rank: int, world: int) -> tuple[list[float], list[float]]:
     return got, want
 
 
-def test_fully_shard_model_with_tp_dim_trains_as_one_process() -> None:
-    for got, want in run_distributed(_parity_worker, 4, timeout=240):
+@pytest.mark.parametrize("megatron", [False, True])
+def test_fully_shard_model_with_tp_dim_trains_as_one_process(megatron: bool) -> None:
+    # torch's DTensor TP, and Megatron-Core-style TP layers (plain local tensors with
+    # tensor_model_parallel / partition_dim, their own all-reduces).
+    for got, want in run_distributed(_parity_worker, 4, megatron, timeout=240):
         for a, b in zip(got, want, strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (got, want)
 
 
-def _save_worker(rank: int, world: int, path: str, tp: bool) -> list[float]:
-    model, optimizer, dp_rank = _wrap(tp, world)
+def _save_worker(rank: int, world: int, path: str, tp: bool, megatron: bool = False) -> list[float]:
+    model, optimizer, dp_rank = _wrap(tp, world, megatron)
     dp = (dp_rank, world // 2 if tp else world)
     losses = _steps(model, optimizer, dp, 0, 3)
     dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
@@ -119,9 +134,40 @@ def test_an_fsdp_x_tp_checkpoint_resumes_exactly(
         assert abs(got - want) <= 1e-5 * abs(want), (resumed, uninterrupted)
 
 
+def test_a_megatron_style_tp_checkpoint_resumes_under_plain_fsdp(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    uninterrupted = run_distributed(_save_worker, 4, path, True, True, timeout=180)[0]
+    resumed = run_distributed(_load_worker, 2, path, False, timeout=180)[0]
+    for got, want in zip(resumed, uninterrupted[3:], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (resumed, uninterrupted)
+
+
 def test_a_plain_fsdp_checkpoint_resumes_under_fsdp_x_tp(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     uninterrupted = run_distributed(_save_worker, 2, path, False, timeout=180)[0]
     resumed = run_distributed(_load_worker, 4, path, True, timeout=180)[0]
     for got, want in zip(resumed, uninterrupted[3:], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want), (resumed, uninterrupted)
+
+
+def _tp_size_one_worker(rank: int, world: int) -> list[float]:
+    """The reference passes a tp dim whenever it passes a mesh: a TP of size 1 is plain FSDP
+    (Megatron-style layers of one TP rank hold whole weights)."""
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp_shard", "tp"))
+    model = fully_shard_model(
+        megatron_tp_model(mesh["tp"]),
+        fsdp_unit_modules=[MLPBlock],
+        device_mesh=mesh,
+        dp_shard_dim="dp_shard",
+        tp_dim="tp",
+    )
+    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    plain, plain_opt, _ = _wrap(False, world)
+    got = _steps(model, optimizer, (rank, world), 0, STEPS)
+    want = _steps(plain, plain_opt, (rank, world), 0, STEPS)
+    assert got == want, (got, want)
+    return got
+
+
+def test_a_tp_dim_of_size_one_trains_as_plain_fsdp() -> None:
+    run_distributed(_tp_size_one_worker, 2, timeout=180)

@@ -112,6 +112,8 @@ class FSDPTopology:
     # How the shard group's CPU all-gathers and reduce-scatters travel, chosen once by
     # ``choose_host_transport``: the shared-memory transport, or None for c10d.
     host_transport: SharedMemoryTransport | None = None
+    tp_mesh: DeviceMesh | None = None
+    """The ``tp_dim`` submesh (``from_mesh``): Megatron-style TP parameters are cut over it."""
     optim_sharding: OptimizerSharding | None = None
     # HFSDP: how the reduce-scatter and all-gather across dp_outer travel (chosen likewise).
     outer_transport: SharedMemoryTransport | None = None
@@ -267,6 +269,7 @@ class FSDPTopology:
             device=_device_for_type(mesh.device_type),
             shard_mesh=mesh[dp_shard_dim] if mesh.ndim > 1 else mesh,
             mesh=mesh,
+            tp_mesh=None if tp_dim is None else mesh[tp_dim],
         )
 
     @classmethod

@@ -100,7 +100,7 @@ class ParameterGroup:
         self.requires_grad = params[0].requires_grad
         self.original_dtype = params[0].dtype
         # Tensor parallelism: the TP-local tensors are what FSDP flattens and shards.
-        self.tp_specs = [tp_spec_of(p) for p in params]
+        self.tp_specs = [tp_spec_of(p, topology.tp_mesh) for p in params]
         values = [local_value(p) for p in params]
         self.shapes = [v.shape for v in values]
         for name, shape in zip(self.names, self.shapes, strict=True):
@@ -127,9 +127,7 @@ class ParameterGroup:
         self._fill_buffers(values)
         self.unsharded_params = self._adopt_params(params)
         self.dist_params = self.cuts.dist_params(
-            self.main if self.main is not None else self.model,
-            strategy,
-            requires_grad=self.requires_grad,
+            self.main if self.main is not None else self.model, strategy, originals=params
         )
         self.freshness = WeightFreshness(steppable=self.requires_grad)
         if topology.shards_optimizer_across_outer and codec is not IDENTITY:
@@ -214,7 +212,7 @@ class ParameterGroup:
         adopted = []
         for index, (param, spec) in enumerate(zip(params, self.tp_specs, strict=True)):
             view = self.model.unsharded_view(index)
-            if spec is None:
+            if spec is None or not spec.computes_as_dtensor:
                 param.data = view
             else:
                 param = unsharded_param(view, spec, requires_grad=param.requires_grad)

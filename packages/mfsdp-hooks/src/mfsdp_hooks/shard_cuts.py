@@ -23,7 +23,7 @@ from mfsdp_buffers import DataParallelBuffer, FlatLayout
 from mfsdp_collectives import FSDPTopology
 from mfsdp_hooks.dtensor_views import replicated_dtensor, sharded_dtensor
 from mfsdp_hooks.strategy import ShardingStrategy
-from mfsdp_hooks.tensor_parallel import TPSpec
+from mfsdp_hooks.tensor_parallel import TPSpec, carry_attributes
 
 __all__ = ["ShardCuts"]
 
@@ -81,16 +81,23 @@ class ShardCuts:
         return sharded_dtensor(local, dp_tp, spec.global_shape, placements)
 
     def dist_params(
-        self, buffer: DataParallelBuffer, strategy: ShardingStrategy, *, requires_grad: bool
+        self,
+        buffer: DataParallelBuffer,
+        strategy: ShardingStrategy,
+        *,
+        originals: Sequence[nn.Parameter],
     ) -> list[nn.Parameter]:
         """One parameter per original parameter: its DTensor over ``buffer`` (row-sharded;
-        replicated for ``no_shard``), sharing its storage."""
+        replicated for ``no_shard``), sharing its storage, with the original's
+        ``requires_grad`` and public attributes."""
         params = []
-        for index in range(len(self.shapes)):
+        for index, original in enumerate(originals):
             if strategy == ShardingStrategy.NO_SHARD:
                 buffer.materialize()
                 tensor = self.dtensor(buffer.unsharded_view(index), index, sharded=False)
             else:
                 tensor = self.dtensor(self.local_rows(buffer, index), index, sharded=True)
-            params.append(nn.Parameter(tensor, requires_grad=requires_grad))
+            param = nn.Parameter(tensor, requires_grad=original.requires_grad)
+            carry_attributes(original, param)
+            params.append(param)
         return params

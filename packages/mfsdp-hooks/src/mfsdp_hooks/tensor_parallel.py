@@ -9,6 +9,10 @@ plain parameter. Around that:
 * forward and backward see DTensors on the TP mesh with the original placements, whose local
   tensors are views of the unsharded buffer (``unsharded_param``), so the TP module's own
   collectives run as before;
+* a Megatron-Core TP parameter (a plain local tensor marked ``tensor_model_parallel`` with
+  its ``partition_dim``) is recognised when the topology has a ``tp_dim``; forward sees it
+  plain, as Megatron's layers expect, and its public attributes carry over to the sharded
+  parameter (``carry_attributes``);
 * a gradient arrives as a DTensor; a ``Partial`` one (a replicated parameter whose users
   were sharded) is first reduced over TP to the parameter's placements (``grad_local``),
   then only its local tensor is reduced over DP: no DP collective ever spans the TP group;
@@ -33,6 +37,7 @@ from mfsdp_hooks.dtensor_views import local_tensor, sharded_dtensor
 
 __all__ = [
     "TPSpec",
+    "carry_attributes",
     "check_tp_parameters",
     "grad_local",
     "tp_full_tensor",
@@ -50,6 +55,8 @@ class TPSpec:
     global_shape: torch.Size
     local_offset: tuple[int, ...]
     """Where this rank's TP-local tensor starts in the global parameter, per dim."""
+    computes_as_dtensor: bool = True
+    """False for a Megatron-style parameter: its layers expect the plain local tensor."""
 
     @property
     def is_sharded(self) -> bool:
@@ -71,9 +78,30 @@ def _local_offset(param: DTensor) -> tuple[int, ...]:
     return tuple(offset)
 
 
-def tp_spec_of(param: torch.Tensor) -> TPSpec | None:
-    """The TP spec of a DTensor parameter; None for a plain one."""
+def _megatron_spec(param: torch.Tensor, tp_mesh: DeviceMesh) -> TPSpec:
+    """A Megatron-Core TP parameter: a plain local tensor cut evenly along ``partition_dim``
+    (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``, as its parallel
+    layers set them)."""
+    dim, stride = getattr(param, "partition_dim", None), getattr(param, "partition_stride", 1)
+    if not isinstance(dim, int) or not 0 <= dim < param.dim() or stride != 1:
+        raise NotImplementedError(
+            f"a tensor_model_parallel parameter of shape {tuple(param.shape)} has "
+            f"partition_dim={dim!r}, partition_stride={stride!r}: only contiguous partitions "
+            "(partition_stride=1) along one of its dims can be sharded over DP"
+        )
+    size, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    shape = list(param.shape)
+    offset = [0] * len(shape)
+    offset[dim], shape[dim] = rank * shape[dim], shape[dim] * size
+    return TPSpec(tp_mesh, (Shard(dim),), torch.Size(shape), tuple(offset), False)
+
+
+def tp_spec_of(param: torch.Tensor, tp_mesh: DeviceMesh | None = None) -> TPSpec | None:
+    """The TP spec of a DTensor parameter, or with ``tp_mesh`` (the topology's ``tp_dim``)
+    of a Megatron-style one; None for a plain parameter."""
     if not isinstance(param, DTensor):
+        if tp_mesh is not None and getattr(param, "tensor_model_parallel", False):
+            return _megatron_spec(param, tp_mesh)
         return None
     return TPSpec(
         mesh=param.device_mesh,
@@ -115,6 +143,15 @@ def check_tp_parameters(
 def local_value(param: torch.Tensor) -> torch.Tensor:
     """The tensor FSDP flattens: a DTensor's TP-local tensor, a plain tensor itself."""
     return local_tensor(param).detach()
+
+
+def carry_attributes(source: nn.Parameter, target: nn.Parameter) -> None:
+    """Give ``target`` the public attributes the model set on ``source`` (Megatron-Core's
+    ``tensor_model_parallel``, ``partition_dim``, ``allreduce``, ``sequence_parallel``...):
+    optimizers and gradient code choose parameter groups by them."""
+    for name, value in vars(source).items():
+        if not name.startswith("_"):
+            setattr(target, name, value)
 
 
 def unsharded_param(view: torch.Tensor, spec: TPSpec, requires_grad: bool) -> nn.Parameter:
