@@ -162,3 +162,20 @@ def test_tp_parameters_the_engine_cannot_shard_are_refused_on_every_rank(
 ) -> None:
     messages = run_distributed(_bad_tp_worker, 4, case, timeout=60)
     assert all(m.startswith(expected) for m in messages), messages
+
+
+def _meta_tp_worker(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    with torch.device("meta"):
+        model = tp_model("mlp", mesh["tp"])
+    try:
+        fully_shard(model.blocks[0], mesh=mesh["dp_shard"])
+    except NotImplementedError as error:
+        dist.barrier()
+        return str(error)
+    return "no error"
+
+
+def test_meta_device_tp_parameters_are_refused_before_initialisation() -> None:
+    for message in run_distributed(_meta_tp_worker, 4, timeout=60):
+        assert "is on the meta device (meta-device initialisation of TP parameters" in message

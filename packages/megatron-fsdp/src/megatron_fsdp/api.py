@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from megatron_fsdp.expert_mesh import expert_sharding
 from megatron_fsdp.hybrid import hybrid_topology, parse_outer_strategy
 from mfsdp_checkpoint import enable_dcp
 from mfsdp_collectives import FSDPTopology
@@ -30,7 +31,6 @@ from mfsdp_hooks.megatron_fsdp import UnitSpec, resolve_unit_modules
 
 # argument -> (default, why it is not available yet)
 _NOT_YET: dict[str, tuple[Any, str]] = {
-    "expt_device_mesh": (None, "expert-parallel (EP) sharding"),
     "nccl_ub": (False, "NCCL user buffers"),
     "fsdp_manual_registration": (False, "NCCL user-buffer manual registration"),
     "disable_symmetric_registration": (False, "NCCL user-buffer symmetric registration"),
@@ -120,7 +120,6 @@ def fully_shard_model(
     """Shard ``module`` (every ``fsdp_unit_modules`` match, then the root) and wrap it."""
     _reject_not_yet(
         {
-            "expt_device_mesh": expt_device_mesh,
             "nccl_ub": nccl_ub,
             "fsdp_manual_registration": fsdp_manual_registration,
             "disable_symmetric_registration": disable_symmetric_registration,
@@ -152,9 +151,13 @@ def fully_shard_model(
             outer_strategy=outer_strategy,
             tp_dim=tp_dim,
         )
+    experts = expert_sharding(
+        expt_device_mesh, dp_shard_dim=dp_shard_dim, tp_dim=tp_dim, dense=topology
+    )
     wrapped = MegatronFSDP(
         module,
         fsdp_unit_modules,
+        experts=experts,
         sync_model_each_microbatch=sync_model_each_microbatch,
         init_model_with_meta_device=init_model_with_meta_device,
         mesh=topology,

@@ -2,6 +2,7 @@
 
 from mfsdp_hooks.codec import IdentityCodec, ParamCodec
 from mfsdp_hooks.dtensor_views import dtensor_like, local_tensor
+from mfsdp_hooks.experts import ExpertSharding, is_megatron_expert
 from mfsdp_hooks.fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -19,11 +20,14 @@ from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.strategy import ShardingStrategy, parse_strategy
 from mfsdp_hooks.tensor_parallel import TPSpec, tp_full_tensor
 from mfsdp_hooks.training_state import TrainingState
-from mfsdp_hooks.unit import FSDPUnit, UnitOptions
+from mfsdp_hooks.unit import FSDPUnit
+from mfsdp_hooks.unit_options import UnitOptions
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ExpertSharding",
+    "is_megatron_expert",
     "TPSpec",
     "tp_full_tensor",
     "GRAD_ALLOCATORS",

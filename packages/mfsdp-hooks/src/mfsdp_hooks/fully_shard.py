@@ -22,6 +22,7 @@ from mfsdp_collectives import (
     check_ranks_agree,
 )
 from mfsdp_hooks.codec import IDENTITY, ParamCodec
+from mfsdp_hooks.experts import ExpertSharding
 from mfsdp_hooks.grad_allocator import make_grad_allocator
 from mfsdp_hooks.lookup import set_owning_model
 from mfsdp_hooks.meta_init import MetaMaterializer, check_initialisable, modules_in_scope
@@ -36,7 +37,8 @@ from mfsdp_hooks.slots import (
 )
 from mfsdp_hooks.strategy import ShardingStrategy, parse_strategy
 from mfsdp_hooks.tensor_parallel import check_tp_parameters
-from mfsdp_hooks.unit import FSDPUnit, UnitOptions, unit_of
+from mfsdp_hooks.unit import FSDPUnit, unit_of
+from mfsdp_hooks.unit_options import UnitOptions
 
 _OWNER_ATTR = "_mfsdp_param_owners"
 
@@ -168,7 +170,7 @@ def _check_overlap_options(
     _require_fraction(backward_prefetch_grad_fraction, "backward_prefetch_grad_fraction")
 
 
-def _check_module(module: object, mp_policy: object) -> None:
+def _check_module(module: object, mp_policy: object, experts: object) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     existing = unit_of(module)
@@ -180,6 +182,10 @@ def _check_module(module: object, mp_policy: object) -> None:
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
             f"mp_policy must be an mfsdp_hooks.MixedPrecisionPolicy, got {type(mp_policy).__name__}"
+        )
+    if experts is not None and not isinstance(experts, ExpertSharding):
+        raise TypeError(
+            f"experts must be an mfsdp_hooks.ExpertSharding or None, got {type(experts).__name__}"
         )
 
 
@@ -199,9 +205,20 @@ def _agree_on_wrap(
         # An allocator's or codec's repr holds its address; its kind is what must agree.
         by_kind = field.name in ("grad_allocator", "codec")
         facts[field.name] = type(value).__name__ if by_kind else repr(value)
+        if isinstance(value, ExpertSharding):  # its topology's repr holds addresses
+            facts[field.name] = value.describe()
     check_ranks_agree(options.topology.shard_group, facts, what="fully_shard")
     if options.topology.outer_group is not None:  # HSDP: the replicas must agree too
         check_ranks_agree(options.topology.outer_group, facts, what="fully_shard")
+
+
+def _own_parameters(scope: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Parameter]]:
+    """The parameters the modules in ``scope`` register themselves, with their paths."""
+    return [
+        (f"{path}.{name}" if path else name, param)
+        for path, sub in scope
+        for name, param in sub.named_parameters(recurse=False)
+    ]
 
 
 def resolve_topology(mesh: DeviceMesh | FSDPTopology | None, module: nn.Module) -> FSDPTopology:
@@ -250,6 +267,7 @@ def fully_shard(
     grad_buffer_allocator: str | Allocator = "plain",
     host_transport: str = "auto",
     param_codec: ParamCodec | None = None,
+    experts: ExpertSharding | None = None,
     **unsupported: Any,
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not owned by an already-sharded child) in place.
@@ -267,14 +285,16 @@ def fully_shard(
     (shared memory when every rank of the shard group is on this host, else gloo),
     ``"shm"`` (shared memory or an error) or ``"gloo"``. ``param_codec`` changes how the
     weights travel in the all-gather (``mfsdp_hooks.codec``; the default sends them as they
-    are); it needs main weights apart from the compute weights.
+    are); it needs main weights apart from the compute weights. ``experts``
+    (``ExpertSharding``) shards the parameters it names over the expert-data-parallel group
+    instead, with their gradient mean over the dense DP size (expert parallelism).
     """
     if unsupported:
         names = ", ".join(sorted(unsupported))
         raise TypeError(
             f"fully_shard() got unsupported argument(s) {names}: they are not implemented yet"
         )
-    _check_module(module, mp_policy)
+    _check_module(module, mp_policy, experts)
     strategy = parse_strategy(sharding_strategy, "sharding_strategy")
     _check_overlap_options(max_inflight_reductions, prefetch_depth, backward_prefetch_grad_fraction)
     grad_allocator = make_grad_allocator(grad_buffer_allocator, max_inflight_reductions)
@@ -289,13 +309,13 @@ def fully_shard(
             f"sharding_strategy={strategy}: a topology that shards the optimizer across "
             "dp_outer (HFSDP) needs ZeRO-3; pass sharding_strategy=3 or replicate across dp_outer"
         )
+    # Before initialising meta modules: their TP parameters are refused, not initialised.
+    check_tp_parameters(_own_parameters(scope), topology, f"fully_shard({type(module).__name__})")
     materializer = MetaMaterializer(topology.device)
     for _, sub in scope:
         materializer.materialize(sub)
     slots = collect_slots(module)
     check_parameters_supported(slots, module)
-    named = [(name, p) for p, name, _ in slots.values()]
-    check_tp_parameters(named, topology, f"fully_shard({type(module).__name__})")
     options = UnitOptions(
         topology=topology,
         strategy=strategy,
@@ -315,9 +335,12 @@ def fully_shard(
         backward_prefetch_grad_fraction=float(backward_prefetch_grad_fraction),
         grad_allocator=grad_allocator,
         codec=param_codec or IDENTITY,
+        experts=experts,
     )
     _agree_on_wrap(module, slots, options, host_transport)
     options.topology.choose_host_transport(host_transport)
+    if experts is not None:
+        experts.topology.choose_host_transport(host_transport)
     owners = _shared_owner_registry(module)
     FSDPUnit(module, options, owners, make_root=FSDPRoot.lazy_init, slots=slots)
     for unit in fsdp_units(module):

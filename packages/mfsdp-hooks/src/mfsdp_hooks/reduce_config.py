@@ -18,6 +18,9 @@ class GradReduceConfig:
     average_in_collective: bool = True
     gradient_scaling_factor: float | None = None
     calculate_per_token_loss: bool = False
+    mean_over: int | None = None
+    """The mean divides by this many ranks instead of the reduction group's (expert
+    parameters, reduced over fewer ranks than the dense ones: ``experts.ExpertSharding``)."""
 
     def __post_init__(self) -> None:
         if self.gradient_scaling_factor is not None and self.calculate_per_token_loss:
@@ -39,6 +42,7 @@ class GradReduceConfig:
             return False, None
         if self.gradient_scaling_factor is not None:
             return False, self.gradient_scaling_factor
-        if self.average_in_collective and native_average:
+        divisor = world_size if self.mean_over is None else self.mean_over
+        if self.average_in_collective and native_average and divisor == world_size:
             return True, None
-        return False, 1.0 / world_size
+        return False, 1.0 / divisor

@@ -10,7 +10,8 @@ from mfsdp_collectives import CommStreams, naming_dead_peers
 from mfsdp_hooks.grad_allocator import end_iteration, pools_memory
 from mfsdp_hooks.param_group import ParameterGroup
 from mfsdp_hooks.reduction_queue import ReductionQueue
-from mfsdp_hooks.unit import ROOT_LEVEL_OPTIONS, FSDPUnit, unit_of
+from mfsdp_hooks.unit import FSDPUnit, unit_of
+from mfsdp_hooks.unit_options import ROOT_LEVEL_OPTIONS
 
 
 class FSDPRoot:

@@ -4,57 +4,21 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from mfsdp_buffers import Allocator, BucketKey, build_buckets
-from mfsdp_collectives import FSDPTopology
-from mfsdp_hooks.codec import IDENTITY, ParamCodec
 from mfsdp_hooks.lookup import register_group_params
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.param_group import ParameterGroup, Waitable
-from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root_protocol import UnitRoot
-from mfsdp_hooks.slots import UNIT_ATTR, Slot, SlotMap, install_params
-from mfsdp_hooks.strategy import ShardingStrategy
+from mfsdp_hooks.slots import UNIT_ATTR, SlotMap, install_params
 from mfsdp_hooks.tensor_parallel import grad_local
 from mfsdp_hooks.training_state import TrainingState, in_backward_pass
-
-
-@dataclass(frozen=True)
-class UnitOptions:
-    """Per-unit choices; the root unit's root-level choices apply to the whole tree."""
-
-    topology: FSDPTopology
-    strategy: ShardingStrategy
-    policy: MixedPrecisionPolicy
-    reduce_config: GradReduceConfig
-    reshard_after_forward: bool = True
-    overlap_param_gather: bool = True
-    overlap_grad_reduce: bool = True
-    sync_model_each_microbatch: bool = True
-    report_nan_in_param_grad: bool = False
-    max_inflight_reductions: int = 1
-    prefetch_depth: int = 1
-    backward_prefetch_grad_fraction: float = 0.5
-    grad_allocator: Allocator | None = None
-    codec: ParamCodec = IDENTITY
-
-
-# Options the root reads for the whole tree (the reduction queue, gradient sync, prefetch
-# order). A non-root unit given another value than its root's would see it silently ignored,
-# so the root refuses that when it is built (``FSDPRoot.__init__``).
-ROOT_LEVEL_OPTIONS = (
-    "overlap_grad_reduce",
-    "sync_model_each_microbatch",
-    "report_nan_in_param_grad",
-    "max_inflight_reductions",
-    "prefetch_depth",
-)
+from mfsdp_hooks.unit_groups import build_groups
+from mfsdp_hooks.unit_options import UnitOptions
 
 
 def unit_of(module: nn.Module) -> FSDPUnit | None:
@@ -109,29 +73,7 @@ class FSDPUnit:
                     "tied parameters must live in one unit; fully_shard their common parent "
                     "module instead of each user"
                 )
-        self.groups: list[ParameterGroup] = []
-        self._group_slots: list[list[list[Slot]]] = []
-        entries = list(slots.values())
-        keys = [
-            (index, BucketKey(self.name, p.dtype, "dp_shard", p.requires_grad), p.numel())
-            for index, (p, _, _) in enumerate(entries)
-        ]
-        for bucket in build_buckets(keys):
-            members = [entries[i] for i in bucket.param_indices]
-            group = ParameterGroup(
-                [p for p, _, _ in members],
-                [n for _, n, _ in members],
-                topology=options.topology,
-                strategy=options.strategy,
-                policy=options.policy,
-                reduce_config=options.reduce_config,
-                grad_allocator=options.grad_allocator,
-                codec=options.codec,
-            )
-            self.groups.append(group)
-            self._group_slots.append([s for _, _, s in members])
-            for param, name, _ in members:
-                owner_of[id(param)] = f"{self.name}({name})"
+        self.groups, self._group_slots = build_groups(self.name, slots, options, owner_of)
         self._grad_numel_expected = sum(g.layout.data_numel for g in self.groups if g.requires_grad)
         self._register_grad_hooks()
         self._swap(use_unsharded=False)

@@ -1,0 +1,54 @@
+"""A unit's parameter groups: which of its parameters share flat buffers and collectives.
+
+Parameters are bucketed, in module order, by dtype, ``requires_grad`` and the group they are
+sharded over: the shard group, or (expert parallelism) the expert-data-parallel group for
+the parameters ``UnitOptions.experts`` names. Each bucket becomes one ``ParameterGroup``.
+"""
+
+from __future__ import annotations
+
+from mfsdp_buffers import BucketKey, build_buckets
+from mfsdp_hooks.param_group import ParameterGroup
+from mfsdp_hooks.slots import Slot, SlotMap
+from mfsdp_hooks.unit_options import UnitOptions
+
+__all__ = ["build_groups"]
+
+DENSE, EXPERT = "dp_shard", "expert_dp"
+
+
+def build_groups(
+    unit_name: str, slots: SlotMap, options: UnitOptions, owner_of: dict[int, str]
+) -> tuple[list[ParameterGroup], list[list[list[Slot]]]]:
+    """The unit's groups and, per group and parameter, the slots it occupies; records each
+    parameter's owner in ``owner_of``."""
+    experts = options.experts
+    entries = list(slots.values())
+    keys = []
+    for index, (param, name, _) in enumerate(entries):
+        kind = EXPERT if experts is not None and experts.is_expert(name, param) else DENSE
+        keys.append(
+            (index, BucketKey(unit_name, param.dtype, kind, param.requires_grad), param.numel())
+        )
+    groups, group_slots = [], []
+    for bucket in build_buckets(keys):
+        members = [entries[i] for i in bucket.param_indices]
+        topology, reduce_config = options.topology, options.reduce_config
+        if bucket.key.group == EXPERT:
+            assert experts is not None
+            topology, reduce_config = experts.topology, experts.reduce_config(reduce_config)
+        group = ParameterGroup(
+            [p for p, _, _ in members],
+            [n for _, n, _ in members],
+            topology=topology,
+            strategy=options.strategy,
+            policy=options.policy,
+            reduce_config=reduce_config,
+            grad_allocator=options.grad_allocator,
+            codec=options.codec,
+        )
+        groups.append(group)
+        group_slots.append([s for _, _, s in members])
+        for param, name, _ in members:
+            owner_of[id(param)] = f"{unit_name}({name})"
+    return groups, group_slots
