@@ -93,6 +93,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="replicas across dp_outer, both implementations: 2 with 4 ranks is HSDP on 2x2",
     )
     p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="both: cut every block's MLP over N TP ranks (torch DTensor TP), FSDP over the rest",
+    )
+    p.add_argument(
         "--outer-optim",
         action="store_true",
         help="ours, with --hsdp-outer: HFSDP (optimizer state sharded across dp_outer too)",

@@ -96,6 +96,9 @@ class RunSpec:
     N > 1 is HSDP on an (N, world_size / N) mesh, FSDP2's ``fully_shard(mesh=2-D)``."""
     outer_optim: bool = False
     """Ours only, with ``hsdp_outer > 1``: HFSDP (optimizer state cut across dp_outer too)."""
+    tp: int = 1
+    """Tensor parallelism (both implementations): the blocks' MLPs are cut over ``tp`` ranks
+    with torch's DTensor TP, FSDP shards over the ``world_size / tp`` DP ranks."""
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -106,10 +109,21 @@ class RunSpec:
             raise ValueError(
                 f"hsdp_outer={self.hsdp_outer} must be >= 1 and divide world_size={self.world_size}"
             )
+        if self.tp < 1 or self.world_size % self.tp or (self.tp > 1 and self.hsdp_outer > 1):
+            raise ValueError(
+                f"tp={self.tp} must be >= 1 and divide world_size={self.world_size}, and "
+                "TP runs without --hsdp-outer"
+            )
+        if self.tp > 1 and self.impl == "local":
+            raise ValueError("tp > 1 compares FSDP implementations: pass --impls ours fsdp2")
         if self.outer_optim and self.hsdp_outer == 1:
             raise ValueError("outer_optim (HFSDP) needs hsdp_outer > 1: pass --hsdp-outer N")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"need steps >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
+
+    def data_rank(self, rank: int) -> int:
+        """Which batch a rank trains on: the TP ranks of one DP rank share it."""
+        return rank // self.tp
 
     def replace(self, **changes: object) -> RunSpec:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

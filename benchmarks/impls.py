@@ -47,6 +47,26 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+def _tensor_parallel(model: GPT, spec: RunSpec) -> DeviceMesh | None:
+    """With ``spec.tp > 1``: cut every block's MLP over TP (fc1 colwise, fc2 rowwise) and
+    return the DP mesh FSDP shards over; None otherwise."""
+    if spec.tp == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    shape = (spec.world_size // spec.tp, spec.tp)
+    mesh = init_device_mesh(spec.device_type, shape, mesh_dim_names=("dp_shard", "tp"))
+    for block in model.blocks:
+        plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        parallelize_module(block, mesh["tp"], plan)
+    return mesh["dp_shard"]
+
+
 def _hsdp_mesh(spec: RunSpec) -> DeviceMesh | None:
     """The (dp_outer, dp_shard) mesh of an HSDP run, or None for plain FSDP."""
     if spec.hsdp_outer == 1:
@@ -84,7 +104,7 @@ def build_ours(model: GPT, spec: RunSpec) -> Trainer:
     )
     # One allocator for the whole model, so a pool is shared by its units.
     allocator = mfsdp_hooks.make_grad_allocator(spec.grad_allocator, max_inflight_reductions=1)
-    mesh = _hsdp_mesh(spec)
+    mesh = _tensor_parallel(model, spec) or _hsdp_mesh(spec)
     topology = _topology_of(mesh, spec)
     for module in [*model.blocks, model]:
         mfsdp_hooks.fully_shard(
@@ -109,7 +129,11 @@ def build_fsdp2(model: GPT, spec: RunSpec, device: torch.device) -> Trainer:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = _hsdp_mesh(spec) or init_device_mesh(device.type, (spec.world_size,))
+    mesh = (
+        _tensor_parallel(model, spec)
+        or _hsdp_mesh(spec)
+        or init_device_mesh(device.type, (spec.world_size,))
+    )
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16)
         if spec.precision == "bf16"

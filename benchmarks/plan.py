@@ -67,6 +67,7 @@ def benchmark_worlds(args: argparse.Namespace, s: Settings) -> list[tuple[int, R
                             prefetch_depth=args.prefetch_depth,
                             hsdp_outer=args.hsdp_outer,
                             outer_optim=args.outer_optim,
+                            tp=args.tp,
                         )
                         plan.append((rep, spec))
     return plan
@@ -94,6 +95,7 @@ def profile_worlds(args: argparse.Namespace, s: Settings, out_dir: str) -> list[
             prefetch_depth=args.prefetch_depth,
             hsdp_outer=args.hsdp_outer,
             outer_optim=args.outer_optim,
+            tp=args.tp,
         )
         for precision in args.precisions
         for impl in ("ours", "fsdp2", "local")

@@ -118,7 +118,9 @@ def _our_tracer(spec: RunSpec) -> Iterator[Any]:
 def _instrumented(spec: RunSpec, rank: int, device: torch.device, out: RankResult) -> _Step:
     """Build under the memory probe, warm up, then one step with phase marks and comm counts."""
     with make_probe(device) as probe:
-        step = _Step(build(spec, rank, device), make_batch(spec.model, rank, device))
+        step = _Step(
+            build(spec, rank, device), make_batch(spec.model, spec.data_rank(rank), device)
+        )
         for _ in range(spec.instrument_warmup):
             out.losses.append(step.run())
         probe.reset_phase()
@@ -216,7 +218,9 @@ def bench_rank(rank: int, world: int, spec: RunSpec) -> RankResult:
     if spec.instrument:
         step = _instrumented(spec, rank, device, out)
     else:
-        step = _Step(build(spec, rank, device), make_batch(spec.model, rank, device))
+        step = _Step(
+            build(spec, rank, device), make_batch(spec.model, spec.data_rank(rank), device)
+        )
     if spec.profile_dir is not None:
         from benchmarks.profiling import profile_steps
 
