@@ -30,17 +30,23 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _parity_worker(
-    rank: int, world: int, kind: str, strategy: int, accumulate: bool = False
+    rank: int, world: int, kind: str, strategy: int, accumulate: bool = False, hsdp: bool = False
 ) -> list[float]:
-    """``accumulate``: each step is two micro-batches, the first under ``no_sync``."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
-    dp_rank, tp_mesh = mesh["dp_shard"].get_local_rank(), mesh["tp"]
+    """``accumulate``: each step is two micro-batches, the first under ``no_sync``. ``hsdp``:
+    a (dp_outer=2, dp_shard=1, tp=2) mesh, FSDP over the 2-D (dp_outer, dp_shard) one."""
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_outer", "dp_shard", "tp"))
+        dp_mesh, dp_rank = mesh["dp_outer", "dp_shard"], mesh["dp_outer"].get_local_rank()
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        dp_mesh, dp_rank = mesh["dp_shard"], mesh["dp_shard"].get_local_rank()
+    tp_mesh = mesh["tp"]
     reference = tp_model(kind, None)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
     model = tp_model(kind, tp_mesh)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh["dp_shard"], sharding_strategy=strategy)
-    fully_shard(model, mesh=mesh["dp_shard"], sharding_strategy=strategy)
+        fully_shard(block, mesh=dp_mesh, sharding_strategy=strategy)
+    fully_shard(model, mesh=dp_mesh, sharding_strategy=strategy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor), name
@@ -86,6 +92,11 @@ def _parity_worker(
 @pytest.mark.parametrize(("kind", "strategy"), [("mlp", 3), ("mlp", 2), ("mlp", 1), ("sp", 3)])
 def test_fsdp_x_tp_trains_as_one_process(kind: str, strategy: int) -> None:
     for errors in run_distributed(_parity_worker, 4, kind, strategy, timeout=240):
+        assert max(errors) <= 1e-5, errors
+
+
+def test_hsdp_x_tp_trains_as_one_process() -> None:
+    for errors in run_distributed(_parity_worker, 4, "mlp", 3, True, True, timeout=240):
         assert max(errors) <= 1e-5, errors
 
 
@@ -179,3 +190,31 @@ def _meta_tp_worker(rank: int, world: int) -> str:
 def test_meta_device_tp_parameters_are_refused_before_initialisation() -> None:
     for message in run_distributed(_meta_tp_worker, 4, timeout=60):
         assert "is on the meta device (meta-device initialisation of TP parameters" in message
+
+
+def _reduce_dtype_worker(rank: int, world: int) -> tuple[dict[str, dict[str, int]], list[int]]:
+    from mfsdp_hooks import MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    model = tp_model("mlp", mesh["tp"])
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp_shard"], mp_policy=policy)
+    fully_shard(model, mesh=mesh["dp_shard"], mp_policy=policy)
+    tokens, targets = _batch()
+    dp_rank = mesh["dp_shard"].get_local_rank()
+    with CommTracer() as tracer:
+        out = model(tokens.chunk(2)[dp_rank])
+        nn.functional.mse_loss(out, targets.chunk(2)[dp_rank]).backward()
+    groups = [g for u in fsdp_units(model) for g in u.groups if g.requires_grad]
+    return tracer.summary(), [g.layout.padded_numel for g in groups]
+
+
+def test_reduce_dtype_applies_to_tp_replicated_parameters_too() -> None:
+    # Each block's group holds TP-sharded weights and the TP-replicated rowwise bias; every
+    # group reduces in bf16: 2 bytes per element (FSDP2 misses this: pytorch/pytorch#190626).
+    for summary, padded in run_distributed(_reduce_dtype_worker, 4, timeout=120):
+        assert summary["dp_shard/reduce_scatter"] == {
+            "calls": len(padded),
+            "bytes": 2 * sum(padded),
+        }
