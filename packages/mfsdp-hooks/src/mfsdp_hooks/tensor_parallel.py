@@ -58,10 +58,6 @@ class TPSpec:
     computes_as_dtensor: bool = True
     """False for a Megatron-style parameter: its layers expect the plain local tensor."""
 
-    @property
-    def is_sharded(self) -> bool:
-        return any(isinstance(p, Shard) for p in self.placements)
-
 
 def _local_offset(param: DTensor) -> tuple[int, ...]:
     """The global offset of this rank's local tensor (``torch.chunk`` semantics, which is
