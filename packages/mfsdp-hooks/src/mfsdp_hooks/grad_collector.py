@@ -47,11 +47,6 @@ class GradCollector:
         self._buffer: torch.Tensor | None = None
         self._filled = [False] * count
 
-    @property
-    def holds(self) -> bool:
-        """Whether autograd's own gradient tensors are kept (the caller drops ``.grad``)."""
-        return self._held is not None
-
     def begin_backward(self) -> None:
         self.received = 0
 
