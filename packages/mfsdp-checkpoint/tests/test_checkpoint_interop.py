@@ -73,6 +73,38 @@ def test_dcp_to_torch_save_gives_the_unsharded_model(tmp_path: Path) -> None:
             torch.testing.assert_close(saved[key], state[key], rtol=1e-5, atol=1e-7)
 
 
+def _full_tensors(rank: int, world: int, strategy: int) -> bytes:
+    """What FSDP2 users write for a full state dict: ``full_tensor()`` on every value."""
+    model = shard(make_model(), strategy)
+    optimizer = make_optimizer(model)
+    mc.enable_dcp(model, optimizer)
+    train(model, optimizer, make_batches(SAVE_AT), rank, world)
+    state = optimizer.state_dict()["state"]
+    return pack(
+        {
+            "model": {k: v.full_tensor() for k, v in model.state_dict().items()},
+            "optimizer": {
+                name: {k: entry[k].full_tensor() for k in ("exp_avg", "exp_avg_sq")}
+                for name, entry in state.items()
+            },
+        }
+    )
+
+
+@pytest.mark.parametrize("strategy", [3, 1])
+def test_full_tensor_of_every_state_dict_value_is_the_one_process_value(strategy: int) -> None:
+    reference, ref_optimizer, _ = reference_train(make_batches(SAVE_AT))
+    names = {id(p): n for n, p in reference.named_parameters()}
+    for blob in run_distributed(_full_tensors, 3, strategy, timeout=180):
+        full = unpack(blob)
+        model_state = {k.removeprefix("module."): v for k, v in full["model"].items()}
+        assert_states_equal(model_state, dict(reference.state_dict()), "full_tensor", rtol=1e-5)
+        for param, state in ref_optimizer.state.items():
+            saved = full["optimizer"]["module." + names[id(param)]]
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(saved[key], state[key], rtol=1e-5, atol=1e-7)
+
+
 def _fsdp2_world(rank: int, world: int, path: str) -> dict[str, Any]:
     """Torch FSDP2 trains, saves with get_*_state_dict, and keeps training for reference."""
     from torch.distributed.checkpoint.state_dict import (

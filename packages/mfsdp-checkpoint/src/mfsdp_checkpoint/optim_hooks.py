@@ -19,12 +19,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from mfsdp_checkpoint.chunks import annotate
 from mfsdp_checkpoint.optim_placeholders import PlaceholderLedger, make_placeholders
 from mfsdp_checkpoint.param_index import ParamIndex, ParamRef
-from mfsdp_hooks import dist_param_of
+from mfsdp_hooks import RowShardedDTensor, dist_param_of, dtensor_like, local_tensor
 
 _HOOKS_ATTR = "_mfsdp_checkpoint_hooks"
 
@@ -36,6 +37,22 @@ def _names_by_param(model: nn.Module) -> dict[int, str]:
         dist_param = dist_param_of(param)
         names.setdefault(id(param if dist_param is None else dist_param), name)
     return names
+
+
+def _laid_out_as(value: torch.Tensor, ref: ParamRef) -> torch.Tensor:
+    """State shaped like its parameter, laid out as it: the optimizer's ``zeros_like`` gave a
+    plain DTensor, whose ``full_tensor()`` would assume ``torch.chunk`` rows; this one knows
+    the layout's."""
+    param = ref.param
+    if (
+        isinstance(param, RowShardedDTensor)
+        and isinstance(value, DTensor)
+        and not isinstance(value, RowShardedDTensor)
+        and value.shape == param.shape
+        and value.placements == param.placements
+    ):
+        return dtensor_like(local_tensor(value), param)
+    return value
 
 
 class OptimizerCheckpointHooks:
@@ -75,7 +92,9 @@ class OptimizerCheckpointHooks:
         if ref is None:
             return dict(entry)
         return {
-            key: annotate(value, ref.chunk, ref.group, f"optimizer state {name}.{key}")
+            key: annotate(
+                _laid_out_as(value, ref), ref.chunk, ref.group, f"optimizer state {name}.{key}"
+            )
             if isinstance(value, torch.Tensor)
             else value
             for key, value in entry.items()

@@ -17,6 +17,7 @@ from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.optimizer import FSDPOptimizer, attach_optimizer, optimizer_groups
 from mfsdp_hooks.param_group import ParameterGroup
 from mfsdp_hooks.reduce_config import GradReduceConfig
+from mfsdp_hooks.row_sharded import RowShardedDTensor, row_sharded
 from mfsdp_hooks.strategy import ShardingStrategy, parse_strategy
 from mfsdp_hooks.tensor_parallel import TPSpec, tp_full_tensor
 from mfsdp_hooks.training_state import TrainingState
@@ -27,6 +28,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ExpertSharding",
+    "RowShardedDTensor",
+    "row_sharded",
     "is_megatron_expert",
     "TPSpec",
     "tp_full_tensor",

@@ -2,7 +2,8 @@
 
 The flat layout cuts parameters on row boundaries, so each rank's piece is a row range that
 may be uneven or empty. ``DTensor.from_local`` with an explicit global shape and stride accepts
-such pieces; helpers in the checkpoint layer know the true row ranges from the layout.
+such pieces; :mod:`mfsdp_hooks.row_sharded` makes gathering them exact, and the checkpoint
+layer gives DCP the true row ranges from the layout.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from mfsdp_hooks.row_sharded import RowShardedDTensor, row_sharded
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -49,10 +52,11 @@ def sharded_dtensor(
 
 
 def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
-    """A DTensor with ``like``'s mesh, placements and global shape whose local tensor is
-    ``local`` (no copy): state, gradients or loaded values laid out as a parameter."""
+    """A DTensor with ``like``'s mesh, placements, global shape and (for a
+    :class:`RowShardedDTensor`) row ranges whose local tensor is ``local`` (no copy): state,
+    gradients or loaded values laid out as a parameter."""
     with torch.no_grad():
-        return DTensor.from_local(
+        out = DTensor.from_local(
             local,
             like.device_mesh,
             like.placements,
@@ -60,6 +64,7 @@ def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
             shape=like.shape,
             stride=contiguous_stride(like.shape),
         )
+    return row_sharded(out, like.dp_row_ranges) if isinstance(like, RowShardedDTensor) else out
 
 
 def replicated_dtensor(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:

@@ -6,7 +6,8 @@ gradients, optimizer state). Without HFSDP they are the same cut. Under HFSDP th
 has ``shard x outer`` sub-shards and the first is it merged across ``dp_outer``, so a
 rank's sub-shard is a slice of its own compute shard (``sub_shard``). The distributed
 parameters the optimizer and ``state_dict`` see are DTensors over this rank's rows of the
-optimizer-facing shard (``dist_params``), on the topology's optimizer mesh; a
+optimizer-facing shard (``dist_params``, :class:`RowShardedDTensor` so that ``full_tensor()``
+gathers the true rows), on the topology's optimizer mesh; a
 tensor-parallel parameter's (its shape here is the TP-local one) on the 2-D ``(dp, tp)``
 mesh, with its TP placement on the second dim (``dtensor``).
 """
@@ -22,6 +23,7 @@ from torch.distributed.tensor import Replicate, Shard
 from mfsdp_buffers import DataParallelBuffer, FlatLayout
 from mfsdp_collectives import FSDPTopology
 from mfsdp_hooks.dtensor_views import replicated_dtensor, sharded_dtensor
+from mfsdp_hooks.row_sharded import row_sharded
 from mfsdp_hooks.strategy import ShardingStrategy
 from mfsdp_hooks.tensor_parallel import TPSpec, carry_attributes
 
@@ -75,10 +77,22 @@ class ShardCuts:
         if spec is None:
             if not sharded:
                 return replicated_dtensor(local, mesh)
-            return sharded_dtensor(local, mesh, self.shapes[index])
+            return row_sharded(
+                sharded_dtensor(local, mesh, self.shapes[index]), self.row_ranges(index)
+            )
         placements = [Shard(0) if sharded else Replicate(), *spec.placements]
         dp_tp = self._dp_tp_meshes[id(spec.mesh)]
-        return sharded_dtensor(local, dp_tp, spec.global_shape, placements)
+        tensor = sharded_dtensor(local, dp_tp, spec.global_shape, placements)
+        return row_sharded(tensor, self.row_ranges(index)) if sharded else tensor
+
+    def row_ranges(self, index: int) -> tuple[tuple[int, int], ...]:
+        """The rows of parameter ``index`` that each rank of the optimizer mesh holds."""
+        topology = self.topology
+        pieces = [
+            self.optim_layout.local_piece(index, topology.optim_index_of(rank))
+            for rank in range(topology.optim_size)
+        ]
+        return tuple((piece.row_start, piece.row_end) for piece in pieces)
 
     def dist_params(
         self,

@@ -1,0 +1,154 @@
+"""DTensors whose data-parallel shard is the flat layout's row range, not ``torch.chunk``'s.
+
+The flat layout cuts each parameter where the buffer's shard edges fall, so each rank holds
+a contiguous row range of it: uneven, often the whole parameter on one rank (and under HFSDP
+not even in mesh-rank order). A plain ``Shard(0)`` DTensor claims ``torch.chunk``'s split,
+and whatever gathers it (``full_tensor()``, ``redistribute()``) would silently put rows in
+the wrong place.
+
+:class:`RowShardedDTensor` behaves as a plain DTensor in every op (same C++ dispatch, no
+Python ``__torch_dispatch__``, so an optimizer step costs the same) and also knows every
+rank's true row range along mesh dim 0 (``dp_row_ranges``). Its ``redistribute`` gathers
+those rows exactly over mesh dim 0 first; any further change (the TP dim of a 2-D
+``(dp, tp)`` mesh) follows torch's own rules from there. ``full_tensor()`` calls
+``redistribute``, so it is right too.
+
+What keeps the type: ``.data``, ``detach()``, ``clone()`` (so ``nn.Parameter`` and
+``state_dict()`` values keep it), and ``dtensor_like`` of one. What does not: the result of
+any other op, e.g. the optimizer's ``zeros_like`` state. Re-lay such a tensor out with
+``dtensor_like(t.to_local(), param)`` before gathering it; the optimizer ``state_dict``
+hooks of ``mfsdp_checkpoint`` do that for you.
+
+Known cost: torch's optimizers default to ``foreach`` only for exact ``DTensor`` types, so
+on CUDA pass ``foreach=True`` (or use the contiguous optimizer step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from mfsdp_collectives import all_gather_into
+
+__all__ = ["RowShardedDTensor", "row_sharded"]
+
+_TENSOR_DATA: Any = torch.Tensor.data  # the C getset descriptor behind ``Tensor.data``
+
+
+class RowShardedDTensor(DTensor):
+    """A DTensor sharded by rows over mesh dim 0 in the given, possibly uneven, counts."""
+
+    dp_row_ranges: tuple[tuple[int, int], ...]
+    """``[start, end)`` rows of the (TP-local) tensor that each rank of mesh dim 0 holds."""
+
+    @property
+    def data(self) -> RowShardedDTensor:
+        return _rewrap(_TENSOR_DATA.__get__(self), self.dp_row_ranges)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        _TENSOR_DATA.__set__(self, value)
+
+    def detach(self) -> RowShardedDTensor:
+        return _rewrap(super().detach(), self.dp_row_ranges)
+
+    def clone(self, *, memory_format: torch.memory_format | None = None) -> RowShardedDTensor:
+        format = torch.preserve_format if memory_format is None else memory_format
+        return _rewrap(super().clone(memory_format=format), self.dp_row_ranges)
+
+    def redistribute(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        async_op: bool = False,
+        forward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None,
+    ) -> DTensor:
+        """Gather the rows over mesh dim 0 exactly, then let torch redistribute the rest.
+
+        Not differentiable (a distributed parameter is an optimizer leaf, not an activation):
+        the result never requires grad.
+        """
+        target = tuple(placements) if placements is not None else self.placements
+        if (device_mesh is None or device_mesh == self.device_mesh) and target == self.placements:
+            return self
+        return self._gathered_over_dp().redistribute(
+            device_mesh,
+            target,
+            async_op=async_op,
+            forward_dtype=forward_dtype,
+            backward_dtype=backward_dtype,
+        )
+
+    def _gathered_over_dp(self) -> DTensor:
+        mesh = self.device_mesh
+        with torch.no_grad():
+            rows = _all_gather_rows(self._local_tensor, self.dp_row_ranges, mesh.get_group(0))
+            return DTensor.from_local(
+                rows,
+                mesh,
+                [Replicate(), *self.placements[1:]],
+                run_check=False,
+                shape=self.shape,
+                stride=self.stride(),
+            )
+
+
+def row_sharded(tensor: DTensor, dp_row_ranges: Sequence[tuple[int, int]]) -> RowShardedDTensor:
+    """``tensor`` (no copy) as a :class:`RowShardedDTensor` whose rank ``r`` of mesh dim 0
+    holds rows ``dp_row_ranges[r]``.
+
+    ``tensor`` must be ``Shard(0)`` on mesh dim 0; the ranges, one per rank of that dim, must
+    tile the rows of the (TP-local) tensor, and this rank's local tensor must hold its range.
+    """
+    mesh = tensor.device_mesh
+    ranges = tuple((int(start), int(end)) for start, end in dp_row_ranges)
+    if tensor.placements[0] != Shard(0):
+        raise ValueError(f"row_sharded needs Shard(0) on mesh dim 0, got {tensor.placements}")
+    if len(ranges) != mesh.size(0):
+        raise ValueError(
+            f"dp_row_ranges has {len(ranges)} ranges for a mesh dim 0 of {mesh.size(0)} ranks"
+        )
+    local = tensor._local_tensor
+    start, end = ranges[mesh.get_local_rank(0)]
+    if local.shape[0] != end - start:
+        raise ValueError(
+            f"this rank's local tensor has {local.shape[0]} rows; dp_row_ranges gives it "
+            f"rows [{start}, {end})"
+        )
+    next_row = 0
+    for start, end in sorted(r for r in ranges if r[0] != r[1]):
+        if start != next_row or end < start:
+            raise ValueError(f"dp_row_ranges {ranges} do not tile the rows from 0 without gaps")
+        next_row = end
+    return _rewrap(tensor, ranges)
+
+
+def _rewrap(tensor: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> RowShardedDTensor:
+    assert isinstance(tensor, DTensor)
+    out: RowShardedDTensor = RowShardedDTensor(  # type: ignore[no-untyped-call]
+        tensor._local_tensor, tensor._spec, requires_grad=tensor.requires_grad
+    )
+    out.dp_row_ranges = ranges
+    return out
+
+
+def _all_gather_rows(
+    local: torch.Tensor, ranges: Sequence[tuple[int, int]], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Every rank's rows, each put at its range: one all-gather of equal padded pieces."""
+    most = max(end - start for start, end in ranges)
+    padded = local.new_zeros((most, *local.shape[1:]))
+    padded[: local.shape[0]].copy_(local)
+    gathered = local.new_empty((len(ranges) * most, *local.shape[1:]))
+    all_gather_into(padded.view(-1), gathered.view(-1), group, async_op=False)
+    rows = local.new_empty((max(end for _, end in ranges), *local.shape[1:]))
+    for rank, (start, end) in enumerate(ranges):
+        rows[start:end] = gathered[rank * most : rank * most + end - start]
+    return rows
