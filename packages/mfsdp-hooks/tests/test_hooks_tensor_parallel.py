@@ -30,10 +30,17 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _parity_worker(
-    rank: int, world: int, kind: str, strategy: int, accumulate: bool = False, hsdp: bool = False
+    rank: int,
+    world: int,
+    kind: str,
+    strategy: int,
+    accumulate: bool = False,
+    hsdp: bool = False,
+    meta: bool = False,
 ) -> list[float]:
     """``accumulate``: each step is two micro-batches, the first under ``no_sync``. ``hsdp``:
-    a (dp_outer=2, dp_shard=1, tp=2) mesh, FSDP over the 2-D (dp_outer, dp_shard) one."""
+    a (dp_outer=2, dp_shard=1, tp=2) mesh, FSDP over the 2-D (dp_outer, dp_shard) one.
+    ``meta``: the model is built on the meta device and initialised by ``fully_shard``."""
     if hsdp:
         mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_outer", "dp_shard", "tp"))
         dp_mesh, dp_rank = mesh["dp_outer", "dp_shard"], mesh["dp_outer"].get_local_rank()
@@ -43,10 +50,12 @@ def _parity_worker(
     tp_mesh = mesh["tp"]
     reference = tp_model(kind, None)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
-    model = tp_model(kind, tp_mesh)
+    model = tp_model(kind, tp_mesh, meta=meta)
     for block in model.blocks:
         fully_shard(block, mesh=dp_mesh, sharding_strategy=strategy)
     fully_shard(model, mesh=dp_mesh, sharding_strategy=strategy)
+    for name, param in model.named_parameters():
+        assert_close_rel(param.full_tensor(), reference.get_parameter(name), 0.0, name)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor), name
@@ -175,21 +184,12 @@ def test_tp_parameters_the_engine_cannot_shard_are_refused_on_every_rank(
     assert all(m.startswith(expected) for m in messages), messages
 
 
-def _meta_tp_worker(rank: int, world: int) -> str:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
-    with torch.device("meta"):
-        model = tp_model("mlp", mesh["tp"])
-    try:
-        fully_shard(model.blocks[0], mesh=mesh["dp_shard"])
-    except NotImplementedError as error:
-        dist.barrier()
-        return str(error)
-    return "no error"
-
-
-def test_meta_device_tp_parameters_are_refused_before_initialisation() -> None:
-    for message in run_distributed(_meta_tp_worker, 4, timeout=60):
-        assert "is on the meta device (meta-device initialisation of TP parameters" in message
+@pytest.mark.parametrize("kind", ["mlp", "sp"])
+def test_meta_device_tp_model_initialises_as_the_one_process_model(kind: str) -> None:
+    # Built on meta, TP-parallelised, then sharded (which initialises): the one-process
+    # model's values, then its training.
+    for errors in run_distributed(_parity_worker, 4, kind, 3, False, False, True, timeout=240):
+        assert max(errors) <= 1e-5, errors
 
 
 def _reduce_dtype_worker(rank: int, world: int) -> tuple[dict[str, dict[str, int]], list[int]]:

@@ -11,6 +11,14 @@ Module order is construction order for ordinary models, so with the same
 included: a module whose parameter was tied to one initialised earlier (a head tied to the
 embedding) runs its ``reset_parameters`` on a scratch copy that is then dropped, exactly as
 construction initialised the head's own weight before the tie replaced it.
+
+Tensor-parallel parameters (DTensors on a TP mesh, e.g. from ``parallelize_module`` on a
+meta model) are initialised whole: ``reset_parameters()`` runs on a plain tensor of the
+global shape, drawing exactly the random numbers one-process construction draws, and each
+TP rank then keeps its own slice (``distribute_tensor`` with no source rank, so no
+communication). TP-replicated parameters come out identical on every TP rank and TP-sharded
+ones equal the slices of the one-process model, whatever RNG state TP ranks would otherwise
+diverge on; the cost is one unit's full TP weights for a moment, as without TP.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = [
     "MetaMaterializer",
@@ -88,29 +97,43 @@ class MetaMaterializer:
         self._made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _replacement(self, old: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """The real tensor for ``old``, and whether it was made earlier (a tie)."""
+        """The real tensor for ``old`` (for a DTensor, its whole global value, to initialise
+        then slice), and whether it was made earlier (a tie)."""
         made = self._made.get(id(old))
         if made is not None:
             return made[1], True
-        new = torch.empty_like(old, device=self._device)
+        new = torch.empty(old.shape, dtype=old.dtype, device=self._device)
         if isinstance(old, nn.Parameter):
             new = nn.Parameter(new, requires_grad=old.requires_grad)
         self._made[id(old)] = (old, new)
         return new, False
+
+    def _keep_local_slice(self, old: DTensor, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the initialised ``whole`` of ``old``, as ``old``'s DTensor."""
+        piece: torch.Tensor = distribute_tensor(
+            whole.detach(), old.device_mesh, old.placements, src_data_rank=None
+        )
+        if isinstance(old, nn.Parameter):
+            piece = nn.Parameter(piece, requires_grad=old.requires_grad)
+        self._made[id(old)] = (old, piece)
+        return piece
 
     def materialize(self, module: nn.Module) -> None:
         """Real storage for ``module``'s own meta tensors, then its ``reset_parameters()``."""
         if not has_meta_state(module):
             return
         tied: dict[str, torch.Tensor] = {}
+        distributed: dict[str, DTensor] = {}
         for table in (module._parameters, module._buffers):
             for name, old in table.items():
                 if old is None or old.device.type != "meta":
                     continue
                 new, earlier = self._replacement(old)
+                if isinstance(old, DTensor) and not earlier:
+                    distributed[name] = old
                 if earlier:  # initialised with its first owner: this module's init is scratch
                     tied[name] = new
-                    scratch = torch.empty_like(old, device=self._device)
+                    scratch = torch.empty(old.shape, dtype=old.dtype, device=self._device)
                     new = (
                         nn.Parameter(scratch, old.requires_grad)
                         if name in module._parameters
@@ -121,6 +144,11 @@ class MetaMaterializer:
         assert reset is not None, "check_initialisable runs first"
         with torch.no_grad():
             reset()
+        for name, old in distributed.items():
+            table = module._parameters if name in module._parameters else module._buffers
+            whole = table[name]
+            assert whole is not None
+            table[name] = self._keep_local_slice(old, whole)  # type: ignore[assignment]
         for name, shared in tied.items():
             table = module._parameters if name in module._parameters else module._buffers
             table[name] = shared  # type: ignore[assignment]

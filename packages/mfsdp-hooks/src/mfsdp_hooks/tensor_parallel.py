@@ -124,11 +124,6 @@ def check_tp_parameters(
             bad.append(f"{name!r} has placements {placements} (only Shard and Replicate)")
         elif not local_tensor(param).is_contiguous():
             bad.append(f"{name!r} has a non-contiguous local tensor")
-        elif param.is_meta:
-            bad.append(
-                f"{name!r} is on the meta device (meta-device initialisation of TP parameters "
-                "is not supported yet: build the model on the device)"
-            )
     meshes = {id(p.device_mesh): p.device_mesh for _, p in named if isinstance(p, DTensor)}
     if not bad:
         for mesh in meshes.values():

@@ -76,10 +76,12 @@ def _plan(kind: str, last: bool) -> dict[str, ParallelStyle]:
     }
 
 
-def tp_model(kind: str, tp_mesh: DeviceMesh | None) -> TPModel:
-    """``kind`` "mlp" or "sp", seeded identically on every rank; TP-parallel on ``tp_mesh``."""
+def tp_model(kind: str, tp_mesh: DeviceMesh | None, *, meta: bool = False) -> TPModel:
+    """``kind`` "mlp" or "sp", seeded identically on every rank; TP-parallel on ``tp_mesh``.
+    ``meta``: built on the meta device (``fully_shard`` initialises it, seed 0 still set)."""
     torch.manual_seed(0)
-    model = TPModel(norm=kind == "sp")
+    with torch.device("meta" if meta else "cpu"):
+        model = TPModel(norm=kind == "sp")
     if tp_mesh is not None:
         blocks = list(model.blocks)
         for block in blocks:
