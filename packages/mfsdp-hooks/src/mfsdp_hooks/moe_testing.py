@@ -14,6 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from mfsdp_hooks.tp_testing import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["MOE_OUT", "MOE_WIDTH", "MoEBlock", "moe_model"]
 
@@ -117,12 +120,21 @@ class MoEModel(nn.Module):
         return out
 
 
-def moe_model(ep_group: dist.ProcessGroup | None) -> MoEModel:
-    """The seeded model; with ``ep_group`` each block keeps this EP rank's experts."""
+def moe_model(ep_group: dist.ProcessGroup | None, etp_mesh: DeviceMesh | None = None) -> MoEModel:
+    """The seeded model; with ``ep_group`` each block keeps this EP rank's experts; with
+    ``etp_mesh`` (expert tensor parallelism) every expert's linears become Megatron-style
+    column/row-parallel layers over it, marked ``allreduce=False`` as Megatron-Core does."""
     torch.manual_seed(0)
     model = MoEModel()
-    if ep_group is not None:
-        for block in model.blocks:
-            assert isinstance(block, MoEBlock)
+    for block in model.blocks:
+        assert isinstance(block, MoEBlock)
+        if ep_group is not None:
             block.keep_experts(ep_group)
+        if etp_mesh is not None:
+            for expert in block.experts:
+                assert isinstance(expert, Expert)
+                expert.fc1 = ColumnParallelLinear(expert.fc1, etp_mesh)  # type: ignore[assignment]
+                expert.fc2 = RowParallelLinear(expert.fc2, etp_mesh)  # type: ignore[assignment]
+            for param in block.experts.parameters():
+                param.allreduce = False  # type: ignore[attr-defined]
     return model
