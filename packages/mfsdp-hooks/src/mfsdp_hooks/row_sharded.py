@@ -13,6 +13,10 @@ those rows exactly over mesh dim 0 first; any further change (the TP dim of a 2-
 ``(dp, tp)`` mesh) follows torch's own rules from there. ``full_tensor()`` calls
 ``redistribute``, so it is right too.
 
+On a ``(dp, tp)`` mesh the ranges are rows of the TP-local tensor: when the TP placement also
+shards dim 0 (``ColwiseParallel``), dim 0 is cut over tp first and then over dp, which is
+what FSDP2 spells ``_StridedShard``; here ``Shard(0)`` plus the ranges say it.
+
 What keeps the type: ``.data``, ``detach()``, ``clone()`` (so ``nn.Parameter`` and
 ``state_dict()`` values keep it), and ``dtensor_like`` of one. What does not: the result of
 any other op, e.g. the optimizer's ``zeros_like`` state. Re-lay such a tensor out with
