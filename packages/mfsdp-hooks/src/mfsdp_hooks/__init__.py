@@ -1,6 +1,6 @@
 """mfsdp_hooks: the FSDP unit lifecycle, mixed precision and optimizer integration."""
 
-from mfsdp_hooks.codec import IdentityCodec, ParamCodec
+from mfsdp_hooks.codec import CodecContext, GroupCodec, IdentityCodec, ParamClassCodec, ParamCodec
 from mfsdp_hooks.dtensor_views import dtensor_like, local_tensor
 from mfsdp_hooks.experts import ExpertSharding, is_megatron_expert
 from mfsdp_hooks.fully_shard import (
@@ -27,7 +27,10 @@ from mfsdp_hooks.unit_options import UnitOptions
 __version__ = "0.1.0"
 
 __all__ = [
+    "CodecContext",
     "ExpertSharding",
+    "GroupCodec",
+    "ParamClassCodec",
     "RowShardedDTensor",
     "row_sharded",
     "is_megatron_expert",

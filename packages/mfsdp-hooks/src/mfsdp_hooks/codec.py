@@ -10,15 +10,37 @@ weights plug in here: encode quantises the main shard, decode rebuilds the float
 A codec reads the optimizer's weights and writes the gather buffer, so it needs main weights
 separate from the compute weights (a ``MixedPrecisionPolicy`` whose compute dtype differs
 from the main dtype); ``ParameterGroup`` refuses it otherwise.
+
+Two ways in. ``fully_shard(param_codec=...)`` applies one ``ParamCodec`` to every group of
+a unit. A ``ParamClassCodec`` (``fully_shard(param_codecs=[...])``) instead *claims* the
+parameters of a tensor-subclass class (torchao's float8 weights, Transformer Engine's): they
+get groups of their own, and the codec is bound to each such group (``bind``) as a
+``GroupCodec``, which also says what travels (``wire_dtype``, e.g. uint8 for float8 bytes),
+which high-precision value the main weights start from, and what the forward sees (the
+unsharded parameter it builds over the gathered bytes). ``mfsdp_te`` implements them; this
+layer never imports it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
-__all__ = ["IDENTITY", "IdentityCodec", "ParamCodec"]
+from mfsdp_buffers import FlatLayout
+
+__all__ = [
+    "IDENTITY",
+    "CodecContext",
+    "GroupCodec",
+    "IdentityCodec",
+    "ParamClassCodec",
+    "ParamCodec",
+]
 
 
 class ParamCodec(Protocol):
@@ -52,3 +74,51 @@ class IdentityCodec:
 
 
 IDENTITY = IdentityCodec()
+
+
+@dataclass(frozen=True)
+class CodecContext:
+    """What a codec bound to one parameter group knows about it."""
+
+    layout: FlatLayout
+    """The compute cut: the gathered buffer holds every parameter at its layout offset."""
+    shard_rank: int
+    shard_group: dist.ProcessGroup | None
+    """The group the weights are gathered over (scales agree over it); None on one rank."""
+    compute_dtype: torch.dtype
+    """The dtype forward computes in (a float8 weight's high-precision dtype)."""
+
+
+class GroupCodec(ParamCodec, Protocol):
+    """A ``ParamCodec`` bound to the parameters of one group, which it also describes."""
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """The dtype of the compute buffer, what the all-gather moves."""
+        ...
+
+    def high_precision(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s value in high precision: where its main weights start."""
+        ...
+
+    def unsharded_param(self, index: int, view: torch.Tensor) -> nn.Parameter:
+        """The parameter forward sees for ``index``, built over ``view`` (its bytes in the
+        unsharded compute buffer, which keeps its storage across reshards)."""
+        ...
+
+
+class ParamClassCodec(Protocol):
+    """Claims the parameters of some tensor-subclass classes and binds to their groups."""
+
+    @property
+    def name(self) -> str:
+        """Short and the same on every rank: part of the group's bucket key."""
+        ...
+
+    def claims(self, param: torch.Tensor) -> bool:
+        """Whether this codec handles ``param`` (the same answer on every rank)."""
+        ...
+
+    def bind(self, params: Sequence[nn.Parameter], context: CodecContext) -> GroupCodec:
+        """A codec for one group of claimed parameters (in layout order)."""
+        ...

@@ -21,7 +21,7 @@ from mfsdp_collectives import (
     check_host_transport,
     check_ranks_agree,
 )
-from mfsdp_hooks.codec import IDENTITY, ParamCodec
+from mfsdp_hooks.codec import IDENTITY, ParamClassCodec, ParamCodec
 from mfsdp_hooks.experts import ExpertSharding
 from mfsdp_hooks.grad_allocator import make_grad_allocator
 from mfsdp_hooks.lookup import set_owning_model
@@ -205,11 +205,21 @@ def _agree_on_wrap(
         # An allocator's or codec's repr holds its address; its kind is what must agree.
         by_kind = field.name in ("grad_allocator", "codec")
         facts[field.name] = type(value).__name__ if by_kind else repr(value)
+        if field.name == "codecs":
+            facts[field.name] = repr([codec.name for codec in value])
         if isinstance(value, ExpertSharding):  # its topology's repr holds addresses
             facts[field.name] = value.describe()
     check_ranks_agree(options.topology.shard_group, facts, what="fully_shard")
     if options.topology.outer_group is not None:  # HSDP: the replicas must agree too
         check_ranks_agree(options.topology.outer_group, facts, what="fully_shard")
+
+
+def _check_hfsdp_strategy(topology: FSDPTopology, strategy: ShardingStrategy) -> None:
+    if topology.shards_optimizer_across_outer and strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
+        raise ValueError(
+            f"sharding_strategy={strategy}: a topology that shards the optimizer across "
+            "dp_outer (HFSDP) needs ZeRO-3; pass sharding_strategy=3 or replicate across dp_outer"
+        )
 
 
 def _own_parameters(scope: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Parameter]]:
@@ -267,6 +277,7 @@ def fully_shard(
     grad_buffer_allocator: str | Allocator = "plain",
     host_transport: str = "auto",
     param_codec: ParamCodec | None = None,
+    param_codecs: Sequence[ParamClassCodec] = (),
     experts: ExpertSharding | None = None,
     **unsupported: Any,
 ) -> nn.Module:
@@ -285,7 +296,9 @@ def fully_shard(
     (shared memory when every rank of the shard group is on this host, else gloo),
     ``"shm"`` (shared memory or an error) or ``"gloo"``. ``param_codec`` changes how the
     weights travel in the all-gather (``mfsdp_hooks.codec``; the default sends them as they
-    are); it needs main weights apart from the compute weights. ``experts``
+    are); it needs main weights apart from the compute weights. ``param_codecs`` claim
+    tensor-subclass parameters (``mfsdp_te.float8_codecs()``: torchao float8 weights, which
+    then travel as float8 bytes). ``experts``
     (``ExpertSharding``) shards the parameters it names over the expert-data-parallel group
     instead, with their gradient mean over the dense DP size (expert parallelism).
     """
@@ -304,18 +317,15 @@ def fully_shard(
     scope = modules_in_scope(module, skip=lambda m: unit_of(m) is not None)
     check_initialisable(scope, f"fully_shard({type(module).__name__})")
     topology = resolve_topology(mesh, module)
-    if topology.shards_optimizer_across_outer and strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
-        raise ValueError(
-            f"sharding_strategy={strategy}: a topology that shards the optimizer across "
-            "dp_outer (HFSDP) needs ZeRO-3; pass sharding_strategy=3 or replicate across dp_outer"
-        )
+    _check_hfsdp_strategy(topology, strategy)
     # Before initialising meta modules: their TP parameters are refused, not initialised.
     check_tp_parameters(_own_parameters(scope), topology, f"fully_shard({type(module).__name__})")
     materializer = MetaMaterializer(topology.device)
     for _, sub in scope:
         materializer.materialize(sub)
     slots = collect_slots(module)
-    check_parameters_supported(slots, module)
+    codecs = tuple(param_codecs)
+    check_parameters_supported(slots, module, lambda p: any(c.claims(p) for c in codecs))
     options = UnitOptions(
         topology=topology,
         strategy=strategy,
@@ -335,6 +345,7 @@ def fully_shard(
         backward_prefetch_grad_fraction=float(backward_prefetch_grad_fraction),
         grad_allocator=grad_allocator,
         codec=param_codec or IDENTITY,
+        codecs=codecs,
         experts=experts,
     )
     _agree_on_wrap(module, slots, options, host_transport)

@@ -30,27 +30,29 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from mfsdp_buffers import (
-    Allocator,
-    BufferRole,
-    DataParallelBuffer,
-    PlainAllocator,
-)
+from mfsdp_buffers import Allocator, PlainAllocator
 from mfsdp_collectives import (
     CommHandle,
     CommStreams,
     FSDPTopology,
     all_gather_into,
 )
-from mfsdp_hooks.codec import IDENTITY, ParamCodec
+from mfsdp_hooks.codec import IDENTITY, CodecContext, ParamClassCodec, ParamCodec
 from mfsdp_hooks.grad_reducer import GradReducer
 from mfsdp_hooks.grad_shard import GradShard
+from mfsdp_hooks.group_storage import (
+    adopt_params,
+    check_shardable,
+    fill_buffers,
+    grad_shard,
+    weight_buffers,
+)
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root_protocol import GroupRoot
 from mfsdp_hooks.shard_cuts import ShardCuts
 from mfsdp_hooks.strategy import ShardingStrategy
-from mfsdp_hooks.tensor_parallel import local_value, tp_spec_of, unsharded_param
+from mfsdp_hooks.tensor_parallel import local_value, tp_spec_of
 from mfsdp_hooks.weight_freshness import WeightFreshness
 
 DEFAULT_ALIGNMENT = 16
@@ -92,7 +94,10 @@ class ParameterGroup:
         grad_allocator: Allocator | None = None,
         alignment: int = DEFAULT_ALIGNMENT,
         codec: ParamCodec = IDENTITY,
+        class_codec: ParamClassCodec | None = None,
     ) -> None:
+        """``codec`` carries the weights of every gather; ``class_codec`` (parameters it
+        claims, e.g. float8 weights) is bound to this group and also decides what travels."""
         self.names = list(names)
         self.root: GroupRoot | None = None
         self.topology = topology
@@ -103,17 +108,24 @@ class ParameterGroup:
         self.tp_specs = [tp_spec_of(p, topology.tp_mesh) for p in params]
         values = [local_value(p) for p in params]
         self.shapes = [v.shape for v in values]
-        for name, shape in zip(self.names, self.shapes, strict=True):
-            if len(shape) == 0:
-                raise ValueError(
-                    f"parameter {name!r} is 0-d and cannot be sharded: reshape it to (1,)"
-                )
+        check_shardable(self.names, self.shapes)
         self.cuts = ShardCuts(self.shapes, topology, alignment=alignment, tp_specs=self.tp_specs)
         self.layout, self.optim_layout = self.cuts.layout, self.cuts.optim_layout
         self.compute_dtype = policy.compute_dtype(self.original_dtype)
         self.reduce_dtype = policy.grad_reduce_dtype(self.original_dtype)
         optimizer_dtype = policy.optimizer_dtype(self.original_dtype)
-        self.model, self.main = self._weight_buffers(optimizer_dtype)
+        bound = None
+        if class_codec is not None:
+            bound = class_codec.bind(params, self._codec_context(topology))
+            codec, self.compute_dtype = bound, bound.wire_dtype
+            values = [bound.high_precision(i) for i in range(len(params))]
+        self.model, self.main = weight_buffers(
+            self.cuts,
+            strategy,
+            self.names[0],
+            compute_dtype=self.compute_dtype,
+            optimizer_dtype=optimizer_dtype,
+        )
         if codec is not IDENTITY and self.main is None:
             raise NotImplementedError(
                 f"param_codec={type(codec).__name__} for {names[0]!r} needs main weights apart "
@@ -123,103 +135,49 @@ class ParameterGroup:
         self.codec = codec
         self.grads: GradShard | None = None
         if self.requires_grad:
-            self.grads = self._grad_shard(policy.grad_dtype(self.original_dtype), optimizer_dtype)
-        self._fill_buffers(values)
-        self.unsharded_params = self._adopt_params(params)
+            self.grads = grad_shard(
+                self.cuts,
+                strategy,
+                self.names[0],
+                grad_dtype=policy.grad_dtype(self.original_dtype),
+                optimizer_dtype=optimizer_dtype,
+                make_dtensor=self.cuts.dtensor,
+            )
+        fill_buffers(self.model, self.main, values, encoded=bound is not None)
+        self.unsharded_params = adopt_params(self.model, params, self.tp_specs, bound)
         self.dist_params = self.cuts.dist_params(
             self.main if self.main is not None else self.model, strategy, originals=params
         )
         self.freshness = WeightFreshness(steppable=self.requires_grad)
-        if topology.shards_optimizer_across_outer and codec is not IDENTITY:
-            self.freshness.mark_dirty()  # the kept compute shard was cast in, not encoded
-        self.reducer: GradReducer | None = None
-        if self.grads is not None:
-            self.reducer = GradReducer(
-                self.layout,
-                self.grads,
-                self.dist_params,
-                topology=topology,
-                strategy=strategy,
-                reduce_dtype=self.reduce_dtype,
-                reduce_config=reduce_config,
-                allocator=grad_allocator or PlainAllocator(),
-            )
+        if bound is not None or (topology.shards_optimizer_across_outer and codec is not IDENTITY):
+            # encoded compute weights exist only once the first gather or install made them
+            self.freshness.mark_dirty()
+        self.reducer = self._reducer(reduce_config, grad_allocator)
 
-    # ----------------------------------------------------------------- construction
-    def _weight_buffers(
-        self, optimizer_dtype: torch.dtype
-    ) -> tuple[DataParallelBuffer, DataParallelBuffer | None]:
-        """The compute-dtype model weights, and main weights when the optimizer's dtype differs
-        (under ZeRO-3 with main weights no compute-dtype shard persists)."""
-        rank, strategy, name = self.topology.shard_rank, self.strategy, self.names[0]
-        # HFSDP keeps the compute shard: rebuilding it costs an all-gather across dp_outer.
-        rebuilt = strategy.shards_params and optimizer_dtype != self.compute_dtype
-        model = DataParallelBuffer(
+    def _reducer(
+        self, reduce_config: GradReduceConfig, grad_allocator: Allocator | None
+    ) -> GradReducer | None:
+        if self.grads is None:
+            return None
+        return GradReducer(
             self.layout,
-            rank,
-            dtype=self.compute_dtype,
-            device=self.topology.device,
-            role=BufferRole.MODEL_WEIGHT,
-            sharded=strategy.shards_params,
-            name=f"{name}:model",
-            persistent_shard=not rebuilt or self.topology.shards_optimizer_across_outer,
+            self.grads,
+            self.dist_params,
+            topology=self.topology,
+            strategy=self.strategy,
+            reduce_dtype=self.reduce_dtype,
+            reduce_config=reduce_config,
+            allocator=grad_allocator or PlainAllocator(),
         )
-        if optimizer_dtype == self.compute_dtype:
-            return model, None
-        main = DataParallelBuffer(
-            self.optim_layout,
-            self.topology.optim_rank,
-            dtype=optimizer_dtype,
-            device=self.topology.device,
-            role=BufferRole.MAIN_WEIGHT,
-            sharded=strategy.shards_optimizer_state,
-            name=f"{name}:main",
-        )
-        return model, main
 
-    def _grad_shard(self, grad_dtype: torch.dtype, optimizer_dtype: torch.dtype) -> GradShard:
-        if grad_dtype != optimizer_dtype:
+    def _codec_context(self, topology: FSDPTopology) -> CodecContext:
+        if topology.shards_optimizer_across_outer:
             raise NotImplementedError(
-                f"MixedPrecisionPolicy.main_grads_dtype={grad_dtype} differs from the "
-                f"optimizer weights' dtype {optimizer_dtype} for {self.names[0]!r}: optimizers "
-                "need gradients in the dtype of their parameters; leave main_grads_dtype None"
+                f"{self.names[0]!r}: parameters a codec claims (FP8 weights) cannot be sharded "
+                "across dp_outer (HFSDP) yet: replicate across dp_outer or shard plain weights"
             )
-        return GradShard(
-            self.optim_layout,
-            self.topology.optim_rank,
-            dtype=grad_dtype,
-            device=self.topology.device,
-            sharded=self.strategy.shards_optimizer_state,
-            make_dtensor=self.cuts.dtensor,
-        )
-
-    def _fill_buffers(self, values: Sequence[torch.Tensor]) -> None:
-        with torch.no_grad():
-            if self.model.has_persistent_shard:
-                self.model.copy_params_in(values)
-            if self.main is not None:
-                self.main.copy_params_in(values)
-
-    def _adopt_params(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
-        """Point the user's parameters at the unsharded buffer, freeing their own storage.
-
-        Keeping the same ``nn.Parameter`` objects preserves every outside reference to them
-        (an optimizer built before wrapping, tied weights, user code). A tensor-parallel
-        parameter becomes a new DTensor over the buffer (a DTensor's local tensor cannot be
-        swapped in place), as FSDP2 replaces its parameters.
-        """
-        self.model.materialize()
-        adopted = []
-        for index, (param, spec) in enumerate(zip(params, self.tp_specs, strict=True)):
-            view = self.model.unsharded_view(index)
-            if spec is None or not spec.computes_as_dtensor:
-                param.data = view
-            else:
-                param = unsharded_param(view, spec, requires_grad=param.requires_grad)
-            adopted.append(param)
-        if self.model.sharded:
-            self.model.release()
-        return adopted
+        group = topology.shard_group if topology.shard_size > 1 else None
+        return CodecContext(self.layout, topology.shard_rank, group, self.compute_dtype)
 
     # ----------------------------------------------------------------- weights
     @property

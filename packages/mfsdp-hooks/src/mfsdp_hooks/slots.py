@@ -16,7 +16,7 @@ model, so every rank reaches the same verdict).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -72,21 +72,26 @@ def _is_plain(param: torch.Tensor) -> bool:
     return type(param) is nn.Parameter or type(param) is torch.Tensor or type(param) is DTensor
 
 
-def check_parameters_supported(slots: SlotMap, module: nn.Module) -> None:
-    """Raise naming each parameter the engine cannot shard (tensor subclasses), if any."""
-    unsupported = [(name, type(p)) for p, name, _ in slots.values() if not _is_plain(p)]
+def check_parameters_supported(
+    slots: SlotMap, module: nn.Module, claimed: Callable[[nn.Parameter], bool]
+) -> None:
+    """Raise naming each parameter the engine cannot shard (tensor subclasses no codec
+    ``claimed``), if any."""
+    unsupported = [
+        (name, type(p)) for p, name, _ in slots.values() if not (_is_plain(p) or claimed(p))
+    ]
     if not unsupported:
         return
     listed = ", ".join(
         f"{name!r} ({cls.__module__}.{cls.__qualname__})" for name, cls in unsupported
     )
     raise NotImplementedError(
-        f"fully_shard({type(module).__name__}): parameter(s) {listed} are tensor subclasses, "
-        "which the engine cannot shard yet (beyond DTensors of tensor parallelism): a flat "
-        "sharded copy would drop their extra state "
-        "and train them wrong. Use plain nn.Parameter weights (e.g. convert to float8 or "
-        "apply tensor parallelism after training, or train without it) until FP8 and tensor "
-        "parallel parameters are supported"
+        f"fully_shard({type(module).__name__}): parameter(s) {listed} are tensor subclasses "
+        "that no codec claims (beyond DTensors of tensor parallelism): a flat sharded copy "
+        "would drop their extra state and train them wrong. torchao float8 weights "
+        "(enable_fsdp_float8_all_gather=True) need param_codecs=mfsdp_te.float8_codecs() "
+        "(megatron_fsdp passes it); other subclasses are not supported yet: use plain "
+        "nn.Parameter weights"
     )
 
 

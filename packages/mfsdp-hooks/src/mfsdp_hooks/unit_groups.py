@@ -1,8 +1,10 @@
 """A unit's parameter groups: which of its parameters share flat buffers and collectives.
 
-Parameters are bucketed, in module order, by dtype, ``requires_grad`` and the group they are
-sharded over: the shard group, or (expert parallelism) the expert-data-parallel group for
-the parameters ``UnitOptions.experts`` names. Each bucket becomes one ``ParameterGroup``.
+Parameters are bucketed, in module order, by dtype, ``requires_grad``, the group they are
+sharded over (the shard group, or with expert parallelism the expert-data-parallel group
+for the parameters ``UnitOptions.experts`` names) and the codec that claims them, if any
+(float8 weights travel in a buffer of their own). Each bucket becomes one
+``ParameterGroup``.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from mfsdp_buffers import BucketKey, build_buckets
 from mfsdp_hooks.param_group import ParameterGroup
 from mfsdp_hooks.slots import Slot, SlotMap
-from mfsdp_hooks.unit_options import UnitOptions
+from mfsdp_hooks.unit_options import UnitOptions, claiming_codec
 
 __all__ = ["build_groups"]
 
@@ -24,9 +26,13 @@ def build_groups(
     parameter's owner in ``owner_of``."""
     experts = options.experts
     entries = list(slots.values())
-    keys = []
+    keys, codecs = [], {}
     for index, (param, name, _) in enumerate(entries):
         kind = EXPERT if experts is not None and experts.is_expert(name, param) else DENSE
+        codec = claiming_codec(options, param)
+        if codec is not None:
+            kind = f"{kind}+{codec.name}"
+            codecs[kind] = codec
         keys.append(
             (index, BucketKey(unit_name, param.dtype, kind, param.requires_grad), param.numel())
         )
@@ -34,7 +40,7 @@ def build_groups(
     for bucket in build_buckets(keys):
         members = [entries[i] for i in bucket.param_indices]
         topology, reduce_config = options.topology, options.reduce_config
-        if bucket.key.group == EXPERT:
+        if bucket.key.group.startswith(EXPERT):
             assert experts is not None
             topology, reduce_config = experts.topology, experts.reduce_config(reduce_config)
         group = ParameterGroup(
@@ -46,6 +52,7 @@ def build_groups(
             reduce_config=reduce_config,
             grad_allocator=options.grad_allocator,
             codec=options.codec,
+            class_codec=codecs.get(bucket.key.group),
         )
         groups.append(group)
         group_slots.append([s for _, _, s in members])

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from mfsdp_buffers import Allocator
 from mfsdp_collectives import FSDPTopology
-from mfsdp_hooks.codec import IDENTITY, ParamCodec
+from mfsdp_hooks.codec import IDENTITY, ParamClassCodec, ParamCodec
 from mfsdp_hooks.experts import ExpertSharding
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.reduce_config import GradReduceConfig
@@ -33,6 +33,8 @@ class UnitOptions:
     backward_prefetch_grad_fraction: float = 0.5
     grad_allocator: Allocator | None = None
     codec: ParamCodec = IDENTITY
+    codecs: tuple[ParamClassCodec, ...] = ()
+    """Codecs that claim tensor-subclass parameters (FP8): their own groups, bound codecs."""
     experts: ExpertSharding | None = None
     """Expert parallelism: the unit's expert parameters go to groups over the EDP group."""
 
@@ -47,3 +49,8 @@ ROOT_LEVEL_OPTIONS = (
     "max_inflight_reductions",
     "prefetch_depth",
 )
+
+
+def claiming_codec(options: UnitOptions, param: object) -> ParamClassCodec | None:
+    """The first of ``options.codecs`` that claims ``param``, if any."""
+    return next((c for c in options.codecs if c.claims(param)), None)  # type: ignore[arg-type]
