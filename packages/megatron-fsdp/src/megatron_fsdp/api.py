@@ -28,6 +28,7 @@ from mfsdp_hooks import (
     parse_strategy,
 )
 from mfsdp_hooks.megatron_fsdp import UnitSpec, resolve_unit_modules
+from mfsdp_te import float8_codecs
 
 # argument -> (default, why it is not available yet)
 _NOT_YET: dict[str, tuple[Any, str]] = {
@@ -127,10 +128,8 @@ def fully_shard_model(
             "enable_fine_grained_param_gather": enable_fine_grained_param_gather,
         }
     )
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    _check_module_and_units(module, fsdp_unit_modules)
     strategy = parse_strategy(zero_dp_strategy, "zero_dp_strategy")
-    resolve_unit_modules(fsdp_unit_modules)
     policy = _policy(mixed_precision_policy, grad_reduce_in_fp32, preserve_fp32_weights)
     if device is not None and not init_model_with_meta_device:
         module = module.to(device)
@@ -174,10 +173,17 @@ def fully_shard_model(
         grad_buffer_allocator="double_buffer" if fsdp_double_buffer else "plain",
         host_transport=host_transport,
         backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
+        param_codecs=float8_codecs(),  # torchao float8 weights travel as float8 bytes
     )
     if preproc_state_dict_for_dcp_ckpt:
         enable_dcp(wrapped)
     return wrapped
+
+
+def _check_module_and_units(module: object, fsdp_unit_modules: Sequence[UnitSpec] | None) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    resolve_unit_modules(fsdp_unit_modules)
 
 
 def _policy(

@@ -1,10 +1,15 @@
 """mfsdp_te: FP8 parameters for megatron-fsdp (layer 4).
 
-With Transformer Engine installed this will wrap TE's quantized tensors; without it, native
-torch ``float8_e4m3fn``/``float8_e5m2`` with per-tensor scales. Not implemented yet.
+Codecs that claim tensor-subclass weights for the engine (``fully_shard(param_codecs=...)``):
+torchao's float8 training weights now (:mod:`mfsdp_te.torchao_float8`, runs on CPU);
+Transformer Engine's ``Float8Tensor``/``MXFP8Tensor`` are not claimed yet, so the engine
+refuses them at wrap time, naming them.
 """
 
 import importlib.util
+
+from mfsdp_hooks import ParamClassCodec
+from mfsdp_te.torchao_float8 import Float8GroupCodec, TorchaoFloat8Codec, torchao_float8_available
 
 __version__ = "0.1.0"
 
@@ -14,4 +19,17 @@ def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-__all__ = ["__version__", "transformer_engine_available"]
+def float8_codecs() -> tuple[ParamClassCodec, ...]:
+    """The codecs for every FP8 weight class this install can train (pass them to
+    ``fully_shard(param_codecs=...)``; ``megatron_fsdp`` does)."""
+    return (TorchaoFloat8Codec(),)
+
+
+__all__ = [
+    "Float8GroupCodec",
+    "TorchaoFloat8Codec",
+    "__version__",
+    "float8_codecs",
+    "torchao_float8_available",
+    "transformer_engine_available",
+]

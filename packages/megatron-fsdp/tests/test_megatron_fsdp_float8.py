@@ -1,0 +1,83 @@
+"""torchao float8 models through ``fully_shard_model``: DCP checkpoints and the export.
+
+A float8 model saved on 2 ranks loads on 2 and on 4 and trains on exactly as the
+one-process float8 model (which replays each rank's share of a batch as its own micro-batch:
+float8 scales activations per tensor); the single-file export holds the fp32 weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+pytest.importorskip("torchao.float8", reason="torchao is not installed (nox installs it)")
+
+from megatron_fsdp import fully_shard_model, fully_shard_optimizer
+from mfsdp_checkpoint import convert
+from mfsdp_collectives.testing import run_distributed
+from mfsdp_te.float8_testing import Float8Block, float8_model, float8_step
+
+SAVE_AT, MORE = 3, 3
+
+
+def _reference(history: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The one-process float8 model after the saving run's ``history`` steps on 2 ranks."""
+    model = float8_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(history):
+        float8_step(model, optimizer, step, 2, sharded=False)
+    return model, optimizer
+
+
+def _wrapped() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = fully_shard_model(float8_model(), fsdp_unit_modules=[Float8Block])
+    return model, fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+def _save(rank: int, world: int, path: str) -> None:
+    model, optimizer = _wrapped()
+    for step in range(SAVE_AT):
+        float8_step(model, optimizer, step, world, sharded=True)
+    dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
+
+
+def _resume(rank: int, world: int, path: str) -> list[tuple[float, float]]:
+    model, optimizer = _wrapped()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    reference, ref_opt = _reference(SAVE_AT)
+    losses = []
+    for step in range(SAVE_AT, SAVE_AT + MORE):
+        got = float8_step(model, optimizer, step, world, sharded=True)
+        losses.append((got, float8_step(reference, ref_opt, step, world, sharded=False)))
+    for name, param in model.named_parameters():
+        want = reference.get_parameter(name.removeprefix("module."))
+        torch.testing.assert_close(param.full_tensor(), want.detach(), rtol=1e-5, atol=1e-6)
+    return losses
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_float8_checkpoint_resumes_exactly_on_2_and_4_ranks(tmp_path: Path, world: int) -> None:
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save, 2, path, timeout=180)
+    for losses in run_distributed(_resume, world, path, timeout=180):
+        for got, want in losses:
+            assert abs(got - want) <= 1e-5 * abs(want), losses
+
+
+def test_the_export_of_a_float8_model_holds_its_fp32_weights(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    run_distributed(_save, 2, str(path), timeout=180)
+    convert(path, tmp_path / "model.pt", "torch")
+    exported = torch.load(tmp_path / "model.pt", weights_only=False)["model"]
+    reference, _ = _reference(SAVE_AT)
+    for name, want in reference.state_dict().items():
+        got = exported[f"module.{name}"]
+        assert type(got) is torch.Tensor and got.dtype == torch.float32, name
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
