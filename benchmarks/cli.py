@@ -99,6 +99,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="both: cut every block's MLP over N TP ranks (torch DTensor TP), FSDP over the rest",
     )
     p.add_argument(
+        "--float8",
+        action="store_true",
+        help="both, fp32: torchao float8 Linear layers in the blocks, float8 all-gather",
+    )
+    p.add_argument(
         "--outer-optim",
         action="store_true",
         help="ours, with --hsdp-outer: HFSDP (optimizer state sharded across dp_outer too)",

@@ -99,6 +99,9 @@ class RunSpec:
     tp: int = 1
     """Tensor parallelism (both implementations): the blocks' MLPs are cut over ``tp`` ranks
     with torch's DTensor TP, FSDP shards over the ``world_size / tp`` DP ranks."""
+    float8: bool = False
+    """torchao float8 training of the blocks' Linear layers with float8 all-gather (both
+    implementations; FSDP2 with torchao's recommended per-step scale precompute)."""
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -116,6 +119,8 @@ class RunSpec:
             )
         if self.tp > 1 and self.impl == "local":
             raise ValueError("tp > 1 compares FSDP implementations: pass --impls ours fsdp2")
+        if self.float8 and (self.precision != "fp32" or self.impl == "local" or self.tp > 1):
+            raise ValueError("float8 compares FSDP implementations in fp32 without TP")
         if self.outer_optim and self.hsdp_outer == 1:
             raise ValueError("outer_optim (HFSDP) needs hsdp_outer > 1: pass --hsdp-outer N")
         if self.steps < 1 or self.warmup < 0:

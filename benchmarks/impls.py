@@ -15,6 +15,8 @@ seed's ``fully_shard_optimizer`` does), which steps contiguous runs of the shard
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,9 +32,15 @@ WEIGHT_DECAY = 0.01
 class Trainer:
     """One training step split into the phases the benchmark times and measures."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        after_step: Callable[[], None] | None = None,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
+        self._after_step = after_step
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return loss_fn(self.model(x), y)
@@ -42,9 +50,24 @@ class Trainer:
 
     def step(self) -> None:
         self.optimizer.step()
+        if self._after_step is not None:
+            self._after_step()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+
+def _float8(model: GPT, spec: RunSpec) -> None:
+    """With ``spec.float8``: torchao float8 training of every block's Linear layers, their
+    weights all-gathered as float8 (``enable_fsdp_float8_all_gather``)."""
+    if not spec.float8:
+        return
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(
+        model, config=config, module_filter_fn=lambda _, fqn: fqn.startswith("blocks.")
+    )
 
 
 def _tensor_parallel(model: GPT, spec: RunSpec) -> DeviceMesh | None:
@@ -96,6 +119,7 @@ def _adamw(params: list[torch.Tensor] | list[nn.Parameter]) -> torch.optim.Optim
 
 def build_ours(model: GPT, spec: RunSpec) -> Trainer:
     import mfsdp_hooks
+    import mfsdp_te
 
     policy = (
         mfsdp_hooks.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -106,6 +130,8 @@ def build_ours(model: GPT, spec: RunSpec) -> Trainer:
     allocator = mfsdp_hooks.make_grad_allocator(spec.grad_allocator, max_inflight_reductions=1)
     mesh = _tensor_parallel(model, spec) or _hsdp_mesh(spec)
     topology = _topology_of(mesh, spec)
+    _float8(model, spec)
+    codecs = mfsdp_te.float8_codecs()
     for module in [*model.blocks, model]:
         mfsdp_hooks.fully_shard(
             module,
@@ -116,6 +142,7 @@ def build_ours(model: GPT, spec: RunSpec) -> Trainer:
             host_transport=spec.host_transport,
             backward_prefetch_grad_fraction=spec.backward_prefetch_grad_fraction,
             prefetch_depth=spec.prefetch_depth,
+            param_codecs=codecs,
         )
     # The seed's optimizer integration: the same torch AdamW, stepped over contiguous runs of
     # the sharded buffers unless the run measures torch's per-parameter loop.
@@ -139,12 +166,22 @@ def build_fsdp2(model: GPT, spec: RunSpec, device: torch.device) -> Trainer:
         if spec.precision == "bf16"
         else MixedPrecisionPolicy()
     )
+    _float8(model, spec)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     # reshard_after_forward left at its default: True for blocks, False for the root (whose
     # parameters backward needs at once), which is what our engine does too.
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    return Trainer(model, _adamw(list(model.parameters())))
+    return Trainer(model, _adamw(list(model.parameters())), _float8_scales(model, spec))
+
+
+def _float8_scales(model: nn.Module, spec: RunSpec) -> Callable[[], None] | None:
+    """FSDP2 with float8: torchao's recommended one all-reduce for every scale per step."""
+    if not spec.float8:
+        return None
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    return lambda: precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def _share(flat: torch.Tensor, rank: int, world: int) -> torch.Tensor:

@@ -68,6 +68,7 @@ def benchmark_worlds(args: argparse.Namespace, s: Settings) -> list[tuple[int, R
                             hsdp_outer=args.hsdp_outer,
                             outer_optim=args.outer_optim,
                             tp=args.tp,
+                            float8=args.float8,
                         )
                         plan.append((rep, spec))
     return plan
@@ -96,6 +97,7 @@ def profile_worlds(args: argparse.Namespace, s: Settings, out_dir: str) -> list[
             hsdp_outer=args.hsdp_outer,
             outer_optim=args.outer_optim,
             tp=args.tp,
+            float8=args.float8,
         )
         for precision in args.precisions
         for impl in ("ours", "fsdp2", "local")
