@@ -3,6 +3,7 @@
 from mfsdp_hooks.codec import CodecContext, GroupCodec, IdentityCodec, ParamClassCodec, ParamCodec
 from mfsdp_hooks.dtensor_views import dtensor_like, local_tensor
 from mfsdp_hooks.experts import ExpertSharding, is_megatron_expert
+from mfsdp_hooks.forward_methods import register_fsdp_forward_method
 from mfsdp_hooks.fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -61,6 +62,7 @@ __all__ = [
     "local_tensor",
     "locate",
     "make_grad_allocator",
+    "register_fsdp_forward_method",
     "optimizer_groups",
     "owning_model",
     "parse_strategy",

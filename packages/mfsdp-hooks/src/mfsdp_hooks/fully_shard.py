@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -214,6 +215,26 @@ def _agree_on_wrap(
         check_ranks_agree(options.topology.outer_group, facts, what="fully_shard")
 
 
+def _ignored_ids(ignored: Iterable[nn.Parameter] | None) -> frozenset[int]:
+    """As FSDP2: one set may be passed to every call; parameters of other modules are moot."""
+    params = list(ignored or ())
+    bad = [i for i, p in enumerate(params) if not isinstance(p, torch.Tensor)]
+    if bad:
+        raise TypeError(
+            f"ignored_params[{bad[0]}] is a {type(params[bad[0]]).__name__}, not a parameter"
+        )
+    return frozenset(id(p) for p in params)
+
+
+def _reshard_after_forward(value: bool | int | None) -> bool:
+    if value is None or isinstance(value, bool):
+        return value is not False
+    raise NotImplementedError(
+        f"reshard_after_forward={value!r}: resharding onto a smaller group after forward is "
+        "not supported yet; pass True (reshard fully) or False (keep the weights unsharded)"
+    )
+
+
 def _check_hfsdp_strategy(topology: FSDPTopology, strategy: ShardingStrategy) -> None:
     if topology.shards_optimizer_across_outer and strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
         raise ValueError(
@@ -261,7 +282,7 @@ def fully_shard(
     module: nn.Module,
     *,
     mesh: DeviceMesh | FSDPTopology | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int | None = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     sharding_strategy: int | str | ShardingStrategy = ShardingStrategy.OPTIM_GRADS_PARAMS,
     overlap_param_gather: bool = True,
@@ -279,6 +300,7 @@ def fully_shard(
     param_codec: ParamCodec | None = None,
     param_codecs: Sequence[ParamClassCodec] = (),
     experts: ExpertSharding | None = None,
+    ignored_params: Iterable[nn.Parameter] | None = None,
     **unsupported: Any,
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not owned by an already-sharded child) in place.
@@ -298,7 +320,9 @@ def fully_shard(
     weights travel in the all-gather (``mfsdp_hooks.codec``; the default sends them as they
     are); it needs main weights apart from the compute weights. ``param_codecs`` claim
     tensor-subclass parameters (``mfsdp_te.float8_codecs()``: torchao float8 weights, which
-    then travel as float8 bytes). ``experts``
+    then travel as float8 bytes). ``ignored_params`` (FSDP2's) are left as they are: not
+    sharded, not gathered, their gradients not reduced. ``reshard_after_forward`` None is
+    True, as FSDP2's default (the root never reshards after forward). ``experts``
     (``ExpertSharding``) shards the parameters it names over the expert-data-parallel group
     instead, with their gradient mean over the dense DP size (expert parallelism).
     """
@@ -323,7 +347,7 @@ def fully_shard(
     materializer = MetaMaterializer(topology.device)
     for _, sub in scope:
         materializer.materialize(sub)
-    slots = collect_slots(module)
+    slots = collect_slots(module, _ignored_ids(ignored_params))
     codecs = tuple(param_codecs)
     check_parameters_supported(slots, module, lambda p: any(c.claims(p) for c in codecs))
     options = UnitOptions(
@@ -335,7 +359,7 @@ def fully_shard(
             gradient_scaling_factor=gradient_scaling_factor,
             calculate_per_token_loss=calculate_per_token_loss,
         ),
-        reshard_after_forward=reshard_after_forward,
+        reshard_after_forward=_reshard_after_forward(reshard_after_forward),
         overlap_param_gather=overlap_param_gather,
         overlap_grad_reduce=overlap_grad_reduce,
         sync_model_each_microbatch=sync_model_each_microbatch,

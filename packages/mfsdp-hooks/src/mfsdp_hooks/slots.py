@@ -42,17 +42,18 @@ def is_wrapped(module: nn.Module) -> bool:
     return UNIT_ATTR in module.__dict__
 
 
-def collect_slots(module: nn.Module) -> SlotMap:
+def collect_slots(module: nn.Module, ignored: frozenset[int] = frozenset()) -> SlotMap:
     """Every (module, attribute) slot holding a parameter this unit owns, keyed by parameter.
 
-    Sub-trees already wrapped as units are skipped: they own their parameters. Insertion
-    order is the module traversal order, identical on every rank.
+    Sub-trees already wrapped as units are skipped: they own their parameters; so are the
+    parameters whose ids are ``ignored`` (FSDP2's ``ignored_params``: left as they are).
+    Insertion order is the module traversal order, identical on every rank.
     """
     found: SlotMap = {}
 
     def visit(mod: nn.Module, prefix: str) -> None:
         for attr, param in mod._parameters.items():
-            if param is None:
+            if param is None or id(param) in ignored:
                 continue
             entry = found.get(id(param))
             if entry is None:

@@ -79,8 +79,8 @@ class FSDPUnit:
         self._swap(use_unsharded=False)
         module.__dict__[UNIT_ATTR] = self
         self._handles = [
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
-            module.register_forward_hook(self._post_forward, always_call=False),
+            module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True),
+            module.register_forward_hook(self.post_forward, always_call=False),
         ]
 
     def _register_grad_hooks(self) -> None:
@@ -149,7 +149,7 @@ class FSDPUnit:
         self._swap(use_unsharded=False)
 
     # ----------------------------------------------------------------- forward
-    def _pre_forward(
+    def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.root is None:
@@ -171,7 +171,7 @@ class FSDPUnit:
                 target.unshard_async()
         return _cast_inputs(self.options.policy, args, kwargs)
 
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         assert self.root is not None
         recomputing = in_backward_pass()
         is_root = self.root.root_unit is self
