@@ -68,8 +68,40 @@ def test_ignored_params_are_left_alone_as_fsdp2_leaves_them() -> None:
     assert ours[0]["ignored"][1] != ours[1]["ignored"][1]
 
 
+def _policy_worker(rank: int, world: int, impl: str) -> list[float]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy
+
+    model = make_model()
+    _shard(model, impl, mp_policy=FSDP2Policy(param_dtype=torch.bfloat16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    losses = []
+    for tokens, targets in make_batches(STEPS):
+        out = model(local_slice(tokens, rank, world))
+        assert out[0].dtype == torch.bfloat16  # computed in the policy's dtype
+        loss = loss_fn(out, local_slice(targets, rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_torch_fsdp2_mixed_precision_policy_is_taken_as_it_is() -> None:
+    ours = run_distributed(_policy_worker, 2, "ours", timeout=120)
+    torch_fsdp2 = run_distributed(_policy_worker, 2, "fsdp2", timeout=120)
+    for mine, theirs in zip(ours, torch_fsdp2, strict=True):
+        for a, b in zip(mine, theirs, strict=True):  # bf16 compute: bf16 tolerance
+            assert abs(a - b) <= 1e-2 * abs(b), (mine, theirs)
+
+
 def _option_worker(rank: int, world: int, option: str) -> str:
     model = make_model()
+    if option == "modules":
+        try:
+            fully_shard([model.blocks[0], model.blocks[1]])  # type: ignore[arg-type, index]
+        except NotImplementedError as error:
+            return f"{type(error).__name__}: {error}"
+        return "accepted"
     options: dict[str, Any] = {
         "reshard_after_forward": {"reshard_after_forward": 2},
         "ignored_params": {"ignored_params": ["fc1.weight"]},
@@ -88,6 +120,7 @@ def _option_worker(rank: int, world: int, option: str) -> str:
         ("reshard_after_forward", "NotImplementedError: reshard_after_forward=2"),
         ("ignored_params", "TypeError: ignored_params[0] is a str, not a parameter"),
         ("offload_policy", "TypeError: fully_shard() got unsupported argument(s) offload_policy"),
+        ("modules", "NotImplementedError: fully_shard([module, ...]): one unit over several"),
     ],
 )
 def test_options_the_engine_lacks_raise_naming_them(option: str, expected: str) -> None:

@@ -27,7 +27,7 @@ from mfsdp_hooks.experts import ExpertSharding
 from mfsdp_hooks.grad_allocator import make_grad_allocator
 from mfsdp_hooks.lookup import set_owning_model
 from mfsdp_hooks.meta_init import MetaMaterializer, check_initialisable, modules_in_scope
-from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
+from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy, from_fsdp2_policy
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root import FSDPRoot, root_of
 from mfsdp_hooks.slots import (
@@ -171,7 +171,12 @@ def _check_overlap_options(
     _require_fraction(backward_prefetch_grad_fraction, "backward_prefetch_grad_fraction")
 
 
-def _check_module(module: object, mp_policy: object, experts: object) -> None:
+def _check_module(module: object, experts: object) -> None:
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError(
+            "fully_shard([module, ...]): one unit over several modules is not supported yet; "
+            "shard their common parent, or each module on its own"
+        )
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     existing = unit_of(module)
@@ -180,14 +185,21 @@ def _check_module(module: object, mp_policy: object, experts: object) -> None:
             f"module: fully_shard was already applied to this {existing.name}; "
             "apply it once per module"
         )
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"mp_policy must be an mfsdp_hooks.MixedPrecisionPolicy, got {type(mp_policy).__name__}"
-        )
     if experts is not None and not isinstance(experts, ExpertSharding):
         raise TypeError(
             f"experts must be an mfsdp_hooks.ExpertSharding or None, got {type(experts).__name__}"
         )
+
+
+def _policy(mp_policy: object) -> MixedPrecisionPolicy:
+    """Ours, torch FSDP2's (converted: same fields) or None (the default)."""
+    policy = from_fsdp2_policy(mp_policy) if mp_policy is not None else MixedPrecisionPolicy()
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be an mfsdp_hooks.MixedPrecisionPolicy or torch FSDP2's, got "
+            f"{type(mp_policy).__name__}"
+        )
+    return policy
 
 
 def _agree_on_wrap(
@@ -283,7 +295,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | FSDPTopology | None = None,
     reshard_after_forward: bool | int | None = True,
-    mp_policy: MixedPrecisionPolicy | None = None,
+    mp_policy: MixedPrecisionPolicy | Any | None = None,
     sharding_strategy: int | str | ShardingStrategy = ShardingStrategy.OPTIM_GRADS_PARAMS,
     overlap_param_gather: bool = True,
     overlap_grad_reduce: bool = True,
@@ -331,7 +343,8 @@ def fully_shard(
         raise TypeError(
             f"fully_shard() got unsupported argument(s) {names}: they are not implemented yet"
         )
-    _check_module(module, mp_policy, experts)
+    _check_module(module, experts)
+    policy = _policy(mp_policy)
     strategy = parse_strategy(sharding_strategy, "sharding_strategy")
     _check_overlap_options(max_inflight_reductions, prefetch_depth, backward_prefetch_grad_fraction)
     grad_allocator = make_grad_allocator(grad_buffer_allocator, max_inflight_reductions)
@@ -353,7 +366,7 @@ def fully_shard(
     options = UnitOptions(
         topology=topology,
         strategy=strategy,
-        policy=mp_policy or MixedPrecisionPolicy(),
+        policy=policy,
         reduce_config=GradReduceConfig(
             average_in_collective=average_in_collective,
             gradient_scaling_factor=gradient_scaling_factor,

@@ -53,3 +53,18 @@ class MixedPrecisionPolicy:
 
     def grad_dtype(self, original: torch.dtype) -> torch.dtype:
         return self.main_grads_dtype or self.optimizer_dtype(original)
+
+
+def from_fsdp2_policy(policy: object) -> object:
+    """torch FSDP2's ``MixedPrecisionPolicy`` as ours (same four fields, and ours keeps fp32
+    main weights as FSDP2 keeps fp32 sharded parameters); anything else as it is."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy
+
+    if not isinstance(policy, FSDP2Policy):
+        return policy
+    return MixedPrecisionPolicy(
+        param_dtype=policy.param_dtype,
+        reduce_dtype=policy.reduce_dtype,
+        output_dtype=policy.output_dtype,
+        cast_forward_inputs=policy.cast_forward_inputs,
+    )
