@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mfsdp_hooks import MegatronFSDP, fully_shard
@@ -21,6 +20,7 @@ from mfsdp_hooks.testing import (
     loss_fn,
     make_batches,
     make_model,
+    train_data_parallel,
     train_single_process,
 )
 
@@ -74,17 +74,7 @@ def train(
     world: int,
 ) -> list[float]:
     """Data-parallel steps on the global batch; returns the global mean loss of each step."""
-    losses = []
-    for tokens, targets in batches:
-        loss = loss_fn(model(local_slice(tokens, rank, world)), local_slice(targets, rank, world))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        total = loss.detach().clone()
-        if dist.is_initialized():
-            dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
+    return train_data_parallel(model, optimizer, batches, rank, world, global_mean=True)
 
 
 def reference_train(batches: list[Any], model_fn: Callable[[], nn.Module] = make_model) -> Any:

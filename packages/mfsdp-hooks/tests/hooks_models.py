@@ -22,6 +22,7 @@ from mfsdp_hooks.testing import (
     loss_fn,
     make_batches,
     make_model,
+    train_data_parallel,
     train_single_process,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "make_model",
     "make_optimizer",
     "reference_training",
+    "train_data_parallel",
     "trainable",
 ]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hooks_models import Block, local_slice, loss_fn, make_batches, make_model, trainable
+from hooks_models import Block, make_batches, make_model, train_data_parallel, trainable
 
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import MegatronFSDP, MixedPrecisionPolicy, attach_optimizer, fully_shard
@@ -42,15 +42,7 @@ def _train(rank: int, world: int, strategy: int, codec: DoublingCodec | None) ->
         make_model(), fsdp_unit_modules=[Block], sharding_strategy=strategy, mp_policy=BF16, **extra
     )
     optimizer = attach_optimizer(torch.optim.AdamW(trainable(model), lr=1e-2))
-    losses = []
-    for tokens, targets in make_batches(10, 4):
-        out = model(local_slice(tokens, rank, world))
-        loss = loss_fn(out, local_slice(targets, rank, world))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_data_parallel(model, optimizer, make_batches(10, 4), rank, world)
 
 
 def _codec_world(rank: int, world: int, strategy: int) -> dict[str, object]:

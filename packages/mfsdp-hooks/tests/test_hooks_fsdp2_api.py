@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from hooks_models import local_slice, loss_fn, make_batches, make_model
+from hooks_models import local_slice, make_batches, make_model, train_data_parallel
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -38,13 +38,7 @@ def _ignored_worker(rank: int, world: int, impl: str) -> dict[str, Any]:
     ignored = {model.blocks[0].fc1.weight, model.blocks[1].norm.bias}  # type: ignore[index]
     _shard(model, impl, ignored_params=ignored)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-    losses = []
-    for tokens, targets in make_batches(STEPS):
-        loss = loss_fn(model(local_slice(tokens, rank, world)), local_slice(targets, rank, world))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_data_parallel(model, optimizer, make_batches(STEPS), rank, world)
     state = model.state_dict()
     return {
         "losses": losses,
@@ -74,16 +68,9 @@ def _policy_worker(rank: int, world: int, impl: str) -> list[float]:
     model = make_model()
     _shard(model, impl, mp_policy=FSDP2Policy(param_dtype=torch.bfloat16))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-    losses = []
-    for tokens, targets in make_batches(STEPS):
-        out = model(local_slice(tokens, rank, world))
-        assert out[0].dtype == torch.bfloat16  # computed in the policy's dtype
-        loss = loss_fn(out, local_slice(targets, rank, world))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    tokens, _ = make_batches(1)[0]
+    assert model(local_slice(tokens, rank, world))[0].dtype == torch.bfloat16  # the policy's
+    return train_data_parallel(model, optimizer, make_batches(STEPS), rank, world)
 
 
 def test_torch_fsdp2_mixed_precision_policy_is_taken_as_it_is() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
@@ -97,6 +98,31 @@ def train_single_process(
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    return losses
+
+
+def train_data_parallel(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    rank: int,
+    world: int,
+    *,
+    global_mean: bool = False,
+) -> list[float]:
+    """Each step on this rank's slice of the global batch. Returns each step's loss: this
+    rank's, or with ``global_mean`` the mean over ranks (collective)."""
+    losses = []
+    for tokens, targets in batches:
+        loss = loss_fn(model(local_slice(tokens, rank, world)), local_slice(targets, rank, world))
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        if global_mean and dist.is_initialized():
+            dist.all_reduce(total)
+            total /= world
+        losses.append(total.item())
     return losses
 
 
