@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from hooks_models import local_slice, make_batches, make_model, train_data_parallel
+from hooks_models import local_slice, loss_fn, make_batches, make_model, train_data_parallel
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -161,3 +161,92 @@ def test_a_registered_forward_method_sees_the_whole_weights_as_in_fsdp2() -> Non
         torch.testing.assert_close(torch.tensor(mine["got"]), torch.tensor(mine["want"]))
         torch.testing.assert_close(torch.tensor(mine["got"]), torch.tensor(theirs["got"]))
         assert mine["resharded"] and theirs["resharded"]
+
+
+def _setter_worker(rank: int, world: int, impl: str, setter: str) -> dict[str, Any]:
+    """Train with one of FSDP2's runtime setters; report losses and parameter states.
+
+    "keep_after_backward" is FSDP2's gradient accumulation recipe: each step is two
+    micro-batches, the first without gradient sync and without resharding after backward
+    (so the second needs no all-gather), the second with both.
+    """
+    model: Any = make_model()
+    _shard(model, impl)
+    if setter == "reshard_root":
+        model.set_reshard_after_forward(True)
+    micro = 2 if setter == "keep_after_backward" else 1
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    states: dict[str, list[bool]] = {"after_forward": [], "after_backward": []}
+    losses = []
+    for tokens, targets in make_batches(STEPS):
+        pairs = zip(
+            local_slice(tokens, rank, world).chunk(micro),
+            local_slice(targets, rank, world).chunk(micro),
+            strict=True,
+        )
+        for index, (x, y) in enumerate(pairs):
+            last = index == micro - 1
+            if micro > 1:
+                model.set_requires_gradient_sync(last)
+                model.set_reshard_after_backward(last)
+            out = model(x)
+            states["after_forward"].append(isinstance(model.embed.weight, DTensor))
+            loss = loss_fn(out, y) / micro
+            loss.backward()
+            states["after_backward"].append(isinstance(model.blocks[0].fc1.weight, DTensor))
+            losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, **states}
+
+
+@pytest.mark.parametrize("setter", ["reshard_root", "keep_after_backward"])
+def test_runtime_setters_train_as_fsdp2_does(setter: str) -> None:
+    ours = run_distributed(_setter_worker, 2, "ours", setter, timeout=120)
+    torch_fsdp2 = run_distributed(_setter_worker, 2, "fsdp2", setter, timeout=120)
+    for mine, theirs in zip(ours, torch_fsdp2, strict=True):
+        for a, b in zip(mine["losses"], theirs["losses"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (mine["losses"], theirs["losses"])
+        assert mine["after_forward"] == theirs["after_forward"], setter
+        assert mine["after_backward"] == theirs["after_backward"], setter
+    # The default root keeps its weights after forward; reshard_root shards them.
+    micro = 2 if setter == "keep_after_backward" else 1
+    assert ours[0]["after_forward"] == [setter == "reshard_root"] * STEPS * micro
+    # Accumulating, the first micro-batch keeps the weights gathered, the last reshards.
+    assert ours[0]["after_backward"] == [True, False][:micro][::-1] * STEPS
+
+
+def _divide_factor_worker(rank: int, world: int) -> list[float]:
+    from hooks_models import train_single_process, trainable
+
+    model: Any = make_model()
+    _shard(model, "ours")
+    for unit in [*model.blocks, model]:
+        unit.set_gradient_divide_factor(1.0)  # a sum over the ranks, not their mean
+    optimizer = torch.optim.SGD(trainable(model), lr=5e-2, momentum=0.9)
+    batches = make_batches(STEPS)
+    got = train_data_parallel(model, optimizer, batches, rank, world, global_mean=True)
+    # The sum of the ranks' mean gradients is world x the global mean: one process with SGD
+    # at world x the learning rate. (FSDP2 needs NCCL's PREMUL_SUM for this; gloo has none.)
+    reference = make_model()
+    ref_opt = torch.optim.SGD(trainable(reference), lr=5e-2 * world, momentum=0.9)
+    want = train_single_process(reference, ref_opt, batches)
+    return [abs(a - b) / abs(b) for a, b in zip(got, want, strict=True)]
+
+
+def test_a_gradient_divide_factor_replaces_the_mean() -> None:
+    for errors in run_distributed(_divide_factor_worker, 2, timeout=120):
+        assert max(errors) <= 1e-5, errors
+
+
+def test_setters_ours_lacks_raise_naming_them() -> None:
+    from mfsdp_hooks import FSDPModule
+
+    model: Any = make_model()
+    assert isinstance(model, nn.Module)
+    for name, call in [
+        ("set_requires_all_reduce(False)", lambda m: m.set_requires_all_reduce(False)),
+        ("set_post_optim_event", lambda m: m.set_post_optim_event(object())),
+    ]:
+        with pytest.raises(NotImplementedError, match=name.split("(")[0]):
+            call(FSDPModule.__new__(FSDPModule))

@@ -7,9 +7,8 @@ The module's class is swapped for a subclass that also derives from ``FSDPModule
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -24,12 +23,13 @@ from mfsdp_collectives import (
 )
 from mfsdp_hooks.codec import IDENTITY, ParamClassCodec, ParamCodec
 from mfsdp_hooks.experts import ExpertSharding
+from mfsdp_hooks.fsdp_module import FSDPModule, UnshardHandle
 from mfsdp_hooks.grad_allocator import make_grad_allocator
 from mfsdp_hooks.lookup import set_owning_model
 from mfsdp_hooks.meta_init import MetaMaterializer, check_initialisable, modules_in_scope
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy, from_fsdp2_policy
 from mfsdp_hooks.reduce_config import GradReduceConfig
-from mfsdp_hooks.root import FSDPRoot, root_of
+from mfsdp_hooks.root import FSDPRoot
 from mfsdp_hooks.slots import (
     SlotMap,
     check_parameters_supported,
@@ -42,98 +42,6 @@ from mfsdp_hooks.unit import FSDPUnit, unit_of
 from mfsdp_hooks.unit_options import UnitOptions
 
 _OWNER_ATTR = "_mfsdp_param_owners"
-
-
-class UnshardHandle:
-    """Returned by ``unshard(async_op=True)``, as in FSDP2: ``wait()`` before using the weights."""
-
-    def __init__(self, unit: FSDPUnit) -> None:
-        self._unit: FSDPUnit | None = unit
-
-    def wait(self) -> None:
-        if self._unit is not None:
-            self._unit.wait_unshard()
-            self._unit = None
-
-
-class FSDPModule:
-    """Methods every fully-sharded module gains (mixed into its class)."""
-
-    def _mfsdp_unit(self) -> FSDPUnit:
-        unit = unit_of(self)  # type: ignore[arg-type]
-        assert unit is not None
-        return unit
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """Gather this module's parameters now; with ``async_op`` return a handle to wait on."""
-        unit = self._mfsdp_unit()
-        unit.request_unshard()
-        if async_op:
-            return UnshardHandle(unit)
-        unit.wait_unshard()
-        return None
-
-    def reshard(self) -> None:
-        self._mfsdp_unit().reshard()
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
-        """Skip gradient reduction while False (ZeRO-0/1 accumulate locally; 2/3 still reduce)."""
-        for module in self.modules():  # type: ignore[attr-defined]
-            unit = unit_of(module)
-            if unit is not None:
-                unit.requires_gradient_sync = requires_gradient_sync
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.set_requires_gradient_sync(True)
-
-    def set_modules_to_forward_prefetch(self, modules: Sequence[nn.Module]) -> None:
-        self._mfsdp_unit().forward_prefetch = [_require_unit(m, "modules") for m in modules]
-
-    def set_modules_to_backward_prefetch(self, modules: Sequence[nn.Module]) -> None:
-        self._mfsdp_unit().backward_prefetch = [_require_unit(m, "modules") for m in modules]
-
-    def finish_grad_sync(self) -> None:
-        """Wait for every gradient reduction and reduce what ``no_sync`` kept local."""
-        root = self._mfsdp_unit().root
-        if root is not None:
-            root.finish_grad_sync()
-
-    def zero_grad_buffer(self) -> None:
-        for module in self.modules():  # type: ignore[attr-defined]
-            unit = unit_of(module)
-            if unit is not None:
-                for group in unit.groups:
-                    group.zero_main_grads()
-
-    def install_optimized_model_weights(self) -> None:
-        """Copy optimizer-updated weights into the compute weights now instead of lazily."""
-        for module in self.modules():  # type: ignore[attr-defined]
-            unit = unit_of(module)
-            if unit is not None:
-                for group in unit.groups:
-                    group.freshness.close_step_window(stepped=True)
-                    handle = group.install_weights()
-                    if handle is not None:
-                        handle.wait()
-
-    @property
-    def fsdp_root(self) -> FSDPRoot | None:
-        return root_of(self)  # type: ignore[arg-type]
-
-
-def _require_unit(module: nn.Module, argument: str) -> FSDPUnit:
-    unit = unit_of(module)
-    if unit is None:
-        raise ValueError(
-            f"{argument}: {type(module).__name__} is not fully sharded; "
-            "call fully_shard on it first"
-        )
-    return unit
 
 
 def _require_positive_int(value: object, argument: str, fix: str) -> None:
@@ -238,9 +146,9 @@ def _ignored_ids(ignored: Iterable[nn.Parameter] | None) -> frozenset[int]:
     return frozenset(id(p) for p in params)
 
 
-def _reshard_after_forward(value: bool | int | None) -> bool:
+def _reshard_after_forward(value: bool | int | None) -> bool | None:
     if value is None or isinstance(value, bool):
-        return value is not False
+        return value
     raise NotImplementedError(
         f"reshard_after_forward={value!r}: resharding onto a smaller group after forward is "
         "not supported yet; pass True (reshard fully) or False (keep the weights unsharded)"
@@ -294,7 +202,7 @@ def fully_shard(
     module: nn.Module,
     *,
     mesh: DeviceMesh | FSDPTopology | None = None,
-    reshard_after_forward: bool | int | None = True,
+    reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy | Any | None = None,
     sharding_strategy: int | str | ShardingStrategy = ShardingStrategy.OPTIM_GRADS_PARAMS,
     overlap_param_gather: bool = True,
@@ -334,7 +242,7 @@ def fully_shard(
     tensor-subclass parameters (``mfsdp_te.float8_codecs()``: torchao float8 weights, which
     then travel as float8 bytes). ``ignored_params`` (FSDP2's) are left as they are: not
     sharded, not gathered, their gradients not reduced. ``reshard_after_forward`` None is
-    True, as FSDP2's default (the root never reshards after forward). ``experts``
+    FSDP2's default: True, except for the root, which keeps its weights for backward. ``experts``
     (``ExpertSharding``) shards the parameters it names over the expert-data-parallel group
     instead, with their gradient mean over the dense DP size (expert parallelism).
     """

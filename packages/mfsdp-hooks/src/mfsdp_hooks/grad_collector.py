@@ -38,7 +38,7 @@ class GradCollector:
         self.reduce_dtype = reduce_dtype
         self._device = device
         self._allocator = allocator
-        self._input_scale = input_scale
+        self.input_scale = input_scale
         count = len(layout.placements)
         self.expected = count
         self.received = 0
@@ -89,7 +89,7 @@ class GradCollector:
     def _copy_in(self, index: int, flat_grad: torch.Tensor) -> None:
         placement = self.layout.placements[index]
         slot = self._allocate()[placement.offset : placement.offset + placement.numel]
-        scale = self._input_scale
+        scale = self.input_scale
         with torch.no_grad():
             # A pre-scale (1/N, gradient_scaling_factor) rides on the copy we make anyway,
             # instead of a separate scaled copy of the whole bucket before the collective.

@@ -113,24 +113,31 @@ class GradReducer:
             and not pools_memory(allocator)
             and topology.host_transport is not None
         )
-        native_average = in_place or dist.get_backend(topology.shard_group) != "gloo"
-        # HSDP: the mean is over every data-parallel rank, inside and across the replicas.
-        self._average, self._input_scale = reduce_config.collective_args(
-            topology.shard_size * topology.outer_size, native_average
-        )
-        self._output_scale: float | None = None
-        if in_place:
-            self._output_scale, self._input_scale = self._input_scale, None
+        self._in_place = in_place
+        self._native_average = in_place or dist.get_backend(topology.shard_group) != "gloo"
         self.collector = GradCollector(
             layout,
             reduce_dtype=reduce_dtype,
             device=grads.device,
             allocator=allocator,
             hold=in_place,
-            input_scale=self._input_scale,
+            input_scale=None,
         )
+        self.configure(reduce_config)
         self._across_replicas = ReplicaSync.EMPTY
         self._partial: torch.Tensor | None = None
+
+    def configure(self, reduce_config: GradReduceConfig) -> None:
+        """How gradients are scaled and averaged from the next reduction on."""
+        topology = self._topology
+        # HSDP: the mean is over every data-parallel rank, inside and across the replicas.
+        self._average, self._input_scale = reduce_config.collective_args(
+            topology.shard_size * topology.outer_size, self._native_average
+        )
+        self._output_scale: float | None = None
+        if self._in_place:  # kept as they arrive: a pre-scale becomes the same post-scale
+            self._output_scale, self._input_scale = self._input_scale, None
+        self.collector.input_scale = self._input_scale
 
     # ----------------------------------------------------------------- reduce
     @property

@@ -159,7 +159,9 @@ class FSDPRoot:
                 self._open_step_windows()
             for unit in self.units:
                 unit.end_backward()
-            left = [u.name for u in self.units if u.is_unsharded]
+            left = [
+                u.name for u in self.units if u.is_unsharded and u.options.reshard_after_backward
+            ]
             if left:
                 raise RuntimeError(f"FSDP units left unsharded after backward: {left}")
             if not self.order_final:

@@ -176,7 +176,8 @@ class FSDPUnit:
         recomputing = in_backward_pass()
         is_root = self.root.root_unit is self
         if not recomputing:
-            keep = is_root or not self.options.reshard_after_forward
+            reshard = self.options.reshard_after_forward
+            keep = is_root if reshard is None else not reshard
             if not keep or (is_root and not torch.is_grad_enabled()):
                 self.reshard()
             self._move_to(TrainingState.IDLE)
@@ -255,7 +256,7 @@ class FSDPUnit:
             return
         assert self.root is not None
         self._move_to(TrainingState.POST_BACKWARD)
-        if self.options.strategy.shards_params:
+        if self.options.strategy.shards_params and self.options.reshard_after_backward:
             self.reshard()
         for group in self.groups:
             if group.reducer is not None and self.root.should_reduce(group):
@@ -267,4 +268,5 @@ class FSDPUnit:
         for group in self.groups:
             if group.reducer is not None:
                 group.reducer.collector.begin_backward()
-        self.reshard()
+        if self.options.reshard_after_backward:
+            self.reshard()

@@ -23,7 +23,10 @@ class UnitOptions:
     strategy: ShardingStrategy
     policy: MixedPrecisionPolicy
     reduce_config: GradReduceConfig
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None
+    """None: FSDP2's default, True for every unit but the root (whose weights backward needs
+    at once); True or False: as given, the root included."""
+    reshard_after_backward: bool = True
     overlap_param_gather: bool = True
     overlap_grad_reduce: bool = True
     sync_model_each_microbatch: bool = True
