@@ -1,11 +1,16 @@
 """megatron-fsdp: Fully Sharded Data Parallel for PyTorch, on any torch.distributed backend."""
 
 from megatron_fsdp.api import fully_shard, fully_shard_model, fully_shard_optimizer
-from mfsdp_hooks import MegatronFSDP, MixedPrecisionPolicy, ShardingStrategy
+from megatron_fsdp.ddp_config import DistributedDataParallelConfig
+from megatron_fsdp.dist_index import FSDPDistributedIndex
+from megatron_fsdp.wrapper import MegatronFSDP
+from mfsdp_hooks import MixedPrecisionPolicy, ShardingStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DistributedDataParallelConfig",
+    "FSDPDistributedIndex",
     "MegatronFSDP",
     "MixedPrecisionPolicy",
     "ShardingStrategy",

@@ -1,0 +1,125 @@
+"""The reference's class API: ``MegatronFSDP(module, dist_index, ddp_config, ...)``.
+
+Code written for NVIDIA's Megatron-FSDP builds an ``FSDPDistributedIndex`` and a
+``DistributedDataParallelConfig``; here the same code trains as one process would, every
+config field is honoured or refused, and keywords that contradict the config raise instead
+of being dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from megatron_fsdp import (
+    DistributedDataParallelConfig,
+    FSDPDistributedIndex,
+    MegatronFSDP,
+    fully_shard_model,
+    fully_shard_optimizer,
+)
+from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks.testing import (
+    Block,
+    loss_fn,
+    make_batches,
+    make_model,
+    train_data_parallel,
+    train_single_process,
+)
+
+STEPS = 10
+
+
+def _index(world: int) -> FSDPDistributedIndex:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    return FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard")
+
+
+def _parity_worker(rank: int, world: int, strategy: str) -> list[float]:
+    config = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=strategy,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+    )
+    model = MegatronFSDP(make_model(), _index(world), config, fsdp_unit_modules=[Block])
+    assert model.ddp_config is config
+    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    batches = make_batches(STEPS)
+    got = train_data_parallel(model, optimizer, batches, rank, world, global_mean=True)
+    reference = make_model()
+    want = train_single_process(
+        reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), batches
+    )
+    return [abs(a - b) / abs(b) for a, b in zip(got, want, strict=True)]
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim", "no_shard"])
+def test_the_reference_class_api_trains_as_one_process(strategy: str) -> None:
+    for errors in run_distributed(_parity_worker, 2, strategy, timeout=180):
+        assert max(errors) <= 1e-5, errors
+
+
+def _refusal_worker(rank: int, world: int, case: str) -> str:
+    arguments: dict[str, Any] = {
+        "keyword_against_config": {"ddp_config": DistributedDataParallelConfig(), "nccl_ub": True},
+        "unsupported_field": {"ddp_config": DistributedDataParallelConfig(bucket_size=40_000_000)},
+        "not_yet_keyword": {"nccl_ub": True},
+        "outer_mismatch": {
+            "ddp_config": DistributedDataParallelConfig(outer_dp_sharding_strategy="optim")
+        },
+    }[case]
+    try:
+        MegatronFSDP(make_model(), _index(world), fsdp_unit_modules=[Block], **arguments)
+    except (NotImplementedError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "accepted"
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("keyword_against_config", "ValueError: MegatronFSDP keyword(s) ['nccl_ub'] contradict"),
+        ("unsupported_field", "NotImplementedError: DistributedDataParallelConfig.bucket_size"),
+        ("not_yet_keyword", "NotImplementedError: nccl_ub=True"),
+        ("outer_mismatch", "ValueError: FSDPDistributedIndex(hsdp_outer_dp_shard=False)"),
+    ],
+)
+def test_what_the_reference_would_drop_or_ours_lacks_raises(case: str, expected: str) -> None:
+    for message in run_distributed(_refusal_worker, 2, case, timeout=60):
+        assert message.startswith(expected), message
+
+
+def _methods_worker(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(100 + rank)  # ranks start from different weights...
+    module = make_model(seed=100 + rank)
+    config = DistributedDataParallelConfig(data_parallel_sharding_strategy="no_shard")
+    model = MegatronFSDP(module, _index(world), config, fsdp_unit_modules=[Block])
+    model.broadcast_params()  # ...until rank 0's are everyone's
+    tokens, targets = make_batches(1)[0]
+    loss_fn(model(tokens), targets).backward()
+    model.finish_grad_sync()
+    grads = {
+        n: p.grad.to_local().clone() for n, p in model.named_parameters() if p.grad is not None
+    }
+    model.scale_gradients(0.5)
+    halved = all(
+        torch.equal(p.grad.to_local(), grads[n] * 0.5)
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    )
+    weights = {n: p.full_tensor().tolist() for n, p in model.named_parameters()}
+    wrapped = fully_shard_model(make_model(), fsdp_unit_modules=[Block])
+    return {"weights": weights, "halved": halved, "same_class": isinstance(wrapped, MegatronFSDP)}
+
+
+def test_broadcast_params_and_scale_gradients() -> None:
+    results = run_distributed(_methods_worker, 2, timeout=120)
+    assert results[0]["weights"] == results[1]["weights"]
+    want = {k.removeprefix("module."): v for k, v in results[0]["weights"].items()}
+    rank0 = {n: p.tolist() for n, p in make_model(seed=100).named_parameters()}
+    assert want == rank0
+    assert all(r["halved"] and r["same_class"] for r in results)
