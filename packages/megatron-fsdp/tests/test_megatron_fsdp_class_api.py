@@ -112,8 +112,20 @@ def _methods_worker(rank: int, world: int) -> dict[str, Any]:
         if p.grad is not None
     )
     weights = {n: p.full_tensor().tolist() for n, p in model.named_parameters()}
+    refused = []
+    for call in (model.start_grad_sync, model.set_model_auto_sync):
+        try:
+            call()
+        except NotImplementedError as error:
+            refused.append(str(error).split(":")[0])
+    model.start_param_sync(force_sync=True)
     wrapped = fully_shard_model(make_model(), fsdp_unit_modules=[Block])
-    return {"weights": weights, "halved": halved, "same_class": isinstance(wrapped, MegatronFSDP)}
+    return {
+        "weights": weights,
+        "halved": halved,
+        "same_class": isinstance(wrapped, MegatronFSDP),
+        "refused": refused,
+    }
 
 
 def test_broadcast_params_and_scale_gradients() -> None:
@@ -123,3 +135,5 @@ def test_broadcast_params_and_scale_gradients() -> None:
     rank0 = {n: p.tolist() for n, p in make_model(seed=100).named_parameters()}
     assert want == rank0
     assert all(r["halved"] and r["same_class"] for r in results)
+    refused = ["MegatronFSDP.start_grad_sync", "MegatronFSDP.set_model_auto_sync"]
+    assert all(r["refused"] == refused for r in results)

@@ -8,8 +8,9 @@ arguments (``engine_options``), so the two entry points build the same thing, an
 config raises instead of being dropped.
 
 Beyond the engine wrapper's ``no_sync``/``finish_grad_sync``/``zero_grad_buffer``/
-``install_optimized_model_weights``: ``broadcast_params``, ``scale_gradients`` and ``sync``,
-as the reference has them.
+``install_optimized_model_weights``: ``broadcast_params``, ``scale_gradients``, ``sync`` and
+``start_param_sync``, as the reference has them. ``start_grad_sync``, ``set_model_auto_sync``
+and ``mixed_precision_context`` raise ``NotImplementedError`` saying what to do instead.
 """
 
 from __future__ import annotations
@@ -120,6 +121,34 @@ class MegatronFSDP(mfsdp_hooks.MegatronFSDP):
         """The opposite of ``no_sync``: reduce this backward's gradients (the default)."""
         self.set_requires_gradient_sync(True)
         yield
+
+    def start_param_sync(self, *unused: Any, force_sync: bool = False, **_: Any) -> None:
+        """Bring the compute weights up to date with the optimizer's now (the engine would
+        at the next forward); ``force_sync`` is implied: the gathers are waited on."""
+        del unused, force_sync
+        self.install_optimized_model_weights()
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        """Not supported yet: reductions start in backward, as each unit's gradients land."""
+        raise NotImplementedError(
+            "MegatronFSDP.start_grad_sync: launching the reductions outside backward is not "
+            "supported yet; they start during backward (outside no_sync) and "
+            "finish_grad_sync() completes them"
+        )
+
+    def set_model_auto_sync(self, sync_model: bool = True) -> None:
+        """Not supported yet: pass ``sync_model_each_microbatch`` at construction."""
+        raise NotImplementedError(
+            "MegatronFSDP.set_model_auto_sync: changing the sync mode after wrapping is not "
+            "supported yet; pass sync_model_each_microbatch when wrapping"
+        )
+
+    def mixed_precision_context(self, policy: MixedPrecisionPolicy) -> Any:
+        """Not supported yet: the policy is fixed when the buffers are built."""
+        raise NotImplementedError(
+            "MegatronFSDP.mixed_precision_context: switching the precision policy of built "
+            "buffers is not supported yet"
+        )
 
     def broadcast_params(self) -> None:
         """Every rank's weights from data-parallel rank 0 (``--data-parallel-random-init``):
