@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from mfsdp_buffers import Allocator
 from mfsdp_collectives import FSDPTopology
 from mfsdp_hooks.codec import IDENTITY, ParamClassCodec, ParamCodec
@@ -54,6 +56,6 @@ ROOT_LEVEL_OPTIONS = (
 )
 
 
-def claiming_codec(options: UnitOptions, param: object) -> ParamClassCodec | None:
+def claiming_codec(options: UnitOptions, param: torch.Tensor) -> ParamClassCodec | None:
     """The first of ``options.codecs`` that claims ``param``, if any."""
-    return next((c for c in options.codecs if c.claims(param)), None)  # type: ignore[arg-type]
+    return next((c for c in options.codecs if c.claims(param)), None)
