@@ -11,7 +11,7 @@ contradicts the config is an error.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -121,6 +121,3 @@ class DistributedDataParallelConfig:
             "fsdp_manual_registration": self.fsdp_manual_registration,
             **self.precision_policy(),
         }
-
-
-FIELD_NAMES = frozenset(f.name for f in fields(DistributedDataParallelConfig))

@@ -36,6 +36,7 @@ _CONFIG_KEYWORDS = (
     "keep_fp8_transpose_cache",
     "nccl_ub",
     "fsdp_double_buffer",
+    "fsdp_db_use_persist_buf_on_alloc_fail",
     "disable_symmetric_registration",
 )
 

@@ -103,7 +103,9 @@ class Float8GroupCodec:
     def __init__(self, params: Sequence[nn.Parameter], context: CodecContext) -> None:
         self._context = context
         self._weights = [_Weight(p) for p in params]
-        self._unsharded: list[nn.Parameter] = []
+        # Per weight, made once: its unsharded parameter, the protocol object that hands it a
+        # new scale, and its float8 bytes in the gathered buffer (whose storage is stable).
+        self._decoding: list[tuple[nn.Parameter, Any, torch.Tensor]] = []
         device = params[0].device
         self._scales = torch.ones(len(params), dtype=torch.float32, device=device)
 
@@ -120,7 +122,7 @@ class Float8GroupCodec:
         scale = self._scales[index]
         unsharded, _ = protocol.fsdp_post_all_gather((data,), (scale,), self._context.compute_dtype)
         param = nn.Parameter(unsharded, requires_grad=weight.requires_grad)
-        self._unsharded.append(param)
+        self._decoding.append((param, protocol, data))
         return param
 
     # ------------------------------------------------------------------ the protocol
@@ -157,11 +159,8 @@ class Float8GroupCodec:
             out[offset : offset + numel].view(weight.float8_dtype).copy_(data.view(-1))
 
     def decode(self, gathered: torch.Tensor) -> None:
+        del gathered  # each weight's bytes were viewed once, at unsharded_param
         dtype = self._context.compute_dtype
-        placements = self._context.layout.placements
-        for index, (weight, param) in enumerate(zip(self._weights, self._unsharded, strict=True)):
-            where = placements[index]
-            data = gathered[where.offset : where.end].view(weight.float8_dtype)
-            protocol = weight.around(data.new_empty(0, dtype=dtype))
-            scale = self._scales[index].clone()
+        for index, (param, protocol, data) in enumerate(self._decoding):
+            scale = self._scales[index].clone()  # its own: forward may save it for backward
             protocol.fsdp_post_all_gather((data,), (scale,), dtype, out=param)
