@@ -210,15 +210,26 @@ def gpu(session: nox.Session) -> None:
     session.run("python", str(ROOT / "scripts" / "gpu_check.py"), *session.posargs, external=True)
 
 
-@nox.session
-def demo(session: nox.Session) -> None:
-    """The main job: a small GPT trained with FSDP on 2 CPU ranks (torchrun + gloo)."""
+def _run_example_on_two_ranks(session: nox.Session, script: str) -> None:
     _install_workspace(session)
     session.run(
         "torchrun",
         "--standalone",
         "--nproc-per-node",
         "2",
-        str(ROOT / "examples" / "train_gpt.py"),
+        str(ROOT / "examples" / script),
         *session.posargs,
     )
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: a small GPT trained with FSDP on 2 CPU ranks (torchrun + gloo)."""
+    _run_example_on_two_ranks(session, "train_gpt.py")
+
+
+@nox.session
+def finetune(session: nox.Session) -> None:
+    """Hugging Face fine-tuning: a small Llama on 2 CPU ranks with checkpoints, resume after a
+    kill and an export that from_pretrained loads (examples/finetune_hf.py)."""
+    _run_example_on_two_ranks(session, "finetune_hf.py")
