@@ -8,6 +8,7 @@ of being dropped.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -18,12 +19,15 @@ from megatron_fsdp import (
     DistributedDataParallelConfig,
     FSDPDistributedIndex,
     MegatronFSDP,
+    MixedPrecisionPolicy,
     fully_shard_model,
     fully_shard_optimizer,
 )
+from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks.testing import (
     Block,
+    local_slice,
     loss_fn,
     make_batches,
     make_model,
@@ -113,11 +117,10 @@ def _methods_worker(rank: int, world: int) -> dict[str, Any]:
     )
     weights = {n: p.full_tensor().tolist() for n, p in model.named_parameters()}
     refused = []
-    for call in (model.start_grad_sync, model.set_model_auto_sync):
-        try:
-            call()
-        except NotImplementedError as error:
-            refused.append(str(error).split(":")[0])
+    try:
+        model.mixed_precision_context(MixedPrecisionPolicy())
+    except NotImplementedError as error:
+        refused.append(str(error).split(":")[0])
     model.start_param_sync(force_sync=True)
     wrapped = fully_shard_model(make_model(), fsdp_unit_modules=[Block])
     return {
@@ -135,5 +138,96 @@ def test_broadcast_params_and_scale_gradients() -> None:
     rank0 = {n: p.tolist() for n, p in make_model(seed=100).named_parameters()}
     assert want == rank0
     assert all(r["halved"] and r["same_class"] for r in results)
-    refused = ["MegatronFSDP.start_grad_sync", "MegatronFSDP.set_model_auto_sync"]
+    refused = ["MegatronFSDP.mixed_precision_context"]
     assert all(r["refused"] == refused for r in results)
+
+
+def _accumulate(
+    model: MegatronFSDP,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    rank: int,
+    world: int,
+    *,
+    all_under_no_sync: bool,
+) -> tuple[float, list[tuple[bool, int]]]:
+    """One step of two micro-batches (the first, or both, under ``no_sync``); returns the
+    step's loss and (is_last_microbatch, microbatch_count) before and after each backward."""
+    seen, total = [], 0.0
+    for half in range(2):
+        rows = slice(half * tokens.shape[0] // 2, (half + 1) * tokens.shape[0] // 2)
+        local = local_slice(tokens[rows], rank, world), local_slice(targets[rows], rank, world)
+        synced = half == 1 and not all_under_no_sync
+        with contextlib.nullcontext() if synced else model.no_sync():
+            seen.append((model.is_last_microbatch, model.microbatch_count))
+            loss = loss_fn(model(local[0]), local[1]) / 2
+            loss.backward()
+            seen.append((model.is_last_microbatch, model.microbatch_count))
+        total += loss.item()
+    return total, seen
+
+
+def _accumulation_worker(rank: int, world: int, strategy: str) -> dict[str, Any]:
+    config = DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy)
+    model = MegatronFSDP(make_model(), _index(world), config, fsdp_unit_modules=[Block])
+    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    losses, seen, auto, launched = [], [], [], []
+    for step, (tokens, targets) in enumerate(make_batches(STEPS)):
+        # Odd steps under sync(): auto-sync on (every backward finishes its reductions).
+        with model.sync() if step % 2 else contextlib.nullcontext():
+            auto.append(model.model_auto_sync)
+            # Every third step both micro-batches run under no_sync and start_grad_sync
+            # launches their reductions (Megatron-Core's grad_sync_func); the step waits.
+            local = step % 3 == 0
+            loss, counts = _accumulate(model, tokens, targets, rank, world, all_under_no_sync=local)
+            if local:
+                with CommTracer() as tracer:
+                    model.start_grad_sync()
+                launched.append(tracer.calls("all_reduce") + tracer.calls("reduce_scatter"))
+            optimizer.step()
+        seen.append([*counts, (model.is_last_microbatch, model.microbatch_count)])
+        optimizer.zero_grad()
+        total = torch.tensor(loss)
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+    return {
+        "losses": losses,
+        "seen": seen,
+        "auto": auto,
+        "auto_after": model.model_auto_sync,
+        "launched": launched,
+    }
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_micro_batches_auto_sync_and_counters_as_the_reference(strategy: str) -> None:
+    reference = make_model()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    want = []
+    for tokens, targets in make_batches(STEPS):
+        halves = zip(tokens.chunk(2), targets.chunk(2), strict=True)
+        losses = [loss_fn(reference(x), y) / 2 for x, y in halves]
+        for loss in losses:
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(sum(loss.item() for loss in losses))
+    for result in run_distributed(_accumulation_worker, 2, strategy, timeout=180):
+        for got, expected in zip(result["losses"], want, strict=True):
+            assert abs(got - expected) <= 1e-5 * abs(expected), (result["losses"], want)
+        assert result["auto"] == [bool(step % 2) for step in range(STEPS)]
+        assert result["auto_after"] is False  # sync() turns it off on exit, as the reference
+        # What no_sync kept local is reduced by start_grad_sync, one collective per group
+        # (ZeRO-3 reduce-scatters every micro-batch, so nothing is left to launch).
+        held = 0 if strategy == "optim_grads_params" else 4  # 3 Blocks + the root
+        assert result["launched"] == [held] * len(result["launched"]), result["launched"]
+        for step, seen in enumerate(result["seen"]):
+            last_synced = step % 3 != 0
+            expected = [
+                (False, 0),
+                (False, 0 if step % 2 else 1),
+                (last_synced, 0 if step % 2 else 1),
+                (last_synced, 0 if step % 2 else 2),
+                (True, 0),  # after the step: finish_grad_sync reset the count
+            ]
+            assert seen == expected, (step, seen)

@@ -8,9 +8,10 @@ arguments (``engine_options``), so the two entry points build the same thing, an
 config raises instead of being dropped.
 
 Beyond the engine wrapper's ``no_sync``/``finish_grad_sync``/``zero_grad_buffer``/
-``install_optimized_model_weights``: ``broadcast_params``, ``scale_gradients``, ``sync`` and
-``start_param_sync``, as the reference has them. ``start_grad_sync``, ``set_model_auto_sync``
-and ``mixed_precision_context`` raise ``NotImplementedError`` saying what to do instead.
+``install_optimized_model_weights``: ``broadcast_params``, ``scale_gradients``, ``sync``,
+``set_model_auto_sync``, ``is_last_microbatch``, ``microbatch_count``, ``start_grad_sync``
+and ``start_param_sync``, as the reference has them. ``mixed_precision_context`` raises
+``NotImplementedError`` saying why.
 """
 
 from __future__ import annotations
@@ -119,9 +120,14 @@ class MegatronFSDP(mfsdp_hooks.MegatronFSDP):
 
     @contextlib.contextmanager
     def sync(self) -> Iterator[None]:
-        """The opposite of ``no_sync``: reduce this backward's gradients (the default)."""
+        """Turn auto-sync on (every backward finishes its reductions) and, as the reference
+        does, off again on exit (not back to what it was)."""
         self.set_requires_gradient_sync(True)
-        yield
+        self.set_model_auto_sync(True)
+        try:
+            yield
+        finally:
+            self.set_model_auto_sync(False)
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False, **_: Any) -> None:
         """Bring the compute weights up to date with the optimizer's now (the engine would
@@ -130,19 +136,35 @@ class MegatronFSDP(mfsdp_hooks.MegatronFSDP):
         self.install_optimized_model_weights()
 
     def start_grad_sync(self, *unused: Any) -> None:
-        """Not supported yet: reductions start in backward, as each unit's gradients land."""
-        raise NotImplementedError(
-            "MegatronFSDP.start_grad_sync: launching the reductions outside backward is not "
-            "supported yet; they start during backward (outside no_sync) and "
-            "finish_grad_sync() completes them"
-        )
+        """Launch the reductions ``no_sync`` micro-batches left local, without waiting
+        (Megatron-Core's ``grad_sync_func``); the rest started in backward already."""
+        del unused
+        super().start_grad_sync()
 
     def set_model_auto_sync(self, sync_model: bool = True) -> None:
-        """Not supported yet: pass ``sync_model_each_microbatch`` at construction."""
-        raise NotImplementedError(
-            "MegatronFSDP.set_model_auto_sync: changing the sync mode after wrapping is not "
-            "supported yet; pass sync_model_each_microbatch when wrapping"
-        )
+        """True: every backward finishes its gradient reductions (``finish_grad_sync`` after
+        each micro-batch, as ``sync_model_each_microbatch=True`` does); False: ``no_sync``
+        micro-batches leave theirs in flight and the optimizer step finishes them."""
+        self.root_unit_module.set_sync_model_each_microbatch(bool(sync_model))
+
+    @property
+    def model_auto_sync(self) -> bool:
+        return self.root_unit_module.sync_model_each_microbatch
+
+    @property
+    def is_last_microbatch(self) -> bool:
+        """False inside ``no_sync`` (gradients accumulate unreduced), True outside it."""
+        return self.root_unit_module.requires_gradient_sync
+
+    @is_last_microbatch.setter
+    def is_last_microbatch(self, value: bool) -> None:
+        self.set_requires_gradient_sync(bool(value))
+
+    @property
+    def microbatch_count(self) -> int:
+        """Backward passes since the last ``finish_grad_sync`` (0 while auto-sync is on)."""
+        root = self.root_unit_module.fsdp_root
+        return 0 if root is None else root.microbatch_count
 
     def mixed_precision_context(self, policy: MixedPrecisionPolicy) -> Any:
         """Not supported yet: the policy is fixed when the buffers are built."""

@@ -61,6 +61,15 @@ class FSDPModule:
             if unit is not None:
                 unit.requires_gradient_sync = requires_gradient_sync
 
+    @property
+    def requires_gradient_sync(self) -> bool:
+        """Whether this unit's next backward reduces its gradients (False inside ``no_sync``)."""
+        return self._mfsdp_unit().requires_gradient_sync
+
+    @property
+    def sync_model_each_microbatch(self) -> bool:
+        return self._mfsdp_unit().options.sync_model_each_microbatch
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         self.set_requires_gradient_sync(False)
@@ -74,6 +83,13 @@ class FSDPModule:
 
     def set_modules_to_backward_prefetch(self, modules: Sequence[nn.Module]) -> None:
         self._mfsdp_unit().backward_prefetch = [_require_unit(m, "modules") for m in modules]
+
+    def start_grad_sync(self) -> None:
+        """Launch the reductions of what ``no_sync`` kept local, without waiting for them
+        (``finish_grad_sync`` waits)."""
+        root = self._mfsdp_unit().root
+        if root is not None:
+            root.start_grad_sync()
 
     def finish_grad_sync(self) -> None:
         """Wait for every gradient reduction and reduce what ``no_sync`` kept local."""
@@ -126,6 +142,25 @@ class FSDPModule:
         for unit in self._units(recurse):
             unit.options = dataclasses.replace(
                 unit.options, reshard_after_backward=bool(reshard_after_backward)
+            )
+
+    def set_sync_model_each_microbatch(self, sync_model_each_microbatch: bool) -> None:
+        """Finish every micro-batch's reductions in its own backward (True) or let ``no_sync``
+        micro-batches' reductions overlap the next one (False). A root-level option: call it
+        on the root; it applies to the whole tree, from the next backward on."""
+        if not isinstance(sync_model_each_microbatch, bool):
+            raise ValueError(
+                f"sync_model_each_microbatch must be a bool, got {sync_model_each_microbatch!r}"
+            )
+        root = self._mfsdp_unit().root
+        if root is not None and root.root_unit is not self._mfsdp_unit():
+            raise ValueError(
+                f"set_sync_model_each_microbatch on {type(self).__name__}, which is not the "
+                "FSDP root: call it on the root module (it applies to the whole tree)"
+            )
+        for unit in self._units(recurse=True):
+            unit.options = dataclasses.replace(
+                unit.options, sync_model_each_microbatch=sync_model_each_microbatch
             )
 
     def set_gradient_divide_factor(self, factor: float) -> None:

@@ -110,27 +110,31 @@ class MegatronFSDP(nn.Module):
         return self.module(*args, **kwargs)
 
     @property
-    def _root_module(self) -> FSDPModule:
+    def root_unit_module(self) -> FSDPModule:
+        """The wrapped model, now the FSDP root (its runtime setters apply to every unit)."""
         assert isinstance(self.module, FSDPModule)
         return self.module
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients without reducing them (ZeRO-0/1; ZeRO-2/3 still reduce)."""
-        with self._root_module.no_sync():
+        with self.root_unit_module.no_sync():
             yield
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
-        self._root_module.set_requires_gradient_sync(requires_gradient_sync)
+        self.root_unit_module.set_requires_gradient_sync(requires_gradient_sync)
+
+    def start_grad_sync(self) -> None:
+        self.root_unit_module.start_grad_sync()
 
     def finish_grad_sync(self) -> None:
-        self._root_module.finish_grad_sync()
+        self.root_unit_module.finish_grad_sync()
 
     def zero_grad_buffer(self) -> None:
-        self._root_module.zero_grad_buffer()
+        self.root_unit_module.zero_grad_buffer()
 
     def install_optimized_model_weights(self) -> None:
-        self._root_module.install_optimized_model_weights()
+        self.root_unit_module.install_optimized_model_weights()
 
 
 def _init_from_meta_and_shard(

@@ -11,7 +11,7 @@ from mfsdp_hooks.grad_allocator import end_iteration, pools_memory
 from mfsdp_hooks.param_group import ParameterGroup
 from mfsdp_hooks.reduction_queue import ReductionQueue
 from mfsdp_hooks.unit import FSDPUnit, unit_of
-from mfsdp_hooks.unit_options import ROOT_LEVEL_OPTIONS
+from mfsdp_hooks.unit_options import ROOT_LEVEL_OPTIONS, UnitOptions
 
 
 class FSDPRoot:
@@ -23,7 +23,6 @@ class FSDPRoot:
 
     def __init__(self, root_unit: FSDPUnit) -> None:
         self.root_unit = root_unit
-        self.options = root_unit.options
         self.units: list[FSDPUnit] = []
         # Each unit's path under the root module, so errors name parameters in full.
         self._unit_path: dict[int, str] = {}
@@ -44,6 +43,9 @@ class FSDPRoot:
         # The root's own state: True from the first pre-backward hook of an iteration until
         # its final callback has ended every unit's backward (a forward in between raises).
         self.in_backward = False
+        # The reference's ``microbatch_count``: backward passes since ``finish_grad_sync``
+        # (which the optimizer step calls); always 0 when every micro-batch syncs.
+        self.microbatch_count = 0
         # Finishing reductions as soon as they land would make a pool's free order vary,
         # and frees nothing from a pool.
         self.reductions = ReductionQueue(
@@ -64,6 +66,11 @@ class FSDPRoot:
                         f"root-level option and the root fully_shard({self.root_unit.name}) has "
                         f"{name}={roots!r}: pass it to the root call (or the same value to both)"
                     )
+
+    @property
+    def options(self) -> UnitOptions:
+        """The root unit's options, read afresh: runtime setters replace them."""
+        return self.root_unit.options
 
     @staticmethod
     def lazy_init(first: FSDPUnit) -> FSDPRoot:
@@ -157,6 +164,8 @@ class FSDPRoot:
                     self.check_grads_finite()
             if synced:
                 self._open_step_windows()
+            each = self.options.sync_model_each_microbatch
+            self.microbatch_count = 0 if each else self.microbatch_count + 1
             for unit in self.units:
                 unit.end_backward()
             left = [
@@ -187,8 +196,9 @@ class FSDPRoot:
                 found.setdefault(id(allocator), allocator)
         return list(found.values())
 
-    def finish_grad_sync(self) -> None:
-        """Reduce whatever is still local (``no_sync`` windows) and wait for every reduction."""
+    def start_grad_sync(self) -> None:
+        """Launch the reductions of whatever is still local (``no_sync`` windows, HSDP's
+        replica all-reduce) without waiting for them."""
         for group in self.groups:
             reducer = group.reducer
             if reducer is None:
@@ -196,10 +206,15 @@ class FSDPRoot:
             if reducer.collector.has_grads and not self.reductions.in_flight(reducer):
                 self._launch(group, ends_cycle=True)
         self._sync_across_replicas()
+
+    def finish_grad_sync(self) -> None:
+        """Reduce whatever is still local (``no_sync`` windows) and wait for every reduction."""
+        self.start_grad_sync()
         self.wait_reductions()
         if self.options.report_nan_in_param_grad:
             self.check_grads_finite()
         self._open_step_windows()
+        self.microbatch_count = 0
 
     def _open_step_windows(self) -> None:
         """Gradients are synced: until the next backward, any optimizer may step them."""
