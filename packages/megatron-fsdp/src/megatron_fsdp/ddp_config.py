@@ -11,6 +11,7 @@ contradicts the config is an error.)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,6 @@ _NOT_YET: dict[str, tuple[Any, str]] = {
     "megatron_fsdp_cuda_graph_mode": (False, "CUDA-graph mode"),
     "megatron_fsdp_enable_fine_grained_param_gather": (False, "fine-grained all-gather"),
     "megatron_fsdp_max_pool_double_buffer": (False, "the max-pool double buffer"),
-    "use_distributed_optimizer": (False, "Megatron-Core's distributed optimizer"),
     "num_distributed_optimizer_instances": (1, "partial distributed optimizers"),
 }
 
@@ -67,9 +67,40 @@ class DistributedDataParallelConfig:
     megatron_fsdp_enable_fine_grained_param_gather: bool = False
     megatron_fsdp_max_pool_double_buffer: bool = False
     use_distributed_optimizer: bool = False
+    """Megatron-Core sets it with FSDP: an optimizer over sharded parameters is distributed
+    by construction, so either value is honoured."""
     num_distributed_optimizer_instances: int = 1
     use_megatron_fsdp: bool = False
     """Megatron-Core's switch; this package is Megatron-FSDP whatever it says."""
+
+    @classmethod
+    def from_any(
+        cls, config: object, argument: str = "ddp_config"
+    ) -> DistributedDataParallelConfig:
+        """This class for ``config``: itself, or a copy of another dataclass with these field
+        names (Megatron-Core's ``DistributedDataParallelConfig``, which the reference reads
+        when Megatron-Core is installed). A field we do not have, set to anything but its
+        default, raises naming it."""
+        if isinstance(config, cls):
+            return config
+        if not dataclasses.is_dataclass(config) or isinstance(config, type):
+            raise TypeError(
+                f"{argument} must be a megatron_fsdp.DistributedDataParallelConfig (or "
+                f"Megatron-Core's), got {type(config).__name__}"
+            )
+        ours = {f.name for f in dataclasses.fields(cls)}
+        copied: dict[str, Any] = {}
+        for field in dataclasses.fields(config):
+            value = getattr(config, field.name)
+            if field.name in ours:
+                copied[field.name] = value
+            elif value != _default_of(field):
+                raise NotImplementedError(
+                    f"{argument}.{field.name}={value!r} ({type(config).__module__}."
+                    f"{type(config).__name__}) has no counterpart in megatron-fsdp yet; leave "
+                    f"it at its default {_default_of(field)!r}"
+                )
+        return cls(**copied)
 
     def refuse_unsupported(self) -> None:
         for name, (default, feature) in _NOT_YET.items():
@@ -121,3 +152,11 @@ class DistributedDataParallelConfig:
             "fsdp_manual_registration": self.fsdp_manual_registration,
             **self.precision_policy(),
         }
+
+
+def _default_of(field: dataclasses.Field[Any]) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING

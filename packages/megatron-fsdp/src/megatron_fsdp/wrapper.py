@@ -210,11 +210,7 @@ def _config(
             overlap_param_gather=True,
             **keywords,
         )
-    if not isinstance(ddp_config, DistributedDataParallelConfig):
-        raise TypeError(
-            f"ddp_config must be a megatron_fsdp.DistributedDataParallelConfig, got "
-            f"{type(ddp_config).__name__}"
-        )
+    ddp_config = DistributedDataParallelConfig.from_any(ddp_config)
     clashing = [k for k, v in keywords.items() if v != getattr(ddp_config, k)]
     if clashing:
         raise ValueError(

@@ -1,0 +1,271 @@
+"""Megatron-Core's ``FullyShardedDataParallel``, for training loops written against it.
+
+``FullyShardedDataParallel(config, ddp_config, module, fsdp_unit_modules=...)`` is what
+Megatron-Core's ``training.py`` calls with ``--use-megatron-fsdp``: ``config`` is the
+model's ``TransformerConfig``, ``ddp_config`` Megatron-Core's (or our)
+``DistributedDataParallelConfig``. It returns a :class:`MCoreFSDPModel` holding a
+:class:`~megatron_fsdp.MegatronFSDP` at ``.module`` and exposing what a Megatron-Core loop
+and its ``DistributedOptimizer`` call on a model chunk: ``no_sync``, ``start_grad_sync``,
+``finish_grad_sync(force_all_reduce)``, ``scale_gradients``, ``zero_grad_buffer``,
+``start_param_sync``, ``broadcast_params``, ``synchronize_param_gather``,
+``stop_communication`` and ``param_and_grad_buffer.copy_main_weights_to_model_weights()``.
+
+Nothing here imports ``megatron.core``: the config is read by its public field names, and
+the data-parallel group comes from ``pg_collection.dp_cp`` (Megatron-Core's
+``ProcessGroupCollection``) or is the whole world. Tensor, context and expert parallelism and
+partial distributed optimizers are refused at wrap time, naming the setting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from megatron_fsdp.ddp_config import DistributedDataParallelConfig
+from megatron_fsdp.dist_index import FSDPDistributedIndex
+from megatron_fsdp.wrapper import MegatronFSDP
+from mfsdp_checkpoint import enable_dcp
+from mfsdp_hooks.megatron_fsdp import UnitSpec
+
+__all__ = ["FullyShardedDataParallel", "MCoreFSDPModel"]
+
+# Megatron-Core's default units (used when it is installed and fsdp_unit_modules is None).
+_MCORE_UNITS = (
+    "megatron.core.transformer.transformer_layer.TransformerLayer",
+    "megatron.core.transformer.moe.moe_layer.MoETransformerLayer",
+    "megatron.core.ssm.mamba_layer.MambaLayer",
+)
+# TransformerConfig fields whose non-default value needs a parallelism this adapter lacks.
+_REFUSED_PARALLELISM = {
+    "tensor_model_parallel_size": 1,
+    "context_parallel_size": 1,
+    "expert_model_parallel_size": 1,
+}
+
+
+def FullyShardedDataParallel(
+    config: Any,
+    ddp_config: Any,
+    module: Any,
+    fsdp_unit_modules: Sequence[UnitSpec] | None = None,
+    disable_bucketing: bool = False,
+    device: torch.device | str | None = None,
+    pg_collection: Any = None,
+) -> MCoreFSDPModel:
+    """Megatron-Core's wrapper; see the module docstring. ``module`` and ``ddp_config`` may
+    come in either order (older releases and the seeds' guide differ), told apart by type."""
+    if isinstance(ddp_config, nn.Module) and not isinstance(module, nn.Module):
+        ddp_config, module = module, ddp_config
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    return MCoreFSDPModel(
+        config,
+        DistributedDataParallelConfig.from_any(ddp_config),
+        module,
+        fsdp_unit_modules=fsdp_unit_modules,
+        disable_bucketing=disable_bucketing,
+        device=device,
+        pg_collection=pg_collection,
+    )
+
+
+class MCoreFSDPModel(nn.Module):
+    """A model chunk as Megatron-Core's training loop and optimizer use it."""
+
+    def __init__(
+        self,
+        config: Any,
+        ddp_config: DistributedDataParallelConfig,
+        module: nn.Module,
+        *,
+        fsdp_unit_modules: Sequence[UnitSpec] | None,
+        disable_bucketing: bool,
+        device: torch.device | str | None,
+        pg_collection: Any,
+    ) -> None:
+        super().__init__()
+        _refuse_unsupported_parallelism(config, ddp_config)
+        del disable_bucketing  # units are the buckets: there is no other bucketing to disable
+        group = _data_parallel_group(pg_collection)
+        device_type = torch.device(device).type if device is not None else _default_device()
+        mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_cp",))
+        self.config = config
+        self.ddp_config = ddp_config
+        self.megatron_fsdp_dist_index = FSDPDistributedIndex(mesh, dp_shard_dim="dp_cp")
+        self.fsdp_unit_modules = _default_units(fsdp_unit_modules, ddp_config)
+        self.module = MegatronFSDP(
+            module,
+            self.megatron_fsdp_dist_index,
+            ddp_config,
+            fsdp_unit_modules=self.fsdp_unit_modules,
+            device=device,
+            calculate_per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
+            init_model_with_meta_device=bool(getattr(config, "init_model_with_meta_device", False)),
+        )
+        enable_dcp(self.module)  # Megatron-Core saves DTensor state dicts ("fsdp_dtensor")
+        self.param_and_grad_buffer = ParamAndGradBuffer(self.module)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    # ------------------------------------------------- what a Megatron-Core loop calls
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.module.no_sync():
+            yield
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        self.module.start_grad_sync()
+
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        self.module.finish_grad_sync(force_all_reduce)
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        self.module.scale_gradients(scaling_factor)
+
+    def zero_grad_buffer(self) -> None:
+        self.module.zero_grad_buffer()
+
+    def broadcast_params(self) -> None:
+        self.module.broadcast_params()
+
+    def start_param_sync(self, *unused: Any, force_sync: bool = False, **_: Any) -> None:
+        self.module.start_param_sync(force_sync=force_sync)
+
+    def synchronize_param_gather(self) -> None:
+        """Nothing to wait for: every all-gather is waited on by the forward that needs it,
+        and none is left in flight once a forward returns."""
+
+    def stop_communication(self) -> None:
+        """Finish every gradient reduction (parameter gathers never outlive a forward)."""
+        self.module.finish_grad_sync()
+
+    # ------------------------------------------------- checkpoints
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> Any:
+        return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def sharded_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "sharded_state_dict: Megatron-Core's dist-checkpointing formats are not supported "
+            "by megatron-fsdp; save with ckpt_format 'fsdp_dtensor' (state_dict() of this "
+            "model holds DTensors that torch.distributed.checkpoint saves and reshards)"
+        )
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's (keys ``module.*``), as Megatron-Core's chunk returns it."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Keys with the ``module.`` prefix, or all without it (Megatron-Core adds it)."""
+        prefixed = [k.startswith("module.") for k in state_dict]
+        if prefixed and not any(prefixed):
+            state_dict = {f"module.{k}": v for k, v in state_dict.items()}
+        elif not all(prefixed):
+            raise ValueError(
+                "load_state_dict: some keys start with 'module.' and some do not; give all "
+                "of them with the prefix or none"
+            )
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+class ParamAndGradBuffer:
+    """What Megatron-Core's ``DistributedOptimizer`` calls on ``param_and_grad_buffer``."""
+
+    def __init__(self, model: MegatronFSDP) -> None:
+        self._model = model
+
+    def copy_main_weights_to_model_weights(self) -> None:
+        """After the optimizer step: the compute weights from the updated main weights."""
+        self._model.install_optimized_model_weights()
+
+    def zero_grad(self) -> None:
+        self._model.zero_grad_buffer()
+
+    def manual_buffer_registration(self) -> None:
+        raise NotImplementedError(
+            "param_and_grad_buffer.manual_buffer_registration: NCCL user-buffer registration "
+            "(fsdp_manual_registration with nccl_ub) is not supported through the "
+            "Megatron-Core adapter yet; leave fsdp_manual_registration False"
+        )
+
+
+def _refuse_unsupported_parallelism(config: Any, ddp_config: DistributedDataParallelConfig) -> None:
+    for field, default in _REFUSED_PARALLELISM.items():
+        value = getattr(config, field, default)
+        if value != default:
+            raise NotImplementedError(
+                f"config.{field}={value!r}: the Megatron-Core adapter shards over the data-"
+                f"parallel group only for now; use megatron_fsdp.fully_shard_model with a "
+                f"device_mesh for tensor/expert parallelism, or set {field}={default}"
+            )
+    if getattr(config, "num_moe_experts", None):
+        raise NotImplementedError(
+            "config.num_moe_experts: MoE models through the Megatron-Core adapter are not "
+            "supported yet; use megatron_fsdp.fully_shard_model with expt_device_mesh"
+        )
+    if ddp_config.num_distributed_optimizer_instances != 1:
+        raise NotImplementedError(
+            "ddp_config.num_distributed_optimizer_instances > 1 (HSDP in Megatron-Core) is not "
+            "supported through the adapter yet; use fully_shard_model with dp_outer_dim"
+        )
+
+
+def _data_parallel_group(pg_collection: Any) -> dist.ProcessGroup:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "FullyShardedDataParallel needs torch.distributed initialised "
+            "(torch.distributed.init_process_group) before wrapping"
+        )
+    if pg_collection is None:
+        world = dist.group.WORLD
+        assert world is not None
+        return world
+    group = getattr(pg_collection, "dp_cp", None)
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(
+            "pg_collection: it has no process group 'dp_cp' (Megatron-Core's data x context "
+            "parallel group), which FSDP shards over; set pg_collection.dp_cp"
+        )
+    tp = getattr(pg_collection, "tp", None)
+    if isinstance(tp, dist.ProcessGroup) and tp.size() > 1:
+        raise NotImplementedError(
+            "pg_collection.tp has more than one rank: tensor parallelism through the "
+            "Megatron-Core adapter is not supported yet"
+        )
+    return group
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _default_units(
+    specs: Sequence[UnitSpec] | None, ddp_config: DistributedDataParallelConfig
+) -> Sequence[UnitSpec]:
+    """Megatron-Core's defaults: its layer classes (none under ``no_shard``)."""
+    if specs is not None:
+        return specs
+    if ddp_config.data_parallel_sharding_strategy in ("no_shard", 0):
+        return []
+    try:
+        importlib.import_module("megatron.core")
+    except ImportError:
+        raise ValueError(
+            "fsdp_unit_modules is required when megatron-core is not installed (its default "
+            f"is Megatron-Core's {[spec.rpartition('.')[2] for spec in _MCORE_UNITS]})"
+        ) from None
+    found = []
+    for spec in _MCORE_UNITS:
+        path, _, name = spec.rpartition(".")
+        with contextlib.suppress(ImportError, AttributeError):
+            found.append(getattr(importlib.import_module(path), name))
+    return found

@@ -1,0 +1,181 @@
+"""``megatron_fsdp.mcore.FullyShardedDataParallel`` driven as Megatron-Core's training loop
+drives a model chunk, without a megatron-core dependency.
+
+The configs below stand in for Megatron-Core's ``TransformerConfig`` and
+``DistributedDataParallelConfig`` (dataclasses with their field names and defaults, including
+fields ours does not have); the loop follows ``megatron/training/training.py`` and
+``finalize_model_grads``: ``zero_grad_buffer``, micro-batches under ``no_sync`` with the last
+one outside, ``finish_grad_sync``, ``scale_gradients``, a plain optimizer over the sharded
+parameters, ``copy_main_weights_to_model_weights`` and ``start_param_sync``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_fsdp import MegatronFSDP
+from megatron_fsdp.mcore import FullyShardedDataParallel
+from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks.testing import Block, local_slice, loss_fn, make_batches, make_model
+
+STEPS = 10
+MICRO_BATCHES = 3
+
+
+@dataclass
+class TransformerConfigStandIn:
+    """The ``TransformerConfig`` fields the adapter reads, with Megatron-Core's defaults."""
+
+    tensor_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    num_moe_experts: int | None = None
+    calculate_per_token_loss: bool = False
+    init_model_with_meta_device: bool = False
+
+
+@dataclass
+class MCoreDDPConfigStandIn:
+    """Megatron-Core's ``DistributedDataParallelConfig``: shared fields and its own."""
+
+    data_parallel_sharding_strategy: str = "no_shard"
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    use_distributed_optimizer: bool = False
+    use_megatron_fsdp: bool = False
+    grad_reduce_in_fp32: bool = False
+    num_buckets: int | None = None
+    align_param_gather: bool = False
+    megatron_fsdp_version: int = 1
+
+
+def _mcore_loop_worker(rank: int, world: int, strategy: str) -> list[float]:
+    ddp_config = MCoreDDPConfigStandIn(
+        data_parallel_sharding_strategy=strategy,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        use_distributed_optimizer=True,
+        use_megatron_fsdp=True,
+    )
+    model = FullyShardedDataParallel(
+        TransformerConfigStandIn(), ddp_config, make_model(), fsdp_unit_modules=[Block]
+    )
+    assert isinstance(model.module, MegatronFSDP)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for tokens, targets in make_batches(STEPS, global_batch=12):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        micro = list(zip(tokens.chunk(MICRO_BATCHES), targets.chunk(MICRO_BATCHES), strict=True))
+        total = torch.zeros(())
+        for index, (x, y) in enumerate(micro):
+            last = index == len(micro) - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                loss = loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+                loss.backward()  # summed over micro-batches; scale_gradients averages
+            total += loss.detach()
+        model.finish_grad_sync(force_all_reduce=False)
+        model.scale_gradients(1 / MICRO_BATCHES)  # SGD: a wrong scale changes the curve
+        optimizer.step()
+        model.param_and_grad_buffer.copy_main_weights_to_model_weights()
+        model.start_param_sync()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world / MICRO_BATCHES)
+    return losses
+
+
+def _single_process() -> list[float]:
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for tokens, targets in make_batches(STEPS, global_batch=12):
+        micro = zip(tokens.chunk(MICRO_BATCHES), targets.chunk(MICRO_BATCHES), strict=True)
+        step_losses = [loss_fn(model(x), y) / MICRO_BATCHES for x, y in micro]
+        sum(step_losses).backward()  # type: ignore[union-attr]
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(sum(loss.item() for loss in step_losses))
+    return losses
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim", "no_shard"])
+def test_a_megatron_core_loop_trains_as_one_process(strategy: str) -> None:
+    want = _single_process()
+    for got in run_distributed(_mcore_loop_worker, 2, strategy, timeout=180):
+        for a, b in zip(got, want, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+
+
+def _state_dict_worker(rank: int, world: int) -> dict[str, Any]:
+    del rank, world
+    config = MCoreDDPConfigStandIn(data_parallel_sharding_strategy="optim_grads_params")
+    model = FullyShardedDataParallel(
+        TransformerConfigStandIn(), make_model(), config, fsdp_unit_modules=[Block]
+    )  # the seeds' guide's order: module before ddp_config
+    saved = model.state_dict_for_save_checkpoint()
+    keys = sorted(saved)
+    plain = {k.removeprefix("module."): v.full_tensor() for k, v in saved.items()}
+    other = FullyShardedDataParallel(
+        TransformerConfigStandIn(), config, make_model(seed=5), fsdp_unit_modules=[Block]
+    )
+    other.load_state_dict(model.state_dict())  # keys with the prefix
+    same_prefixed = all(
+        torch.equal(v.full_tensor(), plain[k.removeprefix("module.")])
+        for k, v in other.state_dict().items()
+    )
+    third = FullyShardedDataParallel(
+        TransformerConfigStandIn(), config, make_model(seed=6), fsdp_unit_modules=[Block]
+    )
+    third.load_state_dict(
+        {k.removeprefix("module."): v for k, v in model.state_dict().items()}
+    )  # without: Megatron-Core adds it
+    same_plain = all(
+        torch.equal(v.full_tensor(), plain[k.removeprefix("module.")])
+        for k, v in third.state_dict().items()
+    )
+    return {"keys": keys, "same_prefixed": same_prefixed, "same_plain": same_plain}
+
+
+def test_state_dict_keys_and_loading_with_or_without_the_module_prefix() -> None:
+    for result in run_distributed(_state_dict_worker, 2, timeout=120):
+        assert all(k.startswith("module.") for k in result["keys"]), result["keys"]
+        assert result["same_prefixed"] and result["same_plain"]
+
+
+def _refusal_worker(rank: int, world: int, case: str) -> str:
+    del rank, world
+    config: Any = TransformerConfigStandIn()
+    ddp_config: Any = MCoreDDPConfigStandIn(data_parallel_sharding_strategy="optim_grads_params")
+    units: Any = [Block]
+    if case == "tensor_parallel":
+        config = TransformerConfigStandIn(tensor_model_parallel_size=2)
+    elif case == "moe":
+        config = TransformerConfigStandIn(num_moe_experts=4)
+    elif case == "mcore_only_field":
+        ddp_config = MCoreDDPConfigStandIn(megatron_fsdp_version=2)
+    elif case == "no_units_without_mcore":
+        units = None
+    try:
+        FullyShardedDataParallel(config, ddp_config, make_model(), fsdp_unit_modules=units)
+    except (NotImplementedError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "accepted"
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("tensor_parallel", "NotImplementedError: config.tensor_model_parallel_size=2"),
+        ("moe", "NotImplementedError: config.num_moe_experts"),
+        ("mcore_only_field", "NotImplementedError: ddp_config.megatron_fsdp_version=2"),
+        ("no_units_without_mcore", "ValueError: fsdp_unit_modules is required"),
+    ],
+)
+def test_what_the_adapter_cannot_do_is_refused_at_wrap_time(case: str, expected: str) -> None:
+    for message in run_distributed(_refusal_worker, 2, case, timeout=60):
+        assert message.startswith(expected), message
