@@ -106,7 +106,7 @@ def _option_worker(rank: int, world: int, option: str) -> str:
     [
         ("reshard_after_forward", "NotImplementedError: reshard_after_forward=2"),
         ("ignored_params", "TypeError: ignored_params[0] is a str, not a parameter"),
-        ("offload_policy", "TypeError: fully_shard() got unsupported argument(s) offload_policy"),
+        ("offload_policy", "TypeError: offload_policy must be torch.distributed.fsdp"),
         ("modules", "NotImplementedError: fully_shard([module, ...]): one unit over several"),
     ],
 )
@@ -250,3 +250,48 @@ def test_setters_ours_lacks_raise_naming_them() -> None:
     ]:
         with pytest.raises(NotImplementedError, match=name.split("(")[0]):
             call(FSDPModule.__new__(FSDPModule))
+
+
+def _offload_worker(rank: int, world: int, impl: str) -> dict[str, Any]:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    model = make_model()
+    _shard(model, impl, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    batches = make_batches(STEPS)
+    losses = train_data_parallel(model, optimizer, batches[:-1], rank, world)
+    tokens, targets = (local_slice(t, rank, world) for t in batches[-1])
+    loss_fn(model(tokens), targets).backward()  # leaves gradients to look at
+    on_host = [p.to_local().device.type == "cpu" for p in model.parameters()]
+    on_host += [
+        p.grad.to_local().device.type == "cpu" for p in model.parameters() if p.grad is not None
+    ]
+    on_host += [t.device.type == "cpu" for s in optimizer.state.values() for t in s.values()]
+    state = model.state_dict()
+    return {
+        "losses": losses,
+        "on_host": all(on_host),
+        "keys": {k: tuple(v.shape) for k, v in state.items()},
+    }
+
+
+def test_cpu_offload_policy_keeps_the_state_on_the_host_as_fsdp2() -> None:
+    ours = run_distributed(_offload_worker, 2, "ours", timeout=120)
+    torch_fsdp2 = run_distributed(_offload_worker, 2, "fsdp2", timeout=120)
+    for mine, theirs in zip(ours, torch_fsdp2, strict=True):
+        for a, b in zip(mine["losses"], theirs["losses"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (mine["losses"], theirs["losses"])
+        assert mine["on_host"] and theirs["on_host"]
+        assert mine["keys"] == theirs["keys"]
+
+
+def test_cpu_offload_from_an_accelerator_is_refused_naming_it() -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from mfsdp_hooks.fully_shard import check_offload_policy
+
+    check_offload_policy(CPUOffloadPolicy(), torch.device("cpu"))  # honoured as it stands
+    with pytest.raises(NotImplementedError, match=r"offload_policy=CPUOffloadPolicy\(\) with"):
+        check_offload_policy(CPUOffloadPolicy(), torch.device("cuda", 0))
+    with pytest.raises(TypeError, match="offload_policy must be"):
+        check_offload_policy("cpu", torch.device("cpu"))

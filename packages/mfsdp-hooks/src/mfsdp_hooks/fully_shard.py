@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from mfsdp_buffers import Allocator
 from mfsdp_collectives import (
@@ -155,6 +156,26 @@ def _reshard_after_forward(value: bool | int | None) -> bool | None:
     )
 
 
+def check_offload_policy(policy: object, device: torch.device) -> None:
+    """FSDP2's offload policies. ``CPUOffloadPolicy`` asks for the sharded weights, the
+    gradients and the optimizer step on the host: when the model computes on the CPU they
+    are there already, so it is honoured as it stands. Keeping them on the host while an
+    accelerator computes is not built yet and raises."""
+    if policy is None or type(policy) is OffloadPolicy:
+        return
+    if not isinstance(policy, CPUOffloadPolicy):
+        raise TypeError(
+            f"offload_policy must be torch.distributed.fsdp.OffloadPolicy or CPUOffloadPolicy, "
+            f"got {type(policy).__name__}"
+        )
+    if device.type != "cpu":
+        raise NotImplementedError(
+            f"offload_policy=CPUOffloadPolicy() with the model on {device}: keeping the sharded "
+            "weights, gradients and optimizer step on the host while the accelerator computes "
+            "is not supported yet; leave offload_policy None (or shard more widely)"
+        )
+
+
 def _check_hfsdp_strategy(topology: FSDPTopology, strategy: ShardingStrategy) -> None:
     if topology.shards_optimizer_across_outer and strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
         raise ValueError(
@@ -221,6 +242,7 @@ def fully_shard(
     param_codecs: Sequence[ParamClassCodec] = (),
     experts: ExpertSharding | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
+    offload_policy: Any = None,
     **unsupported: Any,
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not owned by an already-sharded child) in place.
@@ -245,6 +267,8 @@ def fully_shard(
     FSDP2's default: True, except for the root, which keeps its weights for backward. ``experts``
     (``ExpertSharding``) shards the parameters it names over the expert-data-parallel group
     instead, with their gradient mean over the dense DP size (expert parallelism).
+    ``offload_policy``: FSDP2's ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy()``; see
+    :func:`check_offload_policy`.
     """
     if unsupported:
         names = ", ".join(sorted(unsupported))
@@ -262,6 +286,7 @@ def fully_shard(
     scope = modules_in_scope(module, skip=lambda m: unit_of(m) is not None)
     check_initialisable(scope, f"fully_shard({type(module).__name__})")
     topology = resolve_topology(mesh, module)
+    check_offload_policy(offload_policy, topology.device)
     _check_hfsdp_strategy(topology, strategy)
     # Before initialising meta modules: their TP parameters are refused, not initialised.
     check_tp_parameters(_own_parameters(scope), topology, f"fully_shard({type(module).__name__})")
