@@ -40,7 +40,7 @@ def _bad_input_worker(rank: int, world: int, case: str) -> str:
                 fully_shard(model.second)
                 fully_shard(model)
             elif case == "unknown_option":
-                fully_shard(Block(), offload_policy=object())
+                fully_shard(Block(), fsdp_unit_size=4)
             elif case == "scaling_and_per_token":
                 fully_shard(Block(), gradient_scaling_factor=0.5, calculate_per_token_loss=True)
             elif case == "unit_class":
@@ -66,7 +66,7 @@ def _bad_input_worker(rank: int, world: int, case: str) -> str:
         ("policy", "TypeError: mp_policy must be an mfsdp_hooks.MixedPrecisionPolicy"),
         ("policy_dtype", "TypeError: MixedPrecisionPolicy.param_dtype must be a floating-point"),
         ("tied_across_units", "ValueError: parameter 'first.weight' of _TiedAcrossUnits is shared"),
-        ("unknown_option", "TypeError: fully_shard() got unsupported argument(s) offload_policy"),
+        ("unknown_option", "TypeError: fully_shard() got unsupported argument(s) fsdp_unit_size"),
         ("scaling_and_per_token", "ValueError: gradient_scaling_factor and calculate_per_token"),
         ("unit_class", "TypeError: fsdp_unit_modules entries must be nn.Module subclasses"),
         ("unit_path", "ValueError: fsdp_unit_modules: 'Block' is not an import path"),

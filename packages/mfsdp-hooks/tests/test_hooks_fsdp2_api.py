@@ -11,7 +11,16 @@ from typing import Any
 
 import pytest
 import torch
-from hooks_models import local_slice, loss_fn, make_batches, make_model, train_data_parallel
+from hooks_models import (
+    VOCAB,
+    WIDTH,
+    Block,
+    local_slice,
+    loss_fn,
+    make_batches,
+    make_model,
+    train_data_parallel,
+)
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -83,10 +92,10 @@ def test_torch_fsdp2_mixed_precision_policy_is_taken_as_it_is() -> None:
 
 def _option_worker(rank: int, world: int, option: str) -> str:
     model = make_model()
-    if option == "modules":
+    if option == "nested_modules":
         try:
-            fully_shard([model.blocks[0], model.blocks[1]])  # type: ignore[arg-type, index]
-        except NotImplementedError as error:
+            fully_shard([model, model.blocks[1]])  # type: ignore[index]
+        except ValueError as error:
             return f"{type(error).__name__}: {error}"
         return "accepted"
     options: dict[str, Any] = {
@@ -107,7 +116,7 @@ def _option_worker(rank: int, world: int, option: str) -> str:
         ("reshard_after_forward", "NotImplementedError: reshard_after_forward=2"),
         ("ignored_params", "TypeError: ignored_params[0] is a str, not a parameter"),
         ("offload_policy", "TypeError: offload_policy must be torch.distributed.fsdp"),
-        ("modules", "NotImplementedError: fully_shard([module, ...]): one unit over several"),
+        ("nested_modules", "ValueError: module: Block is inside ToyModel"),
     ],
 )
 def test_options_the_engine_lacks_raise_naming_them(option: str, expected: str) -> None:
@@ -295,3 +304,101 @@ def test_cpu_offload_from_an_accelerator_is_refused_naming_it() -> None:
         check_offload_policy(CPUOffloadPolicy(), torch.device("cuda", 0))
     with pytest.raises(TypeError, match="offload_policy must be"):
         check_offload_policy("cpu", torch.device("cpu"))
+
+
+class _TiedLM(nn.Module):
+    """Tied input embedding and output head, the case ``fully_shard([a, b])`` is for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _module_list_worker(rank: int, world: int, impl: str) -> dict[str, Any]:
+    model = _TiedLM()
+    if impl == "fsdp2":
+        from torch.distributed.fsdp import fully_shard as shard
+    else:
+        shard = fully_shard
+    for block in model.blocks:
+        shard(block)
+    returned = shard([model.embed, model.head])
+    shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    losses, after_forward = [], []
+    for tokens, targets in make_batches(STEPS):
+        logits = model(local_slice(tokens, rank, world))
+        after_forward.append(isinstance(model.embed.weight, DTensor))
+        loss = nn.functional.cross_entropy(
+            logits.reshape(-1, VOCAB), local_slice(targets, rank, world).reshape(-1)
+        )
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    state = model.state_dict()
+    return {
+        "losses": losses,
+        "after_forward": after_forward,
+        "returned_list": returned == [model.embed, model.head],
+        "tied": model.head.weight is model.embed.weight,
+        "keys": {k: tuple(v.shape) for k, v in state.items()},
+        "embed": state["embed.weight"].full_tensor().tolist(),
+    }
+
+
+def test_one_unit_over_several_modules_as_fsdp2_for_tied_embeddings() -> None:
+    ours = run_distributed(_module_list_worker, 2, "ours", timeout=120)
+    torch_fsdp2 = run_distributed(_module_list_worker, 2, "fsdp2", timeout=120)
+    for mine, theirs in zip(ours, torch_fsdp2, strict=True):
+        for a, b in zip(mine["losses"], theirs["losses"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (mine["losses"], theirs["losses"])
+        assert mine["after_forward"] == theirs["after_forward"] == [True] * STEPS
+        assert mine["returned_list"] and theirs["returned_list"]
+        assert mine["tied"] and theirs["tied"]
+        assert mine["keys"] == theirs["keys"]
+        torch.testing.assert_close(torch.tensor(mine["embed"]), torch.tensor(theirs["embed"]))
+
+
+def _placement_worker(rank: int, world: int, impl: str) -> dict[str, Any]:
+    from torch.distributed.tensor import Shard
+
+    model = make_model()
+    _shard(model, impl, shard_placement_fn=lambda param: Shard(0) if param.dim() > 1 else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    losses = train_data_parallel(model, optimizer, make_batches(STEPS), rank, world)
+    return {"losses": losses, "keys": {k: tuple(v.shape) for k, v in model.state_dict().items()}}
+
+
+def test_shard_placement_fn_on_dim_0_trains_as_fsdp2() -> None:
+    ours = run_distributed(_placement_worker, 2, "ours", timeout=120)
+    torch_fsdp2 = run_distributed(_placement_worker, 2, "fsdp2", timeout=120)
+    for mine, theirs in zip(ours, torch_fsdp2, strict=True):
+        for a, b in zip(mine["losses"], theirs["losses"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (mine["losses"], theirs["losses"])
+        assert mine["keys"] == theirs["keys"]
+
+
+def test_shard_placement_fn_on_another_dim_is_refused_naming_the_parameter() -> None:
+    from torch.distributed.tensor import Shard
+
+    from mfsdp_hooks.fully_shard import check_shard_placements
+    from mfsdp_hooks.slots import collect_slots
+
+    slots = collect_slots(make_model())
+    check_shard_placements(lambda p: None, slots)  # FSDP2's default: dim 0
+    with pytest.raises(NotImplementedError, match=r"Shard\(dim=1\) for 'embed.weight'"):
+        check_shard_placements(lambda p: Shard(1) if p.dim() > 1 else None, slots)
+    with pytest.raises(TypeError, match="shard_placement_fn must be callable"):
+        check_shard_placements(Shard(0), slots)  # type: ignore[arg-type]

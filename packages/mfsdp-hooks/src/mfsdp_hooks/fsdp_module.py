@@ -17,7 +17,7 @@ from torch import nn
 
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root import FSDPRoot, root_of
-from mfsdp_hooks.unit import FSDPUnit, unit_of
+from mfsdp_hooks.unit import FSDPUnit, unit_of, units_under
 
 __all__ = ["FSDPModule", "UnshardHandle"]
 
@@ -56,10 +56,8 @@ class FSDPModule:
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Skip gradient reduction while False (ZeRO-0/1 accumulate locally; 2/3 still reduce)."""
-        for module in self.modules():  # type: ignore[attr-defined]
-            unit = unit_of(module)
-            if unit is not None:
-                unit.requires_gradient_sync = requires_gradient_sync
+        for unit in self._units(recurse=True):
+            unit.requires_gradient_sync = requires_gradient_sync
 
     @property
     def requires_gradient_sync(self) -> bool:
@@ -98,22 +96,18 @@ class FSDPModule:
             root.finish_grad_sync()
 
     def zero_grad_buffer(self) -> None:
-        for module in self.modules():  # type: ignore[attr-defined]
-            unit = unit_of(module)
-            if unit is not None:
-                for group in unit.groups:
-                    group.zero_main_grads()
+        for unit in self._units(recurse=True):
+            for group in unit.groups:
+                group.zero_main_grads()
 
     def install_optimized_model_weights(self) -> None:
         """Copy optimizer-updated weights into the compute weights now instead of lazily."""
-        for module in self.modules():  # type: ignore[attr-defined]
-            unit = unit_of(module)
-            if unit is not None:
-                for group in unit.groups:
-                    group.freshness.close_step_window(stepped=True)
-                    handle = group.install_weights()
-                    if handle is not None:
-                        handle.wait()
+        for unit in self._units(recurse=True):
+            for group in unit.groups:
+                group.freshness.close_step_window(stepped=True)
+                handle = group.install_weights()
+                if handle is not None:
+                    handle.wait()
 
     @property
     def fsdp_root(self) -> FSDPRoot | None:
@@ -123,7 +117,7 @@ class FSDPModule:
     def _units(self, recurse: bool) -> list[FSDPUnit]:
         module: nn.Module = self  # type: ignore[assignment]
         modules = module.modules() if recurse else [module]
-        return [u for u in (unit_of(m) for m in modules) if u is not None]
+        return units_under(modules)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Reshard after forward (True, the root included) or keep the weights for backward."""

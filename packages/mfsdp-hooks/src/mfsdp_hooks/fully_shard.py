@@ -8,13 +8,14 @@ The module's class is swapped for a subclass that also derives from ``FSDPModule
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.tensor import Shard
 
 from mfsdp_buffers import Allocator
 from mfsdp_collectives import (
@@ -27,6 +28,7 @@ from mfsdp_hooks.experts import ExpertSharding
 from mfsdp_hooks.fsdp_module import FSDPModule, UnshardHandle
 from mfsdp_hooks.grad_allocator import make_grad_allocator
 from mfsdp_hooks.lookup import set_owning_model
+from mfsdp_hooks.member_forwards import ModuleGroup, unit_members
 from mfsdp_hooks.meta_init import MetaMaterializer, check_initialisable, modules_in_scope
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy, from_fsdp2_policy
 from mfsdp_hooks.reduce_config import GradReduceConfig
@@ -39,7 +41,7 @@ from mfsdp_hooks.slots import (
 )
 from mfsdp_hooks.strategy import ShardingStrategy, parse_strategy
 from mfsdp_hooks.tensor_parallel import check_tp_parameters
-from mfsdp_hooks.unit import FSDPUnit, unit_of
+from mfsdp_hooks.unit import FSDPUnit, unit_of, units_under
 from mfsdp_hooks.unit_options import UnitOptions
 
 _OWNER_ATTR = "_mfsdp_param_owners"
@@ -80,20 +82,14 @@ def _check_overlap_options(
     _require_fraction(backward_prefetch_grad_fraction, "backward_prefetch_grad_fraction")
 
 
-def _check_module(module: object, experts: object) -> None:
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError(
-            "fully_shard([module, ...]): one unit over several modules is not supported yet; "
-            "shard their common parent, or each module on its own"
-        )
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    existing = unit_of(module)
-    if existing is not None:
-        raise ValueError(
-            f"module: fully_shard was already applied to this {existing.name}; "
-            "apply it once per module"
-        )
+def _check_module(members: Sequence[nn.Module], experts: object) -> None:
+    for member in members:
+        existing = unit_of(member)
+        if existing is not None:
+            raise ValueError(
+                f"module: fully_shard was already applied to this {existing.name}; "
+                "apply it once per module"
+            )
     if experts is not None and not isinstance(experts, ExpertSharding):
         raise TypeError(
             f"experts must be an mfsdp_hooks.ExpertSharding or None, got {type(experts).__name__}"
@@ -111,12 +107,10 @@ def _policy(mp_policy: object) -> MixedPrecisionPolicy:
     return policy
 
 
-def _agree_on_wrap(
-    module: nn.Module, slots: SlotMap, options: UnitOptions, host_transport: str
-) -> None:
+def _agree_on_wrap(label: str, slots: SlotMap, options: UnitOptions, host_transport: str) -> None:
     """The wrap's first collective: every rank of the shard group wraps the same thing."""
     facts = {
-        "module": type(module).__qualname__,
+        "module": label,
         "parameters": describe_parameters(slots),
         "host_transport": host_transport,
     }
@@ -176,6 +170,25 @@ def check_offload_policy(policy: object, device: torch.device) -> None:
         )
 
 
+def check_shard_placements(fn: Callable[[nn.Parameter], Any] | None, slots: SlotMap) -> None:
+    """FSDP2's ``shard_placement_fn``: the engine shards rows (dim 0) only, so each answer
+    must be ``Shard(0)`` (or None, the default); it is asked before any collective."""
+    if fn is None:
+        return
+    if not callable(fn):
+        raise TypeError(f"shard_placement_fn must be callable, got {type(fn).__name__}")
+    for param, name, _ in slots.values():
+        placement = fn(param)
+        if placement is None or (
+            isinstance(placement, Shard) and placement.dim in (0, -param.dim())
+        ):
+            continue
+        raise NotImplementedError(
+            f"shard_placement_fn returned {placement!r} for {name!r}: sharding along another "
+            "dim than 0 is not supported yet; return Shard(0) or None for it"
+        )
+
+
 def _check_hfsdp_strategy(topology: FSDPTopology, strategy: ShardingStrategy) -> None:
     if topology.shards_optimizer_across_outer and strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
         raise ValueError(
@@ -220,7 +233,7 @@ def resolve_topology(mesh: DeviceMesh | FSDPTopology | None, module: nn.Module) 
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | Sequence[nn.Module],
     *,
     mesh: DeviceMesh | FSDPTopology | None = None,
     reshard_after_forward: bool | int | None = None,
@@ -243,11 +256,15 @@ def fully_shard(
     experts: ExpertSharding | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
     offload_policy: Any = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
     **unsupported: Any,
-) -> nn.Module:
+) -> Any:
     """Shard ``module``'s parameters (those not owned by an already-sharded child) in place.
 
-    Returns the same module object, whose class now also derives from ``FSDPModule``.
+    Returns the same module object, whose class now also derives from ``FSDPModule``. A
+    list of modules (FSDP2's ``fully_shard([a, b])``, e.g. tied embeddings) becomes one unit:
+    gathered before the first of them runs forward, resharded after the last; the list is
+    returned, each module now an ``FSDPModule``.
     Overlap is bounded in units: ``prefetch_depth`` units are gathered ahead (forward and
     backward, after the first iteration recorded the order) and at most
     ``max_inflight_reductions`` gradient reductions are in flight. In backward a unit issues
@@ -268,14 +285,19 @@ def fully_shard(
     (``ExpertSharding``) shards the parameters it names over the expert-data-parallel group
     instead, with their gradient mean over the dense DP size (expert parallelism).
     ``offload_policy``: FSDP2's ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy()``; see
-    :func:`check_offload_policy`.
+    :func:`check_offload_policy`. ``shard_placement_fn`` (FSDP2's): each parameter's
+    placement, ``Shard(0)`` or None (the same); other dims raise naming the parameter.
     """
     if unsupported:
         names = ", ".join(sorted(unsupported))
         raise TypeError(
             f"fully_shard() got unsupported argument(s) {names}: they are not implemented yet"
         )
-    _check_module(module, experts)
+    members = unit_members(module)
+    _check_module(members, experts)
+    # One module is its own scope; several are gathered into a container outside the tree.
+    target = members[0] if len(members) == 1 else ModuleGroup(members)
+    label = "+".join(type(m).__name__ for m in members)
     policy = _policy(mp_policy)
     strategy = parse_strategy(sharding_strategy, "sharding_strategy")
     _check_overlap_options(max_inflight_reductions, prefetch_depth, backward_prefetch_grad_fraction)
@@ -283,19 +305,20 @@ def fully_shard(
     check_host_transport(host_transport)  # before resolve_topology, which may communicate
     # A module (partly) on the meta device: its own modules are initialised here, in module
     # order, before sharding; whether they can be is checked before any collective.
-    scope = modules_in_scope(module, skip=lambda m: unit_of(m) is not None)
-    check_initialisable(scope, f"fully_shard({type(module).__name__})")
-    topology = resolve_topology(mesh, module)
+    scope = modules_in_scope(target, skip=lambda m: unit_of(m) is not None)
+    check_initialisable(scope, f"fully_shard({label})")
+    topology = resolve_topology(mesh, target)
     check_offload_policy(offload_policy, topology.device)
     _check_hfsdp_strategy(topology, strategy)
     # Before initialising meta modules: their TP parameters are refused, not initialised.
-    check_tp_parameters(_own_parameters(scope), topology, f"fully_shard({type(module).__name__})")
+    check_tp_parameters(_own_parameters(scope), topology, f"fully_shard({label})")
     materializer = MetaMaterializer(topology.device)
     for _, sub in scope:
         materializer.materialize(sub)
-    slots = collect_slots(module, _ignored_ids(ignored_params))
+    slots = collect_slots(target, _ignored_ids(ignored_params))
     codecs = tuple(param_codecs)
-    check_parameters_supported(slots, module, lambda p: any(c.claims(p) for c in codecs))
+    check_parameters_supported(slots, target, lambda p: any(c.claims(p) for c in codecs))
+    check_shard_placements(shard_placement_fn, slots)
     options = UnitOptions(
         topology=topology,
         strategy=strategy,
@@ -318,18 +341,26 @@ def fully_shard(
         codecs=codecs,
         experts=experts,
     )
-    _agree_on_wrap(module, slots, options, host_transport)
+    _agree_on_wrap(label, slots, options, host_transport)
     options.topology.choose_host_transport(host_transport)
     if experts is not None:
         experts.topology.choose_host_transport(host_transport)
-    owners = _shared_owner_registry(module)
-    FSDPUnit(module, options, owners, make_root=FSDPRoot.lazy_init, slots=slots)
-    for unit in fsdp_units(module):
-        for group in unit.groups:
-            set_owning_model(group, module)
-    if not isinstance(module, FSDPModule):
-        module.__class__ = fsdp_class_of(type(module))
+    _make_unit(target, members, options, slots)
     return module
+
+
+def _make_unit(
+    target: nn.Module, members: list[nn.Module], options: UnitOptions, slots: SlotMap
+) -> None:
+    """Build the unit, then give each member ``FSDPModule``'s methods."""
+    owners = _shared_owner_registry(members)
+    FSDPUnit(target, options, owners, FSDPRoot.lazy_init, slots, members=members)
+    for unit in fsdp_units(target):
+        for group in unit.groups:
+            set_owning_model(group, members[0])
+    for member in members:
+        if not isinstance(member, FSDPModule):
+            member.__class__ = fsdp_class_of(type(member))
 
 
 _FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
@@ -354,20 +385,25 @@ def fsdp_class_of(cls: type[nn.Module]) -> type[nn.Module]:
     return found
 
 
-def _shared_owner_registry(module: nn.Module) -> dict[int, str]:
+def _shared_owner_registry(members: Sequence[nn.Module]) -> dict[int, str]:
     """Which unit owns each parameter object, shared by every unit of one model tree."""
-    for sub in module.modules():
-        registry = sub.__dict__.get(_OWNER_ATTR)
-        if isinstance(registry, dict):
-            module.__dict__[_OWNER_ATTR] = registry
-            return registry
-    registry = {}
-    module.__dict__[_OWNER_ATTR] = registry
+    registry: dict[int, str] = next(
+        (
+            found
+            for member in members
+            for sub in member.modules()
+            if isinstance(found := sub.__dict__.get(_OWNER_ATTR), dict)
+        ),
+        {},
+    )
+    for member in members:
+        member.__dict__[_OWNER_ATTR] = registry
     return registry
 
 
 def fsdp_units(module: nn.Module) -> list[FSDPUnit]:
-    return [u for u in (unit_of(m) for m in module.modules()) if u is not None]
+    """Every unit under ``module`` once, in module order."""
+    return units_under(module.modules())
 
 
 def is_fully_sharded(module: nn.Module) -> bool:

@@ -28,7 +28,7 @@ class FSDPRoot:
         self._unit_path: dict[int, str] = {}
         for path, module in root_unit.module.named_modules():
             unit = unit_of(module)
-            if unit is not None:
+            if unit is not None and id(unit) not in self._unit_path:
                 self.units.append(unit)
                 self._unit_path[id(unit)] = f"{path}." if path else ""
                 unit.root = self

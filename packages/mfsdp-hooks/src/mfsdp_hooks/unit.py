@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from mfsdp_hooks.lookup import register_group_params
+from mfsdp_hooks.member_forwards import MemberForwards
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.param_group import ParameterGroup, Waitable
 from mfsdp_hooks.root_protocol import UnitRoot
@@ -24,6 +25,17 @@ from mfsdp_hooks.unit_options import UnitOptions
 def unit_of(module: nn.Module) -> FSDPUnit | None:
     unit = module.__dict__.get(UNIT_ATTR)
     return unit if isinstance(unit, FSDPUnit) else None
+
+
+def units_under(modules: Iterable[nn.Module]) -> list[FSDPUnit]:
+    """The distinct units of ``modules``, in order: a unit over several modules
+    (``fully_shard([a, b])``) is listed once."""
+    found: dict[int, FSDPUnit] = {}
+    for module in modules:
+        unit = unit_of(module)
+        if unit is not None:
+            found.setdefault(id(unit), unit)
+    return list(found.values())
 
 
 def _cast_inputs(
@@ -50,9 +62,13 @@ class FSDPUnit:
         owner_of: dict[int, str],
         make_root: Callable[[FSDPUnit], object],
         slots: SlotMap,
+        members: Sequence[nn.Module] = (),
     ) -> None:
-        """``slots``: ``collect_slots(module)``, which ``fully_shard`` already checked."""
+        """``slots``: ``collect_slots(module)``, which ``fully_shard`` already checked.
+        ``members``: for ``fully_shard([a, b])``, the modules whose forwards drive the unit
+        (``module`` is then a container of them outside the user's tree)."""
         self.module = module
+        self.forwards = MemberForwards(members or (module,))
         # Builds the root (which sets ``root`` on every unit of the tree) at the first forward.
         self._make_root = make_root
         self.options = options
@@ -78,10 +94,13 @@ class FSDPUnit:
         self._register_grad_hooks()
         self._swap(use_unsharded=False)
         module.__dict__[UNIT_ATTR] = self
-        self._handles = [
-            module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True),
-            module.register_forward_hook(self.post_forward, always_call=False),
-        ]
+        self._handles = []
+        for member in self.forwards.members:
+            member.__dict__[UNIT_ATTR] = self
+            self._handles += [
+                member.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True),
+                member.register_forward_hook(self.post_forward, always_call=False),
+            ]
 
     def _register_grad_hooks(self) -> None:
         for group in self.groups:
@@ -152,6 +171,8 @@ class FSDPUnit:
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if not self.forwards.begin(module):  # a later member: the first one gathered
+            return _cast_inputs(self.options.policy, args, kwargs)
         if self.root is None:
             self._make_root(self)
         assert self.root is not None
@@ -173,16 +194,16 @@ class FSDPUnit:
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         assert self.root is not None
-        recomputing = in_backward_pass()
         is_root = self.root.root_unit is self
-        if not recomputing:
-            reshard = self.options.reshard_after_forward
-            keep = is_root if reshard is None else not reshard
-            if not keep or (is_root and not torch.is_grad_enabled()):
-                self.reshard()
-            self._move_to(TrainingState.IDLE)
         if torch.is_grad_enabled():
             self._register_pre_backward(output)
+        if not self.forwards.finish(module):
+            return output  # the unit's forward goes on in its other members
+        self._end_forward(is_root)
+        if is_root:
+            for unit in self.root.units:  # units some member of which did not run
+                if unit.forwards.abandon():
+                    unit._end_forward(is_root=False)
         if is_root and self.options.policy.output_dtype is not None:
             dtype = self.options.policy.output_dtype
             output = tree_map(
@@ -192,6 +213,15 @@ class FSDPUnit:
                 output,
             )
         return output
+
+    def _end_forward(self, is_root: bool) -> None:
+        if in_backward_pass():  # recomputation: the weights stay for the backward
+            return
+        reshard = self.options.reshard_after_forward
+        keep = is_root if reshard is None else not reshard
+        if not keep or (is_root and not torch.is_grad_enabled()):
+            self.reshard()
+        self._move_to(TrainingState.IDLE)
 
     def _register_pre_backward(self, output: Any) -> None:
         tensors, _ = tree_flatten(output)
