@@ -30,6 +30,11 @@ from mfsdp_hooks import fully_shard
 STEPS = 5
 
 
+def _assert_same_losses(ours: list[float], theirs: list[float]) -> None:
+    for a, b in zip(ours, theirs, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (ours, theirs)
+
+
 def _shard(model: nn.Module, impl: str, **options: Any) -> None:
     if impl == "fsdp2":
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -62,8 +67,7 @@ def test_ignored_params_are_left_alone_as_fsdp2_leaves_them() -> None:
     torch_fsdp2 = run_distributed(_ignored_worker, 2, "fsdp2", timeout=120)
     for mine, theirs in zip(ours, torch_fsdp2, strict=True):
         assert mine["ignored_are_plain"] and theirs["ignored_are_plain"]
-        for a, b in zip(mine["losses"], theirs["losses"], strict=True):
-            assert abs(a - b) <= 1e-5 * abs(b), (mine["losses"], theirs["losses"])
+        _assert_same_losses(mine["losses"], theirs["losses"])
         for a, b in zip(mine["ignored"], theirs["ignored"], strict=True):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6)
         assert mine["keys"] == theirs["keys"]
@@ -214,8 +218,7 @@ def test_runtime_setters_train_as_fsdp2_does(setter: str) -> None:
     ours = run_distributed(_setter_worker, 2, "ours", setter, timeout=120)
     torch_fsdp2 = run_distributed(_setter_worker, 2, "fsdp2", setter, timeout=120)
     for mine, theirs in zip(ours, torch_fsdp2, strict=True):
-        for a, b in zip(mine["losses"], theirs["losses"], strict=True):
-            assert abs(a - b) <= 1e-5 * abs(b), (mine["losses"], theirs["losses"])
+        _assert_same_losses(mine["losses"], theirs["losses"])
         assert mine["after_forward"] == theirs["after_forward"], setter
         assert mine["after_backward"] == theirs["after_backward"], setter
     # The default root keeps its weights after forward; reshard_root shards them.
@@ -288,8 +291,7 @@ def test_cpu_offload_policy_keeps_the_state_on_the_host_as_fsdp2() -> None:
     ours = run_distributed(_offload_worker, 2, "ours", timeout=120)
     torch_fsdp2 = run_distributed(_offload_worker, 2, "fsdp2", timeout=120)
     for mine, theirs in zip(ours, torch_fsdp2, strict=True):
-        for a, b in zip(mine["losses"], theirs["losses"], strict=True):
-            assert abs(a - b) <= 1e-5 * abs(b), (mine["losses"], theirs["losses"])
+        _assert_same_losses(mine["losses"], theirs["losses"])
         assert mine["on_host"] and theirs["on_host"]
         assert mine["keys"] == theirs["keys"]
 
@@ -362,8 +364,7 @@ def test_one_unit_over_several_modules_as_fsdp2_for_tied_embeddings() -> None:
     ours = run_distributed(_module_list_worker, 2, "ours", timeout=120)
     torch_fsdp2 = run_distributed(_module_list_worker, 2, "fsdp2", timeout=120)
     for mine, theirs in zip(ours, torch_fsdp2, strict=True):
-        for a, b in zip(mine["losses"], theirs["losses"], strict=True):
-            assert abs(a - b) <= 1e-5 * abs(b), (mine["losses"], theirs["losses"])
+        _assert_same_losses(mine["losses"], theirs["losses"])
         assert mine["after_forward"] == theirs["after_forward"] == [True] * STEPS
         assert mine["returned_list"] and theirs["returned_list"]
         assert mine["tied"] and theirs["tied"]
@@ -385,8 +386,7 @@ def test_shard_placement_fn_on_dim_0_trains_as_fsdp2() -> None:
     ours = run_distributed(_placement_worker, 2, "ours", timeout=120)
     torch_fsdp2 = run_distributed(_placement_worker, 2, "fsdp2", timeout=120)
     for mine, theirs in zip(ours, torch_fsdp2, strict=True):
-        for a, b in zip(mine["losses"], theirs["losses"], strict=True):
-            assert abs(a - b) <= 1e-5 * abs(b), (mine["losses"], theirs["losses"])
+        _assert_same_losses(mine["losses"], theirs["losses"])
         assert mine["keys"] == theirs["keys"]
 
 
