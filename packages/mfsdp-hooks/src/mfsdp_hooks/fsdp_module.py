@@ -179,14 +179,14 @@ class FSDPModule:
             raise ValueError(f"is_last_backward must be a bool, got {is_last_backward!r}")
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: True only. Reduce-scattering without the all-reduce across replicas (and
-        accumulating the partial shards) is not supported yet: use ``no_sync()``, which skips
-        both."""
-        if requires_all_reduce is not True:
-            raise NotImplementedError(
-                "set_requires_all_reduce(False): accumulating reduce-scattered gradients "
-                "without the all-reduce across dp_outer is not supported yet; use no_sync()"
-            )
+        """HSDP: False reduce-scatters inside ``dp_shard`` only and accumulates the partial
+        shards; the next backward with True (or ``finish_grad_sync``, which the attached
+        optimizer's step calls) all-reduces the accumulated shard across ``dp_outer`` once.
+        ZeRO-0/1 keep such gradients local, as under ``no_sync``. Read from the root."""
+        if not isinstance(requires_all_reduce, bool):
+            raise ValueError(f"requires_all_reduce must be a bool, got {requires_all_reduce!r}")
+        for unit in self._units(recurse):
+            unit.requires_all_reduce = requires_all_reduce
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Not supported yet: the all-gather after a step waits on the current stream."""

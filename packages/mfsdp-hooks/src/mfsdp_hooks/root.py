@@ -123,8 +123,14 @@ class FSDPRoot:
             group.freshness.close_step_window(stepped=False)
         torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
 
+    @property
+    def syncs_fully(self) -> bool:
+        """This backward's gradients are to be reduced everywhere, replicas included
+        (outside ``no_sync`` and not under ``set_requires_all_reduce(False)``)."""
+        return self.root_unit.requires_gradient_sync and self.root_unit.requires_all_reduce
+
     def should_reduce(self, group: ParameterGroup) -> bool:
-        return group.strategy.shards_grads or self.root_unit.requires_gradient_sync
+        return group.strategy.shards_grads or self.syncs_fully
 
     def settle_reduction(self, group: ParameterGroup) -> None:
         if group.reducer is not None:
@@ -133,7 +139,9 @@ class FSDPRoot:
     def reduce(self, group: ParameterGroup) -> None:
         """Reduce what a unit's backward collected; outside ``no_sync`` (or when every
         micro-batch syncs) this ends the optimisation cycle."""
-        ends = self.root_unit.requires_gradient_sync or self.options.sync_model_each_microbatch
+        ends = self.syncs_fully or (
+            self.options.sync_model_each_microbatch and self.root_unit.requires_all_reduce
+        )
         self._launch(group, ends_cycle=ends)
 
     def _launch(self, group: ParameterGroup, *, ends_cycle: bool) -> None:
@@ -155,7 +163,7 @@ class FSDPRoot:
             # engine never sees may read the gradients next, so they must be final. Only
             # ``no_sync`` micro-batches leave reductions in flight (unless every micro-batch
             # syncs), overlapping them with the next micro-batch.
-            synced = self.root_unit.requires_gradient_sync
+            synced = self.syncs_fully
             if synced:
                 self._sync_across_replicas()
             if synced or self.options.sync_model_each_microbatch:

@@ -81,6 +81,8 @@ class FSDPUnit:
         self._deferred_prefetch: list[FSDPUnit] = []
         self._grad_numel_received = 0
         self.requires_gradient_sync = True
+        # FSDP2's set_requires_all_reduce: False keeps HSDP's reduced shards off dp_outer.
+        self.requires_all_reduce = True
         for param, name, _ in slots.values():
             owner = owner_of.get(id(param))
             if owner is not None:
