@@ -44,6 +44,8 @@ TEST_TOOLS = [
     # shard); it runs on CPU with torch's own _scaled_mm.
     "torchao==0.18.0",  # pinned: each torchao release targets particular torch versions
 ]
+# The Megatron-Core release the adapter (megatron_fsdp.mcore) is tested against.
+MEGATRON_CORE = "megatron-core==0.16.1"
 if "PIP_FIND_LINKS" in os.environ and "UV_FIND_LINKS" not in os.environ:
     os.environ["UV_FIND_LINKS"] = os.environ["PIP_FIND_LINKS"]
 
@@ -233,3 +235,15 @@ def finetune(session: nox.Session) -> None:
     """Hugging Face fine-tuning: a small Llama on 2 CPU ranks with checkpoints, resume after a
     kill and an export that from_pretrained loads (examples/finetune_hf.py)."""
     _run_example_on_two_ranks(session, "finetune_hf.py")
+
+
+@nox.session
+def mcore(session: nox.Session) -> None:
+    """Megatron-Core's real GPTModel trained through megatron_fsdp.mcore on 2 CPU ranks and
+    compared with one unsharded process (examples/mcore_gpt.py, tests/test_example_mcore_gpt.py).
+    megatron-core installs and imports on CPU; Transformer Engine and apex are not needed."""
+    _install_workspace(session)
+    session.install(MEGATRON_CORE)
+    session.run(
+        "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_example_mcore_gpt.py")
+    )
