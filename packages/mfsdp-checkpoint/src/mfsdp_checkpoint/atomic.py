@@ -33,6 +33,7 @@ from mfsdp_checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
 )
+from mfsdp_checkpoint.key_map import KeyPlan, plan_key_map
 from mfsdp_checkpoint.marker import (
     IN_PROGRESS,
     MARKER,
@@ -236,23 +237,30 @@ def _load(
         info = inspect_directory(source)
         verify_files(info, (me, world), checksums=verify)
         metadata = read_metadata(source)
-        found.extend([info, check(state_dict, metadata, str(source), strict)])
+        plan = plan_key_map(state_dict, metadata, source, has_marker=info.marker is not None)
+        where = f"{source} (named as by {plan.naming.describe()})" if plan.renames else str(source)
+        comparison = check(plan.flat, metadata, where, strict, sections=plan.sections)
+        found.extend([info, plan, comparison])
 
     _dist.agree(_run_locally(local_checks), process_group)
     info: DirectoryInfo = found[0]
+    plan: KeyPlan = found[1]
     source = info.path
-    comparison = found[1]
-    prune(state_dict, comparison.prunable)
+    comparison = found[2]
+    prune(state_dict, plan.our_paths(comparison.prunable))
+    if plan.renames:
+        prune(plan.flat, comparison.prunable)
     try:
         with _dist.quiet_single_process(), naming_dead_peers(f"loading {source}", process_group):
             dcp_load(
-                state_dict,
+                plan.flat,
                 storage_reader=FileSystemReader(source),
                 planner=planner or DefaultLoadPlanner(allow_partial_load=not strict),
                 process_group=process_group,
             )
     except CheckpointException as error:
         raise CorruptCheckpointError(f"loading {source} failed on some rank: {error}") from None
+    plan.copy_back(state_dict)
     return info
 
 

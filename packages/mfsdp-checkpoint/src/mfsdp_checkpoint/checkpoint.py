@@ -17,6 +17,7 @@ from torch import nn
 
 from mfsdp_checkpoint.atomic import PathLike, load, save
 from mfsdp_checkpoint.enable import enable_dcp
+from mfsdp_checkpoint.naming import SaveNaming, named_for
 
 
 def checkpoint_state(
@@ -40,9 +41,17 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     process_group: dist.ProcessGroup | None = None,
     overwrite: bool = True,
+    naming: SaveNaming = "native",
 ) -> Path:
-    """Save ``model`` (and ``optimizer``, and picklable ``extra`` values) atomically."""
-    state = checkpoint_state(model, optimizer, extra)
+    """Save ``model`` (and ``optimizer``, and picklable ``extra`` values) atomically.
+
+    ``naming`` names the keys for the job that will load the checkpoint: ``"native"`` (ours;
+    ``load_checkpoint`` reads every naming anyway), ``"fsdp2"`` (no ``module.`` prefix,
+    optimizer state by name: torch FSDP2's ``get_state_dict``/``set_state_dict`` load it) or
+    ``"nvidia"`` (``module.*``, optimizer state by position: NVIDIA megatron-fsdp's
+    ``optimizer.state_dict()`` loads it). See ``naming.named_for``.
+    """
+    state = named_for(checkpoint_state(model, optimizer, extra), naming)
     return save(state, path, process_group=process_group, overwrite=overwrite)
 
 

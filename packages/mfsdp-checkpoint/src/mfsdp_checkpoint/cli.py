@@ -2,7 +2,7 @@
 
     mfsdp-checkpoint convert SRC DST --to {torch,safetensors,dcp} [--select model]
                      [--strip-prefix module.] [--allow-pickle]
-    mfsdp-checkpoint inspect SRC [--json] [--verify]
+    mfsdp-checkpoint inspect SRC [--json] [--verify]   (alias: describe)
 
 SRC may be a DCP directory, a torch file or a safetensors file (detected from what is there).
 Exit status 0 on success, 1 when the checkpoint is missing, partial, corrupted or does not
@@ -52,7 +52,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="read torch files with arbitrary pickled objects (only for files you trust)",
     )
-    insp = commands.add_parser("inspect", help="list keys, shapes, dtypes, sizes, world size")
+    insp = commands.add_parser(
+        "inspect",
+        aliases=["describe"],
+        help="list keys, shapes, dtypes, sizes, world size, and which writer named the keys",
+    )
     insp.add_argument("src")
     insp.add_argument("--json", action="store_true", help="print the report as JSON")
     insp.add_argument("--verify", action="store_true", help="also check the recorded CRC32s")
@@ -69,6 +73,11 @@ def _print_report(report: dict[str, Any]) -> None:
     print(f"format:      {report['format']}")
     print(f"world size:  {report['world_size'] if report['world_size'] is not None else 'n/a'}")
     print(f"complete:    {report['complete']}")
+    if "writer" in report:
+        naming = report["naming"]
+        prefix = repr(naming["model_prefix"]) if naming["model_prefix"] else "none"
+        print(f"writer:      {report['writer']}")
+        print(f"naming:      model prefix {prefix}, optimizer state {naming['optimizer_state']}")
     print(f"tensors:     {len(report['tensors'])}")
     print(f"total bytes: {report['total_bytes']}")
     if "verified" in report:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 
 from mfsdp_checkpoint.atomic import save
 from mfsdp_checkpoint.errors import CheckpointError
+from mfsdp_checkpoint.naming import detect_naming
 from mfsdp_checkpoint.safetensors_io import TensorSpec, write_safetensors
 from mfsdp_checkpoint.sources import (
     MAPPING_KEY,
@@ -144,7 +145,8 @@ def convert(
 def describe(
     src: str | Path, *, verify: bool = False, allow_pickle: bool = False
 ) -> dict[str, Any]:
-    """Keys, shapes, dtypes, sizes and (for DCP) the world size a checkpoint was saved with."""
+    """Keys, shapes, dtypes, sizes and, for DCP, the world size a checkpoint was saved with and
+    which writer names its keys how (``writer``, ``naming``: see ``naming.detect_naming``)."""
     source = Path(src)
     reader = open_reader(source, allow_pickle=allow_pickle)
     tensors = [
@@ -168,6 +170,12 @@ def describe(
     }
     if isinstance(reader, DCPReader):
         marker = reader.info.marker
+        naming = detect_naming(reader.metadata, has_marker=marker is not None)
+        report["writer"] = naming.writer
+        report["naming"] = {
+            "model_prefix": naming.model_prefix,
+            "optimizer_state": naming.optimizer_keys,
+        }
         if marker is not None:
             report["world_size"] = marker.get("world_size")
             report["saved_with_torch"] = marker.get("torch")

@@ -59,8 +59,14 @@ def _section(key: str, metadata: Metadata) -> str:
     return key.split(".", 1)[0]
 
 
-def compare(state_dict: Mapping[str, Any], metadata: Metadata) -> Comparison:
-    """Everything that keeps ``state_dict`` from loading from a checkpoint with ``metadata``."""
+def compare(
+    state_dict: Mapping[str, Any], metadata: Metadata, sections: set[str] | None = None
+) -> Comparison:
+    """Everything that keeps ``state_dict`` from loading from a checkpoint with ``metadata``.
+
+    ``sections``: the top-level sections being loaded (default: ``state_dict``'s keys; pass
+    them when ``state_dict`` is flat).
+    """
     flat, mappings = flatten_state_dict(dict(state_dict))
     saved = metadata.state_dict_metadata
     result = Comparison()
@@ -82,7 +88,8 @@ def compare(state_dict: Mapping[str, Any], metadata: Metadata) -> Comparison:
                 )
         elif isinstance(entry, BytesStorageMetadata) and is_tensor:
             result.mismatched.append(f"{key} (checkpoint object, state dict tensor)")
-    sections = {str(k) for k in state_dict}
+    if sections is None:
+        sections = {str(k) for k in state_dict}
     result.unexpected = sorted(
         key for key in saved if key not in flat and _section(key, metadata) in sections
     )
@@ -90,10 +97,14 @@ def compare(state_dict: Mapping[str, Any], metadata: Metadata) -> Comparison:
 
 
 def check(
-    state_dict: Mapping[str, Any], metadata: Metadata, where: str, strict: bool
+    state_dict: Mapping[str, Any],
+    metadata: Metadata,
+    where: str,
+    strict: bool,
+    sections: set[str] | None = None,
 ) -> Comparison:
     """Raise ``StateDictMismatchError`` unless the state dict can load (``strict``: fully)."""
-    result = compare(state_dict, metadata)
+    result = compare(state_dict, metadata, sections)
     if result.mismatched or (strict and (result.missing or result.unexpected)):
         raise StateDictMismatchError(result.message(where))
     return result

@@ -1,0 +1,173 @@
+"""Which writer made a DCP checkpoint, told from its metadata alone.
+
+Checkpoints of sharded models reach us from several writers that agree on DCP and on the two
+sections ``"model"`` and ``"optimizer"``, but not on the names inside them:
+
+============================================  ==============  ==============================
+writer                                        model names     optimizer state keyed by
+============================================  ==============  ==============================
+megatron-fsdp, seed API (``fully_shard``)     ``module.*``    parameter name (``module.*``)
+megatron-fsdp, per-module API; torch FSDP2    no prefix       parameter name
+with ``get_state_dict``
+NVIDIA megatron-fsdp (its README's snippet)   ``module.*``    position (``state.0...``)
+torch ``optimizer.state_dict()`` under FSDP2  no prefix       position
+============================================  ==============  ==============================
+
+DCP records, for every flattened key, the nested path it came from (``planner_data``):
+``("optimizer", "state", "module.fc.weight", "exp_avg")`` or ``("optimizer", "state", 0,
+"momentum_buffer")``. That path, not string splitting on dots, is what this module reads.
+Nothing here communicates or reads tensor data; every rank computes the same answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+ObjPath = tuple[str | int, ...]
+WRAPPER_PREFIX = "module."
+"""What a ``MegatronFSDP`` wrapper (ours and NVIDIA's) puts before the inner model's names."""
+
+OptimizerKeys = Literal["by-name", "by-position", "absent"]
+
+
+@dataclass(frozen=True)
+class CheckpointNaming:
+    """How the names of one checkpoint are written, and the writer that names them so."""
+
+    writer: str
+    """Human-readable: which library (and API) writes checkpoints named like this one."""
+    model_prefix: str
+    """``"module."`` when every model name carries the wrapper prefix, else ``""``."""
+    optimizer_keys: OptimizerKeys
+    """How optimizer state is keyed: by parameter name, by position, or no optimizer state."""
+    model_names: tuple[str, ...]
+    """The names of the ``"model"`` section, in the order the writer's state dict had them."""
+
+    def describe(self) -> str:
+        prefix = (
+            f"model names prefixed {self.model_prefix!r}"
+            if self.model_prefix
+            else ("model names without a wrapper prefix")
+        )
+        return f"{self.writer}: {prefix}, optimizer state {self.optimizer_keys}"
+
+
+def paths_of(metadata: Metadata) -> dict[str, ObjPath]:
+    """The nested path of every flattened key (DCP's ``planner_data``; the key itself when a
+    writer flattened its state dict by hand)."""
+    recorded = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+    paths: dict[str, ObjPath] = {}
+    for key in metadata.state_dict_metadata:
+        path = recorded.get(key)
+        paths[key] = tuple(path) if path else tuple(key.split(".", 1))
+    return paths
+
+
+def _optimizer_keys(paths: Mapping[str, ObjPath]) -> OptimizerKeys:
+    state_keys = [p[2] for p in paths.values() if len(p) > 3 and p[:2] == ("optimizer", "state")]
+    if not state_keys:
+        return "absent"
+    # DCP records dict keys as strings: torch's positions 0, 1, ... come back as "0", "1".
+    return "by-position" if all(is_position(k) for k in state_keys) else "by-name"
+
+
+def is_position(key: str | int) -> bool:
+    """A key of torch's positional optimizer state (an int, or one DCP wrote as a string)."""
+    return isinstance(key, int) or key.isdigit()
+
+
+def _writer(prefix: str, optimizer: OptimizerKeys, has_marker: bool) -> str:
+    if has_marker:
+        api = "seed API" if prefix else "per-module API"
+        return f"megatron-fsdp (mfsdp-checkpoint save, {api})"
+    if optimizer == "by-position":
+        if prefix:
+            return "NVIDIA megatron-fsdp (model.state_dict() + optimizer.state_dict())"
+        return "torch optimizer.state_dict() (positional; e.g. FSDP2 without get_state_dict)"
+    if prefix:
+        return "megatron-fsdp (seed API, torch.distributed.checkpoint.save)"
+    return "torch FSDP2 get_state_dict (or megatron-fsdp's per-module API)"
+
+
+def detect_naming(metadata: Metadata, has_marker: bool = False) -> CheckpointNaming:
+    """The naming of the checkpoint whose DCP metadata is ``metadata``.
+
+    ``has_marker``: the directory has this layer's completion marker (written by
+    ``mfsdp_checkpoint.save``), which tells our checkpoints from others named the same way.
+    """
+    paths = paths_of(metadata)
+    model_names = tuple(
+        str(path[1]) for path in paths.values() if len(path) == 2 and path[0] == "model"
+    )
+    named = (
+        model_names
+        or tuple(  # an optimizer-only checkpoint: its state's names
+            str(p[2]) for p in paths.values() if len(p) > 3 and p[:2] == ("optimizer", "state")
+        )
+    )
+    prefix = prefix_of(list(named))
+    optimizer = _optimizer_keys(paths)
+    return CheckpointNaming(_writer(prefix, optimizer, has_marker), prefix, optimizer, model_names)
+
+
+def rename_model(name: str, source_prefix: str, target_prefix: str) -> str:
+    """``name`` written with ``source_prefix`` rewritten with ``target_prefix``."""
+    if source_prefix and name.startswith(source_prefix):
+        name = name[len(source_prefix) :]
+    return target_prefix + name
+
+
+SaveNaming = Literal["native", "fsdp2", "nvidia"]
+SAVE_NAMINGS: tuple[SaveNaming, ...] = ("native", "fsdp2", "nvidia")
+
+
+def prefix_of(names: list[str]) -> str:
+    """``"module."`` when every one of ``names`` carries the wrapper prefix, else ``""``."""
+    if names and all(n.startswith(WRAPPER_PREFIX) for n in names):
+        return WRAPPER_PREFIX
+    return ""
+
+
+def named_for(state: dict[str, Any], naming: SaveNaming) -> dict[str, Any]:
+    """``state`` (sections ``model``/``optimizer`` as ``enable_dcp`` makes them) renamed for
+    the job that will load it. The values are not copied.
+
+    * ``"native"``: unchanged (``module.*`` under the seed API, optimizer state by name).
+    * ``"fsdp2"``: no wrapper prefix, optimizer state by name: what torch's
+      ``get_state_dict(model, optimizer)`` gives an FSDP2 job, so its ``dcp.load`` +
+      ``set_state_dict`` resume from it unchanged.
+    * ``"nvidia"``: ``module.*`` names, optimizer state by position in this optimizer's
+      order: what NVIDIA megatron-fsdp's README snippet (``model.state_dict()`` +
+      ``optimizer.state_dict()``) loads, as does any job that loads a wrapped model's
+      positional ``optimizer.state_dict()``.
+    """
+    if naming == "native":
+        return state
+    if naming not in SAVE_NAMINGS:
+        raise ValueError(f"naming must be one of {SAVE_NAMINGS}, got {naming!r}")
+    model = state.get("model", {})
+    optimizer = state.get("optimizer")
+    group_names = [str(n) for g in (optimizer or {}).get("param_groups", []) for n in g["params"]]
+    ours = prefix_of(list(model) or group_names)
+    target = "" if naming == "fsdp2" else WRAPPER_PREFIX
+    out = dict(state)
+    if "model" in state:
+        out["model"] = {rename_model(k, ours, target): v for k, v in model.items()}
+    if optimizer is not None:
+        if naming == "fsdp2":
+            key_of: dict[str, str | int] = {n: rename_model(n, ours, target) for n in group_names}
+        else:
+            key_of = {name: position for position, name in enumerate(group_names)}
+        out["optimizer"] = {
+            **optimizer,
+            "state": {key_of[str(n)]: entry for n, entry in optimizer["state"].items()},
+            "param_groups": [
+                {**g, "params": [key_of[str(n)] for n in g["params"]]}
+                for g in optimizer["param_groups"]
+            ],
+        }
+    return out

@@ -1,0 +1,221 @@
+"""Checkpoints other writers named: torch FSDP2 (``get_state_dict``, or plain positional
+``optimizer.state_dict()``), with and without a ``module.`` wrapper prefix (the prefixed
+positional one is how NVIDIA megatron-fsdp's README snippet names its checkpoints), loaded by
+both of our APIs on another world size; and ours saved for FSDP2 to load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from checkpoint_models import (
+    assert_rel,
+    make_batches,
+    make_model,
+    make_optimizer,
+    shard,
+    train,
+)
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+import mfsdp_checkpoint as mc
+from mfsdp_checkpoint.cli import main
+from mfsdp_checkpoint.errors import StateDictMismatchError
+from mfsdp_checkpoint.positions import PositionEvidence, derive_positions
+from mfsdp_collectives.testing import run_distributed
+
+SAVE_AT, MORE = 4, 4
+
+
+class Wrapper(nn.Module):
+    """Names every parameter ``module.*``, as a MegatronFSDP wrapper does."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any) -> Any:
+        return self.module(*args)
+
+
+def _fsdp2_model(wrap: bool) -> tuple[nn.Module, nn.Module]:
+    inner = make_model()
+    for block in inner.blocks:
+        fsdp2_fully_shard(block)
+    fsdp2_fully_shard(inner)
+    return (Wrapper(inner) if wrap else inner), inner
+
+
+def _fsdp2_state(model: nn.Module, optimizer: torch.optim.Optimizer, style: str) -> Any:
+    if style == "get_state_dict":
+        return {
+            "model": get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(model, optimizer),
+        }
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}  # positional
+
+
+def _fsdp2_writes(rank: int, world: int, path: str, style: str, wrap: bool) -> list[float]:
+    """FSDP2 trains, saves, and trains on: the curve a resumed job must continue."""
+    model, inner = _fsdp2_model(wrap)
+    optimizer = make_optimizer(model)
+    batches = make_batches(SAVE_AT + MORE)
+    train(inner, optimizer, batches[:SAVE_AT], rank, world)
+    dcp.save(_fsdp2_state(model, optimizer, style), checkpoint_id=path)
+    return train(inner, optimizer, batches[SAVE_AT:], rank, world)
+
+
+def _we_resume(rank: int, world: int, path: str, api: str) -> list[float]:
+    model = shard(make_model(seed=77), 3, api=api)
+    optimizer = make_optimizer(model)
+    mc.load_checkpoint(path, model, optimizer)
+    return train(model, optimizer, make_batches(SAVE_AT + MORE)[SAVE_AT:], rank, world)
+
+
+@pytest.mark.parametrize(
+    ("style", "wrap", "api", "world"),
+    [
+        ("get_state_dict", False, "megatron", 3),  # FSDP2 names into the seed API's module.*
+        ("positional", True, "megatron", 2),  # NVIDIA megatron-fsdp's naming
+        ("positional", True, "per_module", 3),
+        ("positional", False, "megatron", 3),
+    ],
+)
+def test_foreign_checkpoint_resumes_on_either_api(
+    tmp_path: Path, style: str, wrap: bool, api: str, world: int
+) -> None:
+    path = str(tmp_path / "ckpt")
+    expected = run_distributed(_fsdp2_writes, 2, path, style, wrap, timeout=180)[0]
+    resumed = run_distributed(_we_resume, world, path, api, timeout=180)[0]
+    assert_rel(resumed, expected, 1e-5, f"resumed from FSDP2 ({style}, wrapped={wrap})")
+
+
+def _we_write(rank: int, world: int, path: str, naming: str) -> list[float]:
+    model = shard(make_model(), 3)
+    optimizer = make_optimizer(model)
+    batches = make_batches(SAVE_AT + MORE)
+    train(model, optimizer, batches[:SAVE_AT], rank, world)
+    mc.save_checkpoint(path, model, optimizer, naming=naming)
+    return train(model, optimizer, batches[SAVE_AT:], rank, world)
+
+
+def _create_state(optimizer: torch.optim.Optimizer) -> None:
+    """A fresh torch optimizer's ``state_dict()`` has no state for ``dcp.load`` to fill
+    (``get_optimizer_state_dict`` creates it; a positional loader must): one step at lr 0 on
+    zero gradients creates it without touching the weights; the load overwrites it."""
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+
+
+def _fsdp2_resumes(rank: int, world: int, path: str, naming: str) -> list[float]:
+    """What an FSDP2 job runs to resume, unchanged: torch's own state-dict API and dcp.load."""
+    wrap = naming == "nvidia"
+    model, inner = _fsdp2_model(wrap)
+    optimizer = make_optimizer(model)
+    if naming == "nvidia":
+        _create_state(optimizer)
+    state = _fsdp2_state(model, optimizer, "get_state_dict" if naming == "fsdp2" else "")
+    dcp.load(state, checkpoint_id=path)
+    if naming == "fsdp2":
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    else:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    return train(inner, optimizer, make_batches(SAVE_AT + MORE)[SAVE_AT:], rank, world)
+
+
+@pytest.mark.parametrize("naming", ["fsdp2", "nvidia"])
+def test_fsdp2_resumes_from_our_checkpoint_saved_for_it(tmp_path: Path, naming: str) -> None:
+    path = str(tmp_path / "ours")
+    expected = run_distributed(_we_write, 3, path, naming, timeout=180)[0]
+    resumed = run_distributed(_fsdp2_resumes, 2, path, naming, timeout=180)[0]
+    assert_rel(resumed, expected, 1e-5, f"FSDP2 resumed from ours (naming={naming})")
+    report = mc.describe(path)
+    assert report["naming"]["model_prefix"] == ("module." if naming == "nvidia" else "")
+
+
+def _resume_with(rank: int, world: int, path: str, optimizer_fn: Any) -> str:
+    model = shard(make_model(seed=77), 3)
+    optimizer = optimizer_fn(model)
+    try:
+        mc.load_checkpoint(path, model, optimizer)
+    except StateDictMismatchError as error:
+        return str(error)
+    return "loaded"
+
+
+def _weights_then_biases(model: nn.Module) -> torch.optim.Optimizer:
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return torch.optim.AdamW(
+        [
+            {"params": [p for n, p in params if not n.endswith("bias")]},
+            {"params": [p for n, p in params if n.endswith("bias")], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+
+
+def _without_first_block(model: nn.Module) -> torch.optim.Optimizer:
+    params = [p for n, p in model.named_parameters() if p.requires_grad and "blocks.0." not in n]
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def test_positional_state_that_cannot_be_matched_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(tmp_path / "ckpt")
+    run_distributed(_fsdp2_writes, 2, path, "positional", True, timeout=180)
+    assert main(["describe", path]) == 0
+    printed = capsys.readouterr().out
+    assert "writer:      NVIDIA megatron-fsdp" in printed, printed
+    assert "model prefix 'module.', optimizer state by-position" in printed, printed
+    fewer = run_distributed(_resume_with, 2, path, _without_first_block, timeout=180)
+    assert all("positions cannot be matched" in m for m in fewer), fewer
+    regrouped = run_distributed(_resume_with, 2, path, _weights_then_biases, timeout=180)
+    assert all("parameter groups hold" in m for m in regrouped), regrouped
+
+
+def _evidence(ours: list[str], shape_b: tuple[int, ...]) -> PositionEvidence:
+    shapes = {"a": (2, 3), "b": shape_b, "c": (5,)}
+    written = ["a", "b", "c"]  # the writer's model.parameters() order
+    return PositionEvidence(
+        our_groups=[ours],
+        writer_groups=[[0, 1, 2]],
+        model_order=["module.x", *written],  # a buffer the optimizer does not hold
+        state_shapes={i: [shapes[name]] for i, name in enumerate(written)},
+        param_shapes=shapes,
+    )
+
+
+def test_positions_follow_the_only_order_the_saved_shapes_allow() -> None:
+    positions, how = derive_positions(_evidence(["a", "b", "c"], (4,)))
+    assert positions == {"a": 0, "b": 1, "c": 2} and "also the model's" in how
+    # This optimizer lists a and b the other way round; their shapes say the writer did not.
+    positions, how = derive_positions(_evidence(["b", "a", "c"], (4,)))
+    assert positions == {"a": 0, "b": 1, "c": 2} and "model.parameters()" in how
+
+
+def test_positions_that_two_orders_fit_are_refused() -> None:
+    with pytest.raises(StateDictMismatchError, match="fits two different parameter orders"):
+        derive_positions(_evidence(["b", "a", "c"], (2, 3)))
+    shuffled = PositionEvidence([["a", "b"]], [[1, 0]], ["a", "b"], {}, {})
+    with pytest.raises(StateDictMismatchError, match="not 0, 1, 2"):
+        derive_positions(shuffled)
