@@ -24,22 +24,22 @@ from mfsdp_collectives.testing import run_distributed
 FIXTURE = Path(__file__).parent / "data" / "megatron_fsdp_0_6_1"
 
 
-def _shard(api: str, kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _shard(api: str, strategy: int, kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = rf.make_model(seed=123)  # another init: everything must come from the checkpoint
     if api == "seed":
         optimizer = rf.make_optimizer(model.parameters(), kind)
         sharded, optimizer = megatron_fsdp.fully_shard(
-            model, optimizer, fsdp_unit_modules=[rf.Block], zero_dp_strategy=3
+            model, optimizer, fsdp_unit_modules=[rf.Block], zero_dp_strategy=strategy
         )
         return sharded, optimizer
     for block in model.blocks:
-        mfsdp_hooks.fully_shard(block)
-    sharded = mfsdp_hooks.fully_shard(model)
+        mfsdp_hooks.fully_shard(block, sharding_strategy=strategy)
+    sharded = mfsdp_hooks.fully_shard(model, sharding_strategy=strategy)
     return sharded, rf.make_optimizer(sharded.parameters(), kind)
 
 
-def _resume(rank: int, world: int, api: str, kind: str) -> list[float]:
-    model, optimizer = _shard(api, kind)
+def _resume(rank: int, world: int, api: str, strategy: int, kind: str) -> list[float]:
+    model, optimizer = _shard(api, strategy, kind)
     mc.load_checkpoint(FIXTURE / kind, model, optimizer)
     losses = []
     for step in range(rf.SAVE_AT + 1, rf.TOTAL + 1):
@@ -71,12 +71,13 @@ def test_the_fixture_is_what_its_writer_says() -> None:
 
 @pytest.mark.parametrize("kind", rf.KINDS)
 @pytest.mark.parametrize(
-    ("api", "world"), [("seed", 2), ("seed", 3), ("per_module", 2), ("per_module", 3)]
+    ("api", "world", "strategy"),
+    [("seed", 2, 3), ("seed", 3, 3), ("seed", 3, 1), ("per_module", 2, 3), ("per_module", 3, 2)],
 )
 def test_resume_from_nvidia_megatron_fsdp_continues_the_curve(
-    api: str, world: int, kind: str
+    api: str, world: int, strategy: int, kind: str
 ) -> None:
-    resumed = run_distributed(_resume, world, api, kind, timeout=180)[0]
+    resumed = run_distributed(_resume, world, api, strategy, kind, timeout=180)[0]
     expected = rf.one_process_losses(kind, rf.TOTAL)[rf.SAVE_AT :]
     for step, (got, want) in enumerate(zip(resumed, expected, strict=True), rf.SAVE_AT + 1):
         assert abs(got - want) <= 1e-5 * abs(want), (api, world, kind, step, resumed, expected)
