@@ -13,11 +13,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from checkpoint_models import (
     assert_rel,
+    assert_states_equal,
     make_batches,
     make_model,
     make_optimizer,
+    pack,
     shard,
     train,
+    unpack,
 )
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -219,3 +222,56 @@ def test_positions_that_two_orders_fit_are_refused() -> None:
     shuffled = PositionEvidence([["a", "b"]], [[1, 0]], ["a", "b"], {}, {})
     with pytest.raises(StateDictMismatchError, match="not 0, 1, 2"):
         derive_positions(shuffled)
+
+
+def _fsdp_dtensor_like(rank: int, world: int, path: str) -> bytes:
+    """A checkpoint laid out as Megatron-LM's ``--ckpt-format fsdp_dtensor`` saves one
+    (model.module.*, optimizer state under a deeper prefix, group fields per parameter in
+    optimizer.param_to_group_meta, checkpoint_version/iteration/args sections)."""
+    model = shard(make_model(), 3)
+    optimizer = make_optimizer(model)
+    train(model, optimizer, make_batches(2), rank, world)
+    mc.enable_dcp(model, optimizer)
+    ours = optimizer.state_dict()
+    state = {
+        "model": model.state_dict(),
+        "optimizer": {
+            "state": {
+                f"module.{name}": {k: v for k, v in entry.items() if k != "step"}
+                for name, entry in ours["state"].items()
+            },
+            "param_to_group_meta": {
+                f"module.{name}": {"lr": 1e-2, "step": 2} for name in ours["state"]
+            },
+        },
+        "checkpoint_version": 3.0,
+        "iteration": 2,
+        "args": {"ckpt_format": "fsdp_dtensor"},
+    }
+    dcp.save(state, checkpoint_id=path)
+    return pack(mc.gather_full_state_dict(model))
+
+
+def _load_model_of(rank: int, world: int, path: str, api: str) -> tuple[bytes, str]:
+    model = shard(make_model(seed=5), 2, api=api)
+    mc.load_checkpoint(path, model)
+    weights = pack(mc.gather_full_state_dict(model))
+    try:
+        mc.load_checkpoint(path, model, make_optimizer(model))
+    except StateDictMismatchError as error:
+        return weights, str(error)
+    return weights, "loaded"
+
+
+def test_megatron_fsdp_dtensor_checkpoint_loads_its_model_and_refuses_its_optimizer(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "fsdp_dtensor")
+    saved = unpack(run_distributed(_fsdp_dtensor_like, 2, path, timeout=180)[0])
+    assert mc.describe(path)["writer"] == "Megatron-LM / Megatron-Bridge fsdp_dtensor"
+    for api in ("megatron", "per_module"):
+        weights, refusal = run_distributed(_load_model_of, 3, path, api, timeout=180)[0]
+        loaded = unpack(weights)
+        plain = {k.removeprefix("module."): v for k, v in loaded.items()}
+        assert_states_equal(plain, {k.removeprefix("module."): v for k, v in saved.items()}, api)
+        assert "optimizer state (Megatron's distributed optimizer" in refusal, refusal

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from mfsdp_checkpoint.errors import StateDictMismatchError
 from mfsdp_checkpoint.naming import (
+    FSDP_DTENSOR,
     CheckpointNaming,
     ObjPath,
     detect_naming,
@@ -114,6 +115,14 @@ def plan_key_map(
     paths = {key: tuple(mapping[key]) for key in flat}
     model_names = [str(p[1]) for p in paths.values() if len(p) == 2 and p[0] == "model"]
     our_groups = _our_groups(state_dict.get("optimizer"))
+    if "optimizer" in state_dict and naming.writer == FSDP_DTENSOR:
+        raise StateDictMismatchError(
+            f"{source} is a {FSDP_DTENSOR} checkpoint: its model section loads, but its "
+            "optimizer state (Megatron's distributed optimizer: group fields and step per "
+            "parameter under optimizer.param_to_group_meta) is not supported yet; load the "
+            "model alone (load_checkpoint(path, model), no optimizer) and start the optimizer "
+            "fresh"
+        )
     ours = prefix_of(model_names or [n for group in our_groups or [] for n in group])
     positional = naming.optimizer_keys == "by-position" and our_groups is not None
     if ours == naming.model_prefix and not positional:

@@ -11,7 +11,13 @@ megatron-fsdp, per-module API; torch FSDP2    no prefix       parameter name
 with ``get_state_dict``
 NVIDIA megatron-fsdp (its README's snippet)   ``module.*``    position (``state.0...``)
 torch ``optimizer.state_dict()`` under FSDP2  no prefix       position
+Megatron-LM / Megatron-Bridge                 ``module.*``    name (deeper ``module.``
+``--ckpt-format fsdp_dtensor``                                prefix), ``param_to_group_meta``
 ============================================  ==============  ==============================
+
+``fsdp_dtensor`` checkpoints are told by ``optimizer.param_to_group_meta`` or, model-only, by
+their ``checkpoint_version`` and ``iteration`` sections; their model section loads, their
+optimizer state (per-parameter group fields, ``step`` a group integer) is refused for now.
 
 DCP records, for every flattened key, the nested path it came from (``planner_data``):
 ``("optimizer", "state", "module.fc.weight", "exp_avg")`` or ``("optimizer", "state", 0,
@@ -31,7 +37,12 @@ ObjPath = tuple[str | int, ...]
 WRAPPER_PREFIX = "module."
 """What a ``MegatronFSDP`` wrapper (ours and NVIDIA's) puts before the inner model's names."""
 
-OptimizerKeys = Literal["by-name", "by-position", "absent"]
+OptimizerKeys = Literal["by-name", "by-position", "megatron-distributed", "absent"]
+MEGATRON_GROUP_META = "param_to_group_meta"
+"""Megatron's distributed optimizer saves each parameter's group fields (``lr``, its ``step``)
+under ``optimizer.param_to_group_meta.<name>`` instead of torch's ``param_groups``; only
+``fsdp_dtensor`` checkpoints (Megatron-LM, Megatron-Bridge) have it."""
+FSDP_DTENSOR = "Megatron-LM / Megatron-Bridge fsdp_dtensor"
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,8 @@ def paths_of(metadata: Metadata) -> dict[str, ObjPath]:
 
 
 def _optimizer_keys(paths: Mapping[str, ObjPath]) -> OptimizerKeys:
+    if any(len(p) > 2 and p[:2] == ("optimizer", MEGATRON_GROUP_META) for p in paths.values()):
+        return "megatron-distributed"
     state_keys = [p[2] for p in paths.values() if len(p) > 3 and p[:2] == ("optimizer", "state")]
     if not state_keys:
         return "absent"
@@ -80,7 +93,10 @@ def is_position(key: str | int) -> bool:
     return isinstance(key, int) or key.isdigit()
 
 
-def _writer(prefix: str, optimizer: OptimizerKeys, has_marker: bool) -> str:
+def _writer(prefix: str, optimizer: OptimizerKeys, sections: set[str], has_marker: bool) -> str:
+    megatron_sections = {"checkpoint_version", "iteration"} <= sections
+    if optimizer == "megatron-distributed" or (prefix and megatron_sections):
+        return FSDP_DTENSOR
     if has_marker:
         api = "seed API" if prefix else "per-module API"
         return f"megatron-fsdp (mfsdp-checkpoint save, {api})"
@@ -111,7 +127,9 @@ def detect_naming(metadata: Metadata, has_marker: bool = False) -> CheckpointNam
     )
     prefix = prefix_of(list(named))
     optimizer = _optimizer_keys(paths)
-    return CheckpointNaming(_writer(prefix, optimizer, has_marker), prefix, optimizer, model_names)
+    sections = {str(p[0]) for p in paths.values()}
+    writer = _writer(prefix, optimizer, sections, has_marker)
+    return CheckpointNaming(writer, prefix, optimizer, model_names)
 
 
 def rename_model(name: str, source_prefix: str, target_prefix: str) -> str:
