@@ -36,6 +36,7 @@ from mfsdp_checkpoint.cli import main
 from mfsdp_checkpoint.errors import StateDictMismatchError
 from mfsdp_checkpoint.positions import PositionEvidence, derive_positions
 from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks.testing import train_single_process
 
 SAVE_AT, MORE = 4, 4
 
@@ -68,38 +69,55 @@ def _fsdp2_state(model: nn.Module, optimizer: torch.optim.Optimizer, style: str)
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}  # positional
 
 
-def _fsdp2_writes(rank: int, world: int, path: str, style: str, wrap: bool) -> list[float]:
+def _optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return make_optimizer(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _one_process_curve(kind: str) -> list[float]:
+    model = make_model()
+    losses = train_single_process(model, _optimizer(model, kind), make_batches(SAVE_AT + MORE))
+    return losses[SAVE_AT:]
+
+
+def _fsdp2_writes(
+    rank: int, world: int, path: str, style: str, wrap: bool, kind: str = "adamw"
+) -> list[float]:
     """FSDP2 trains, saves, and trains on: the curve a resumed job must continue."""
     model, inner = _fsdp2_model(wrap)
-    optimizer = make_optimizer(model)
+    optimizer = _optimizer(model, kind)
     batches = make_batches(SAVE_AT + MORE)
     train(inner, optimizer, batches[:SAVE_AT], rank, world)
     dcp.save(_fsdp2_state(model, optimizer, style), checkpoint_id=path)
     return train(inner, optimizer, batches[SAVE_AT:], rank, world)
 
 
-def _we_resume(rank: int, world: int, path: str, api: str) -> list[float]:
+def _we_resume(rank: int, world: int, path: str, api: str, kind: str) -> list[float]:
     model = shard(make_model(seed=77), 3, api=api)
-    optimizer = make_optimizer(model)
+    optimizer = _optimizer(model, kind)
     mc.load_checkpoint(path, model, optimizer)
     return train(model, optimizer, make_batches(SAVE_AT + MORE)[SAVE_AT:], rank, world)
 
 
 @pytest.mark.parametrize(
-    ("style", "wrap", "api", "world"),
+    ("style", "wrap", "api", "world", "kind"),
     [
-        ("get_state_dict", False, "megatron", 3),  # FSDP2 names into the seed API's module.*
-        ("positional", True, "megatron", 2),  # NVIDIA megatron-fsdp's naming
-        ("positional", True, "per_module", 3),
-        ("positional", False, "megatron", 3),
+        ("get_state_dict", False, "megatron", 3, "adamw"),  # FSDP2 names into module.*
+        ("get_state_dict", False, "per_module", 2, "sgd"),
+        ("positional", True, "megatron", 2, "sgd"),  # NVIDIA megatron-fsdp's naming
+        ("positional", True, "per_module", 3, "adamw"),
+        ("positional", False, "megatron", 3, "adamw"),
     ],
 )
 def test_foreign_checkpoint_resumes_on_either_api(
-    tmp_path: Path, style: str, wrap: bool, api: str, world: int
+    tmp_path: Path, style: str, wrap: bool, api: str, world: int, kind: str
 ) -> None:
     path = str(tmp_path / "ckpt")
-    expected = run_distributed(_fsdp2_writes, 2, path, style, wrap, timeout=180)[0]
-    resumed = run_distributed(_we_resume, world, path, api, timeout=180)[0]
+    expected = run_distributed(_fsdp2_writes, 2, path, style, wrap, kind, timeout=180)[0]
+    assert_rel(expected, _one_process_curve(kind), 1e-5, "FSDP2 against one process")
+    resumed = run_distributed(_we_resume, world, path, api, kind, timeout=180)[0]
     assert_rel(resumed, expected, 1e-5, f"resumed from FSDP2 ({style}, wrapped={wrap})")
 
 
