@@ -44,6 +44,9 @@ TEST_TOOLS = [
     # shard); it runs on CPU with torch's own _scaled_mm.
     "torchao==0.18.0",  # pinned: each torchao release targets particular torch versions
 ]
+# NVIDIA's megatron-fsdp, whose checkpoints we load and which loads ours (nox -s reference).
+REFERENCE = "megatron-fsdp==0.6.1"
+REFERENCE_DEPS = ["numpy", "einops", "packaging"]
 # The Megatron-Core release the adapter (megatron_fsdp.mcore) is tested against.
 MEGATRON_CORE = "megatron-core==0.16.1"
 if "PIP_FIND_LINKS" in os.environ and "UV_FIND_LINKS" not in os.environ:
@@ -247,3 +250,26 @@ def mcore(session: nox.Session) -> None:
     session.run(
         "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_example_mcore_gpt.py")
     )
+
+
+@nox.session
+def reference(session: nox.Session) -> None:
+    """NVIDIA megatron-fsdp 0.6.1 resumes from our checkpoint: ours trains the toy run of
+    tests/reference_fixture.py on 3 ranks and saves with naming="nvidia"; the reference, in a
+    venv of its own (it shares our import name), loads it with its README's snippet on 2 ranks
+    and must continue the one-process curve (tests/data/megatron_fsdp_0_6_1/)."""
+    _install_workspace(session)
+    here = ROOT / "tests" / "data" / "megatron_fsdp_0_6_1"
+    out = Path(session.create_tmp())
+    python = _fresh_venv(session, "venv-reference")
+    uv_install = ["uv", "pip", "install", "--quiet", "--python", python]
+    session.run(*uv_install, _torch_requirement(LOCAL_TORCH), *REFERENCE_DEPS, external=True)
+    session.run(*uv_install, "--no-deps", REFERENCE, external=True)
+    for kind in ("sgd", "adamw"):
+        ours = str(out / f"ours_{kind}")
+        launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+        write = [str(here / "write_ours.py"), "--kind", kind, "--out", ours]
+        session.run("python", *launch, "3", *write)
+        resume = [str(here / "resume_reference.py"), "--kind", kind, "--checkpoint", ours]
+        losses = ["--losses-out", str(out / f"resumed_{kind}.json")]
+        session.run(python, *launch, "2", *resume, *losses, external=True)

@@ -138,7 +138,11 @@ def _param_order_names(model, optimizer) -> list[str]:
     return names
 
 
-def run_kind(kind: str, rank: int, world: int, out_dir: Path) -> dict:
+def build_sharded(kind: str, world: int):
+    """The toy model and optimizer ``kind``, sharded by the reference's ``fully_shard``
+    (ZeRO-3, ``fsdp_unit_modules=[Block]``, ``preproc_state_dict_for_dcp_ckpt=True``,
+    ``world``-rank DP mesh), with the CPU adjustments below. Returns (model, optimizer)
+    ready for step 1. Also used by resume_reference.py."""
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp_shard_cp", "tp"))
     module = rf.make_model(seed=0)
     optimizer = rf.make_optimizer(module.parameters(), kind)
@@ -180,7 +184,11 @@ def run_kind(kind: str, rank: int, world: int, out_dir: Path) -> dict:
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     value.zero_()
+    return model, optimizer
 
+
+def run_kind(kind: str, rank: int, world: int, out_dir: Path) -> dict:
+    model, optimizer = build_sharded(kind, world)
     losses = []
     for step in range(1, rf.SAVE_AT + 1):
         x, y = rf.local_batch(step, rank, world)
