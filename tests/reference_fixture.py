@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -101,4 +102,22 @@ def one_process_losses(kind: str, steps: int, seed: int = 0) -> list[float]:
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    return losses
+
+
+def train_steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, rank: int, world: int
+) -> list[float]:
+    """Data-parallel steps ``steps`` (1-based) on this rank's share of each global batch, the
+    sharding library averaging gradients over the ranks. Returns each step's loss as the mean
+    over ranks (a collective)."""
+    losses = []
+    for step in steps:
+        loss = loss_fn(model, *local_batch(step, rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append((mean / world).item())
     return losses

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import reference_fixture as rf
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import megatron_fsdp
@@ -41,16 +40,7 @@ def _shard(api: str, strategy: int, kind: str) -> tuple[nn.Module, torch.optim.O
 def _resume(rank: int, world: int, api: str, strategy: int, kind: str) -> list[float]:
     model, optimizer = _shard(api, strategy, kind)
     mc.load_checkpoint(FIXTURE / kind, model, optimizer)
-    losses = []
-    for step in range(rf.SAVE_AT + 1, rf.TOTAL + 1):
-        loss = rf.loss_fn(model, *rf.local_batch(step, rank, world))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
+    return rf.train_steps(model, optimizer, range(rf.SAVE_AT + 1, rf.TOTAL + 1), rank, world)
 
 
 def test_the_fixture_is_what_its_writer_says() -> None:

@@ -189,16 +189,7 @@ def build_sharded(kind: str, world: int):
 
 def run_kind(kind: str, rank: int, world: int, out_dir: Path) -> dict:
     model, optimizer = build_sharded(kind, world)
-    losses = []
-    for step in range(1, rf.SAVE_AT + 1):
-        x, y = rf.local_batch(step, rank, world)
-        loss = rf.loss_fn(model, x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append((mean / world).item())
+    losses = rf.train_steps(model, optimizer, range(1, rf.SAVE_AT + 1), rank, world)
 
     # Per-rank view: local shard shape of every parameter and which optimizer-state
     # indices exist on this rank (the reference creates no state for empty local shards).

@@ -56,16 +56,7 @@ def main() -> None:
     model.load_state_dict(ckpt_state_dict["model"], strict=False)
     optimizer.load_state_dict(ckpt_state_dict["optimizer"])
 
-    losses = []
-    for step in range(rf.SAVE_AT + 1, rf.TOTAL + 1):
-        x, y = rf.local_batch(step, rank, world)
-        loss = rf.loss_fn(model, x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append((mean / world).item())
+    losses = rf.train_steps(model, optimizer, range(rf.SAVE_AT + 1, rf.TOTAL + 1), rank, world)
 
     if rank == 0:
         expected = rf.one_process_losses(args.kind, rf.TOTAL)[rf.SAVE_AT :]

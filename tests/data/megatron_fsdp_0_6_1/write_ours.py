@@ -39,15 +39,7 @@ def main() -> None:
         fsdp_unit_modules=[rf.Block],
         zero_dp_strategy=3,
     )
-    losses = []
-    for step in range(1, rf.SAVE_AT + 1):
-        loss = rf.loss_fn(model, *rf.local_batch(step, rank, world))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+    losses = rf.train_steps(model, optimizer, range(1, rf.SAVE_AT + 1), rank, world)
     mc.save_checkpoint(args.out, model, optimizer, naming="nvidia")
     if rank == 0:
         expected = rf.one_process_losses(args.kind, rf.SAVE_AT)
