@@ -5,6 +5,7 @@ both of our APIs on another world size; and ours saved for FSDP2 to load."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -94,11 +95,28 @@ def _fsdp2_writes(
     return train(inner, optimizer, batches[SAVE_AT:], rank, world)
 
 
-def _we_resume(rank: int, world: int, path: str, api: str, kind: str) -> list[float]:
+class _Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _we_resume(
+    rank: int, world: int, path: str, api: str, kind: str
+) -> tuple[list[float], list[str]]:
     model = shard(make_model(seed=77), 3, api=api)
     optimizer = _optimizer(model, kind)
+    logger = logging.getLogger("mfsdp_checkpoint")
+    handler = _Messages()
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     mc.load_checkpoint(path, model, optimizer)
-    return train(model, optimizer, make_batches(SAVE_AT + MORE)[SAVE_AT:], rank, world)
+    logger.removeHandler(handler)
+    losses = train(model, optimizer, make_batches(SAVE_AT + MORE)[SAVE_AT:], rank, world)
+    return losses, handler.messages
 
 
 @pytest.mark.parametrize(
@@ -117,8 +135,11 @@ def test_foreign_checkpoint_resumes_on_either_api(
     path = str(tmp_path / "ckpt")
     expected = run_distributed(_fsdp2_writes, 2, path, style, wrap, kind, timeout=180)[0]
     assert_rel(expected, _one_process_curve(kind), 1e-5, "FSDP2 against one process")
-    resumed = run_distributed(_we_resume, world, path, api, kind, timeout=180)[0]
+    resumed, logged = run_distributed(_we_resume, world, path, api, kind, timeout=180)[0]
     assert_rel(resumed, expected, 1e-5, f"resumed from FSDP2 ({style}, wrapped={wrap})")
+    if style == "positional":  # the load records how positions were matched to names
+        expected_how = "are this optimizer's parameter order, which is also the model's"
+        assert any(expected_how in m for m in logged), logged
 
 
 def _we_write(rank: int, world: int, path: str, naming: str) -> list[float]:

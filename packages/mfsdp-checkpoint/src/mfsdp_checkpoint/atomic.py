@@ -14,6 +14,7 @@ raised on every rank with the same message instead of leaving ranks waiting in a
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -53,6 +54,7 @@ from mfsdp_checkpoint.validate import check, prune
 from mfsdp_collectives import naming_dead_peers
 
 PathLike = str | os.PathLike[str]
+log = logging.getLogger("mfsdp_checkpoint")
 
 
 def read_metadata(path: Path) -> Metadata:
@@ -246,6 +248,9 @@ def _load(
     info: DirectoryInfo = found[0]
     plan: KeyPlan = found[1]
     source = info.path
+    if plan.renames and me == 0:
+        how = f"; {plan.derivation}" if plan.derivation else ""
+        log.info("loading %s, named as by %s%s", source, plan.naming.describe(), how)
     comparison = found[2]
     prune(state_dict, plan.our_paths(comparison.prunable))
     if plan.renames:

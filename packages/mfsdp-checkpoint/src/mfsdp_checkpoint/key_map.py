@@ -21,7 +21,7 @@ from the checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +64,8 @@ class KeyPlan:
     ours: dict[str, ObjPath] = field(default_factory=dict)
     """Checkpoint key -> our nested path of its value (empty when nothing is renamed)."""
     derivation: str = ""
-    """How positions of positional optimizer state were matched to names (when they were)."""
+    """How positions of positional optimizer state were matched to names (when they were);
+    ``load`` logs it (logger ``mfsdp_checkpoint``, INFO, rank 0) with the writer's naming."""
 
     @property
     def renames(self) -> bool:
@@ -161,7 +162,7 @@ def plan_key_map(
     return KeyPlan(naming, renamed, {str(k) for k in state_dict}, back, derivation)
 
 
-def _translate(path: ObjPath, theirs: Any, position: Mapping[str, int]) -> ObjPath:
+def _translate(path: ObjPath, theirs: Callable[[str], str], position: Mapping[str, int]) -> ObjPath:
     if len(path) == 2 and path[0] == "model":
         return ("model", theirs(str(path[1])))
     if len(path) >= 3 and path[:2] == ("optimizer", "state"):
@@ -210,7 +211,7 @@ def _positional_state_shapes(metadata: Metadata) -> dict[int, list[tuple[int, ..
 
 
 def _check_named_groups(
-    our_groups: list[list[str]], writer_groups: list[list[Any]], theirs: Any
+    our_groups: list[list[str]], writer_groups: list[list[Any]], theirs: Callable[[str], str]
 ) -> None:
     if len(writer_groups) != len(our_groups):
         raise StateDictMismatchError(
