@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from mfsdp_hooks.backward_prefetch import BackwardPrefetch
+from mfsdp_hooks.input_grad_trigger import route_inputs_through_trigger
 from mfsdp_hooks.lookup import register_group_params
 from mfsdp_hooks.member_forwards import MemberForwards
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
@@ -52,6 +54,25 @@ def _cast_inputs(
     return cast
 
 
+def _refuse_params_of_other_units(unit: str, slots: SlotMap, owner_of: dict[int, str]) -> None:
+    for param, name, _ in slots.values():
+        owner = owner_of.get(id(param))
+        if owner is not None:
+            raise ValueError(
+                f"parameter {name!r} of {unit} is shared with the FSDP unit {owner}: tied "
+                "parameters must live in one unit; fully_shard their common parent module "
+                "instead of each user"
+            )
+
+
+def _gradient_after_backward(unit: str, param: str) -> RuntimeError:
+    return RuntimeError(
+        f"FSDP unit {unit}: the gradient of {param!r} arrived after the unit's backward ended "
+        "(the gradient of its inputs was already computed); a parameter whose gradient does "
+        "not flow through the unit's inputs cannot be reduced with the unit's others"
+    )
+
+
 class FSDPUnit:
     """Drives unshard → forward → reshard → backward → reduce for one module."""
 
@@ -78,21 +99,17 @@ class FSDPUnit:
         self.forward_prefetch: list[FSDPUnit] | None = None
         self.backward_prefetch: list[FSDPUnit] | None = None
         self._pending_unshard: list[Waitable] = []
-        self._deferred_prefetch: list[FSDPUnit] = []
-        self._grad_numel_received = 0
+        # This iteration's forward routed the unit's inputs through an input-grad trigger
+        # (input_grad_trigger.py): its backward then ends at the same point on every rank.
+        self._inputs_trigger_armed = False
         self.requires_gradient_sync = True
         # FSDP2's set_requires_all_reduce: False keeps HSDP's reduced shards off dp_outer.
         self.requires_all_reduce = True
-        for param, name, _ in slots.values():
-            owner = owner_of.get(id(param))
-            if owner is not None:
-                raise ValueError(
-                    f"parameter {name!r} of {self.name} is shared with the FSDP unit {owner}: "
-                    "tied parameters must live in one unit; fully_shard their common parent "
-                    "module instead of each user"
-                )
+        _refuse_params_of_other_units(self.name, slots, owner_of)
         self.groups, self._group_slots = build_groups(self.name, slots, options, owner_of)
-        self._grad_numel_expected = sum(g.layout.data_numel for g in self.groups if g.requires_grad)
+        self._prefetch = BackwardPrefetch(
+            sum(g.layout.data_numel for g in self.groups if g.requires_grad)
+        )
         self._register_grad_hooks()
         self._swap(use_unsharded=False)
         module.__dict__[UNIT_ATTR] = self
@@ -192,7 +209,12 @@ class FSDPUnit:
         if not recomputing and self.options.overlap_param_gather:
             for target in self.root.forward_prefetch_targets(self):
                 target.unshard_async()
-        return _cast_inputs(self.options.policy, args, kwargs)
+        args, kwargs = _cast_inputs(self.options.policy, args, kwargs)
+        if not self._inputs_trigger_armed:  # a recompute of an armed forward needs none
+            args, kwargs, self._inputs_trigger_armed = route_inputs_through_trigger(
+                args, kwargs, self._on_inputs_grad
+            )
+        return args, kwargs
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         assert self.root is not None
@@ -241,29 +263,12 @@ class FSDPUnit:
         self._move_to(TrainingState.PRE_BACKWARD)
         self.unshard_async()
         self.wait_unshard()
-        self._grad_numel_received = 0
+        targets = self.root.backward_prefetch_targets(self)
         if self.options.overlap_param_gather:
-            self._deferred_prefetch = list(self.root.backward_prefetch_targets(self))
+            self._prefetch.begin(targets, self.options.backward_prefetch_grad_fraction)
             # The root's own parameters get most of their gradients at the very end of
             # backward (embeddings): their share says nothing about its progress.
-            self._maybe_issue_backward_prefetch(force=self.root.root_unit is self)
-
-    def _maybe_issue_backward_prefetch(self, force: bool = False) -> None:
-        """Gather the next units of backward once enough of this unit's gradient arrived.
-
-        Waiting for ``backward_prefetch_grad_fraction`` of the gradient elements lets the
-        widest activations of this unit's backward die before the next unit's weights are
-        allocated, so the two do not add up in the backward peak.
-        """
-        if not self._deferred_prefetch:
-            return
-        threshold = self.options.backward_prefetch_grad_fraction * self._grad_numel_expected
-        if not force and self._grad_numel_received < threshold:
-            return
-        targets, self._deferred_prefetch = self._deferred_prefetch, []
-        for target in targets:
-            if target.state is TrainingState.IDLE:
-                target.unshard_async()
+            self._prefetch.issue(force=self.root.root_unit is self)
 
     def _on_grad_ready(self, group: ParameterGroup, index: int, param: torch.Tensor) -> None:
         if param.grad is None:
@@ -271,16 +276,28 @@ class FSDPUnit:
         grad = grad_local(param.grad, group.tp_specs[index])  # TP: reduced over DP only
         reducer = group.reducer
         assert self.root is not None and reducer is not None
+        if self.post_backward_done:
+            raise _gradient_after_backward(self.name, group.names[index])
         self.root.reap_finished_reductions()
         self.root.settle_reduction(group)  # its buffer may still be in a reduction
         complete = reducer.collector.accumulate(index, grad)
         param.grad = None
-        self._grad_numel_received += grad.numel()
-        self._maybe_issue_backward_prefetch()
+        self._prefetch.on_grad(grad.numel())
         waiting = [g for g in self.groups if g.reducer and not g.reducer.collector.all_received]
-        if complete and not waiting:
-            self._maybe_issue_backward_prefetch(force=True)
-            self.post_backward()
+        # Every gradient here: the backward may end now. Only where an input-grad trigger
+        # would end it anyway right after, with nothing issued in between, so a rank whose
+        # data skipped a parameter (no "every gradient" moment) issues the same collectives
+        # in the same order; units without one end at the root's final callback.
+        if complete and not waiting and self._inputs_trigger_armed:
+            self._end_own_backward()
+
+    def _on_inputs_grad(self) -> None:
+        if not self.post_backward_done:
+            self._end_own_backward()
+
+    def _end_own_backward(self) -> None:
+        self._prefetch.issue(force=True)
+        self.post_backward()
 
     def post_backward(self) -> None:
         """Reshard and issue gradient reductions once the unit's backward is done."""
@@ -296,7 +313,8 @@ class FSDPUnit:
 
     def end_backward(self) -> None:
         self._move_to(TrainingState.IDLE)
-        self._deferred_prefetch = []
+        self._prefetch.drop()
+        self._inputs_trigger_armed = False
         for group in self.groups:
             if group.reducer is not None:
                 group.reducer.collector.begin_backward()
