@@ -59,11 +59,9 @@ class CheckpointNaming:
     """The names of the ``"model"`` section, in the order the writer's state dict had them."""
 
     def describe(self) -> str:
-        prefix = (
-            f"model names prefixed {self.model_prefix!r}"
-            if self.model_prefix
-            else ("model names without a wrapper prefix")
-        )
+        prefix = "model names without a wrapper prefix"
+        if self.model_prefix:
+            prefix = f"model names prefixed {self.model_prefix!r}"
         return f"{self.writer}: {prefix}, optimizer state {self.optimizer_keys}"
 
 
@@ -97,9 +95,8 @@ def _writer(prefix: str, optimizer: OptimizerKeys, sections: set[str], has_marke
     megatron_sections = {"checkpoint_version", "iteration"} <= sections
     if optimizer == "megatron-distributed" or (prefix and megatron_sections):
         return FSDP_DTENSOR
-    if has_marker:
-        api = "seed API" if prefix else "per-module API"
-        return f"megatron-fsdp (mfsdp-checkpoint save, {api})"
+    if has_marker:  # ours, named natively or for another loader (naming=...)
+        return "megatron-fsdp (mfsdp-checkpoint save)"
     if optimizer == "by-position":
         if prefix:
             return "NVIDIA megatron-fsdp (model.state_dict() + optimizer.state_dict())"
@@ -119,12 +116,10 @@ def detect_naming(metadata: Metadata, has_marker: bool = False) -> CheckpointNam
     model_names = tuple(
         str(path[1]) for path in paths.values() if len(path) == 2 and path[0] == "model"
     )
-    named = (
-        model_names
-        or tuple(  # an optimizer-only checkpoint: its state's names
-            str(p[2]) for p in paths.values() if len(p) > 3 and p[:2] == ("optimizer", "state")
-        )
+    state_names = tuple(  # what names an optimizer-only checkpoint
+        str(p[2]) for p in paths.values() if len(p) > 3 and p[:2] == ("optimizer", "state")
     )
+    named = model_names or state_names
     prefix = prefix_of(list(named))
     optimizer = _optimizer_keys(paths)
     sections = {str(p[0]) for p in paths.values()}
