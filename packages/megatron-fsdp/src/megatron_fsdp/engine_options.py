@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -113,7 +114,7 @@ def engine_kwargs(
     dp_shard_dim: str | None = None,
     dp_outer_dim: str | None = None,
     tp_dim: str | None = None,
-    hybrid_fsdp_group: Any = None,
+    hybrid_fsdp_group: dist.ProcessGroup | None = None,
     expt_device_mesh: DeviceMesh | None = None,
     device: torch.device | str | None = None,
     mixed_precision_policy: MixedPrecisionPolicy | None = None,
@@ -140,7 +141,12 @@ def engine_kwargs(
 ) -> dict[str, Any]:
     """Check ``fully_shard_model``'s arguments (locally, then the topology's collectives) and
     return the engine's: ``mfsdp_hooks.MegatronFSDP`` keyword arguments (``module``, moved
-    to ``device`` when asked, included)."""
+    to ``device`` when asked, included).
+
+    This signature is the one list of ``fully_shard_model``'s arguments: ``fully_shard_model``
+    and ``fully_shard`` repeat it explicitly (so ``help()``, IDEs and mypy see every argument;
+    ``megatron_fsdp.api`` documents each) and ``tests/test_megatron_fsdp_signatures.py`` keeps
+    the three in step: the same names, order, annotations and defaults."""
     _reject_not_yet(
         {
             "nccl_ub": nccl_ub,
