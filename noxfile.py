@@ -22,6 +22,11 @@ nox.options.sessions = ["tests", "lint", "typecheck"]
 nox.options.reuse_existing_virtualenvs = False
 
 ROOT = Path(__file__).parent
+README = ROOT / "README.md"
+# README.md's install instructions, each a block between `<!-- NAME:begin -->` and
+# `<!-- NAME:end -->`: `nox -s build` runs their `pip install` lines exactly as written, each
+# block in a fresh venv (tests/test_workspace_structure.py checks what they install).
+README_INSTALL_BLOCKS = ["install-from-clone", "install-from-wheels"]
 # Bottom layer first: each package may depend only on the ones before it.
 LAYERS = [
     "mfsdp-buffers",
@@ -190,14 +195,60 @@ def standalone(session: nox.Session) -> None:
         session.run(py, "-m", "pytest", "-q", "-p", "no:cacheprovider", tests, external=True)
 
 
+def readme_install_lines(block: str, readme: Path = README) -> list[str]:
+    """The ``pip install`` lines of ``readme`` between ``<!-- block:begin -->`` and
+    ``<!-- block:end -->``, as written there."""
+    text = readme.read_text()
+    begin, end = f"<!-- {block}:begin -->", f"<!-- {block}:end -->"
+    if begin not in text or end not in text.split(begin, 1)[1]:
+        raise ValueError(f"{readme.name} has no {begin} ... {end} block")
+    body = text.split(begin, 1)[1].split(end, 1)[0]
+    lines = [line.strip() for line in body.splitlines() if line.strip().startswith("pip install")]
+    if not lines:
+        raise ValueError(f"{readme.name}: the {block} block has no pip install line")
+    return lines
+
+
+def _pip_torch_arguments() -> list[str]:
+    """``pip install`` arguments for the local torch. With ``PIP_FIND_LINKS`` holding a torch
+    wheel of the local release, its exact version (``2.13.0+cpu``): no index has that, so pip
+    cannot prefer a CUDA build of a later patch release."""
+    links = os.environ.get("PIP_FIND_LINKS", "").split()
+    local = sorted(
+        wheel.name.split("-")[1]
+        for link in links
+        for wheel in Path(link).glob(f"torch-{LOCAL_TORCH}.*.whl")
+    )
+    requirement = f"torch=={local[-1]}" if local else _torch_requirement(LOCAL_TORCH)
+    return [*(f"--find-links={link}" for link in links), requirement]
+
+
+def _run_readme_block(session: nox.Session, block: str) -> None:
+    """A fresh venv with pip and the local torch, then ``block``'s install lines run by the
+    shell from the repository root, exactly as written, then the smoke import there."""
+    venv = Path(session.create_tmp()) / f"venv-readme-{block}"
+    session.run("uv", "venv", "--quiet", "--clear", "--seed", str(venv), external=True)
+    python = str(venv / "bin" / "python")
+    session.run(python, "-m", "pip", "install", "--quiet", *_pip_torch_arguments(), external=True)
+    env = {"PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(venv)}
+    with session.chdir(ROOT):
+        for line in readme_install_lines(block):
+            session.log(f"README.md [{block}]: {line}")
+            session.run("bash", "-c", line, env=env, external=True)
+    session.run(python, str(ROOT / "tests" / "smoke_import.py"), external=True)
+
+
 @nox.session
 def build(session: nox.Session) -> None:
-    """Wheels and sdists of all six packages into dist/, then install the stack from them."""
+    """Wheels and sdists of all six packages into dist/, then install the stack from them;
+    then README.md's install lines, exactly as written, each block in a fresh venv."""
     dist = ROOT / "dist"
     _build_all(session, dist)
     py = _fresh_venv(session, "venv-build-check")
     _install_from_dist(session, py, dist, "megatron-fsdp")
     session.run(py, str(ROOT / "tests" / "smoke_import.py"), external=True)
+    for block in README_INSTALL_BLOCKS:
+        _run_readme_block(session, block)
 
 
 @nox.session

@@ -13,7 +13,7 @@ SRC = Path(mfsdp_buffers.__file__).resolve().parent
 
 
 def test_version_and_exports() -> None:
-    assert mfsdp_buffers.__version__ == "0.1.0"
+    assert mfsdp_buffers.__version__ == "1.0.0"
     for name in mfsdp_buffers.__all__:
         assert getattr(mfsdp_buffers, name) is not None, name
     for name in [

@@ -6,7 +6,7 @@ from megatron_fsdp.dist_index import FSDPDistributedIndex
 from megatron_fsdp.wrapper import MegatronFSDP
 from mfsdp_hooks import MixedPrecisionPolicy, ShardingStrategy
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"
 
 __all__ = [
     "DistributedDataParallelConfig",

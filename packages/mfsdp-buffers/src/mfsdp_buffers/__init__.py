@@ -32,7 +32,7 @@ from mfsdp_buffers.poison import (
     release_to,
 )
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"
 
 __all__ = [
     "Allocator",

@@ -30,7 +30,7 @@ from mfsdp_checkpoint.errors import (
 from mfsdp_checkpoint.full_gather import gather_full_state_dict, save_full_state_dict
 from mfsdp_checkpoint.full_load import FullLoadResult, load_full_state_dict
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"
 
 __all__ = [
     "CheckpointError",

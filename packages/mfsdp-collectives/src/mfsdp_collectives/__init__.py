@@ -38,7 +38,7 @@ from .strict import strict_async, strict_async_enabled
 from .topology import FSDPTopology, default_device
 from .tracer import CommRecord, CommTracer
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"
 
 __all__ = [
     "CommHandle",

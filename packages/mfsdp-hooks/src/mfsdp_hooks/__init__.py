@@ -25,7 +25,7 @@ from mfsdp_hooks.training_state import TrainingState
 from mfsdp_hooks.unit import FSDPUnit
 from mfsdp_hooks.unit_options import UnitOptions
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"
 
 __all__ = [
     "CodecContext",

@@ -11,7 +11,7 @@ import importlib.util
 from mfsdp_hooks import ParamClassCodec
 from mfsdp_te.torchao_float8 import Float8GroupCodec, TorchaoFloat8Codec, torchao_float8_available
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"
 
 
 def transformer_engine_available() -> bool:
