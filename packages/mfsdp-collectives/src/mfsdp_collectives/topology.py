@@ -8,6 +8,8 @@ points here means every layer agrees on what "the shard group" is.
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -20,11 +22,17 @@ from .naming import group_name, register_group_name
 from .optim_sharding import OptimizerSharding
 from .shm import SharedMemoryTransport
 
-__all__ = ["FSDPTopology", "default_device", "group_name"]
+__all__ = ["FSDPTopology", "default_device", "group_name", "init_default_group"]
 
 DP_SHARD = "dp_shard"
 DP_OUTER = "dp_outer"
 TP = "tp"
+
+_log = logging.getLogger(__name__)
+
+# What torchrun (and torch.distributed.launch, SLURM wrappers that mimic it) exports, and
+# what init_process_group's env:// rendezvous reads.
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def default_device() -> torch.device:
@@ -82,6 +90,44 @@ def _check_group(value: object, arg: str, *, optional: bool) -> None:
     if not isinstance(value, dist.ProcessGroup):
         expected = "a ProcessGroup or None" if optional else "a ProcessGroup"
         raise TypeError(f"{arg} must be {expected}, got {type(value).__name__}")
+
+
+def _backend_for(device: torch.device) -> str:
+    """gloo for a CPU model; on an accelerator its backend (nccl on CUDA) with gloo beside it
+    for CPU tensors, as ``init_process_group()`` without a backend gives."""
+    if device.type == "cpu":
+        return "gloo"
+    return f"cpu:gloo,{device.type}:{dist.get_default_backend_for_device(device)}"
+
+
+def init_default_group(device: torch.device) -> None:
+    """Initialise torch.distributed's default group when a launcher's environment is there.
+
+    FSDP2 does the same (``init_device_mesh`` calls ``init_process_group()``), so a script
+    that only calls ``fully_shard`` works under torchrun. Without that environment there is
+    no way to know the world, and the error says what to call instead.
+    """
+    if dist.is_initialized():
+        return
+    missing = [name for name in _LAUNCHER_ENV if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            "fully_shard needs torch.distributed's default process group: none is initialised "
+            f"and the launcher's environment variables {missing} are not set. Launch the script "
+            "with torchrun (torchrun --nproc-per-node=N train.py), or call "
+            f"torch.distributed.init_process_group(backend={_backend_for(device)!r}) before "
+            "wrapping the model"
+        )
+    backend = _backend_for(device)
+    dist.init_process_group(backend=backend)
+    _log.info(
+        "initialised torch.distributed's default process group from the launcher's "
+        "environment (backend %r, rank %d of %d): no process group was initialised before "
+        "fully_shard",
+        backend,
+        dist.get_rank(),
+        dist.get_world_size(),
+    )
 
 
 def _require_initialized(what: str) -> None:
@@ -305,9 +351,10 @@ class FSDPTopology:
 
     @classmethod
     def default(cls, device: torch.device | str | None = None) -> FSDPTopology:
-        """Plain FSDP over the whole world: a 1-D ``"dp_shard"`` mesh on ``device``'s type."""
-        _require_initialized("FSDPTopology.default")
+        """Plain FSDP over the whole world: a 1-D ``"dp_shard"`` mesh on ``device``'s type
+        (initialising the default group from a launcher's environment if need be)."""
         dev = _as_device(device)
+        init_default_group(dev)
         mesh = init_device_mesh(dev.type, (dist.get_world_size(),), mesh_dim_names=(DP_SHARD,))
         topo = cls.from_mesh(mesh, dp_shard_dim=DP_SHARD)
         topo.device = dev

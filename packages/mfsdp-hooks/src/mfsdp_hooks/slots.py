@@ -30,6 +30,7 @@ __all__ = [
     "collect_slots",
     "describe_parameters",
     "is_wrapped",
+    "parameter_lines",
 ]
 
 UNIT_ATTR = "_mfsdp_unit_state"
@@ -96,12 +97,23 @@ def check_parameters_supported(
     )
 
 
+def parameter_lines(slots: SlotMap) -> list[str]:
+    """One line per parameter a unit owns, in module order: name, shape, dtype, whether it
+    trains and in how many slots it sits (tied weights). Equal on every rank that wraps the
+    same module; the first line that differs names what a rank built differently."""
+    lines = []
+    for param, name, places in slots.values():
+        line = f"{name} {tuple(param.shape)} {str(param.dtype).removeprefix('torch.')}"
+        line += "" if param.requires_grad else " frozen"
+        line += f" tied x{len(places)}" if len(places) > 1 else ""
+        lines.append(line)
+    return lines
+
+
 def describe_parameters(slots: SlotMap) -> str:
-    """A short, rank-independent summary of the parameters a unit owns (to compare ranks)."""
-    lines = [
-        f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}:{len(places)}"
-        for p, name, places in slots.values()
-    ]
+    """A short, rank-independent summary of the parameters a unit owns (to compare ranks;
+    ``parameter_lines`` itemises it)."""
+    lines = parameter_lines(slots)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
     numel = sum(p.numel() for p, _, _ in slots.values())
     return f"{len(lines)} parameters, {numel} elements, digest {digest}"
