@@ -114,7 +114,7 @@ def test_per_unit_forward_backward_events_at_debug() -> None:
         events: dict[str, list[str]] = {}
         for name, level, message in rank_records:
             if level == "DEBUG":
-                assert name == "mfsdp_hooks.unit", name
+                assert name == "mfsdp_hooks.observe", name
                 unit, event = message.rsplit(": ", 1)
                 events.setdefault(unit, []).append(event)
         expected = ["<root> (ToyModel)"] + [f"blocks.{i} (Block)" for i in range(3)]

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from mfsdp_collectives import RankMismatchError
 from mfsdp_collectives.testing import run_distributed, run_distributed_outcomes
-from mfsdp_hooks import MegatronFSDP, attach_optimizer, fully_shard
+from mfsdp_hooks import MegatronFSDP, attach_optimizer, fully_shard, locate
 
 
 # ----------------------------------------------------------------- tensor-subclass params
@@ -105,9 +105,14 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
+def _unsharded(param: torch.Tensor) -> torch.Tensor:
+    where = locate(param)
+    assert where is not None
+    return where.group.unsharded_params[where.index]
+
+
 def _nan_stops_the_step(rank: int, world: int, strategy: int, bad: float, sync: bool) -> str:
     model = make_model()
-    poisoned = model.blocks[2].fc2.bias
     wrapped = MegatronFSDP(
         model,
         fsdp_unit_modules=[Block],
@@ -115,6 +120,8 @@ def _nan_stops_the_step(rank: int, world: int, strategy: int, bad: float, sync: 
         report_nan_in_param_grad=True,
         sync_model_each_microbatch=sync,
     )
+    # The parameter forward and backward use (the original one is left with stale values).
+    poisoned = _unsharded(model.blocks[2].fc2.bias)
     optimizer = attach_optimizer(torch.optim.AdamW(trainable(wrapped), lr=1e-2))
     # The sharded weights the optimizer steps (the module shows unsharded ones mid-step).
     stepped = [p for group in optimizer.param_groups for p in group["params"]]

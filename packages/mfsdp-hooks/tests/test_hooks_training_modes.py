@@ -21,7 +21,13 @@ from hooks_models import (
 
 from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, MixedPrecisionPolicy, attach_optimizer, fully_shard
+from mfsdp_hooks import (
+    MegatronFSDP,
+    MixedPrecisionPolicy,
+    attach_optimizer,
+    fully_shard,
+    locate,
+)
 
 MICRO = 4
 GLOBAL_BATCH = 8
@@ -191,12 +197,14 @@ def test_gradient_scaling_options(option: str) -> None:
 
 def _nan_worker(rank: int, world: int) -> str:
     model = make_model()
-    poisoned = model.blocks[1].fc1.weight  # stays the unsharded parameter after wrapping
-    if rank == 1:
-        poisoned.register_hook(lambda g: g * float("nan"))
     for block in model.blocks:
         fully_shard(block, report_nan_in_param_grad=True)
     fully_shard(model, report_nan_in_param_grad=True)
+    # the parameter backward uses (the original is left with its stale values, as in FSDP2)
+    where = locate(model.blocks[1].fc1.weight)
+    assert where is not None
+    if rank == 1:
+        where.group.unsharded_params[where.index].register_hook(lambda g: g * float("nan"))
     tokens, targets = make_batches(1, 4)[0]
     loss = loss_fn(model(tokens), targets)
     try:

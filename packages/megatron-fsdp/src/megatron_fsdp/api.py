@@ -185,8 +185,10 @@ def fully_shard_optimizer(
     With ``preproc_state_dict_for_dcp_ckpt`` its ``state_dict()`` is keyed by the sharded
     model's parameter names and holds DTensors that ``torch.distributed.checkpoint`` saves
     and reshards directly. ``contiguous_step``/``step_chunk_numel``: see
-    :func:`mfsdp_hooks.attach_optimizer`.
+    :func:`mfsdp_hooks.attach_optimizer`. An optimizer built before the model was sharded
+    is re-pointed at the sharded parameters first (its state, if any, starts afresh).
     """
+    _rebind_optimizer(optimizer)
     attach_optimizer(optimizer, contiguous_step=contiguous_step, step_chunk_numel=step_chunk_numel)
     if preproc_state_dict_for_dcp_ckpt:
         models = {id(m): m for m in (owning_model(g) for g in optimizer_groups(optimizer)) if m}
@@ -201,10 +203,15 @@ def _dist_or_self(param: torch.Tensor) -> torch.Tensor:
 
 
 def _rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Point an optimizer built on the original parameters at their sharded replacements."""
+    """Point an optimizer built on the original parameters at their sharded replacements
+    (a no-op for one built on the sharded model)."""
+    rebound = False
     for group in optimizer.param_groups:
-        group["params"] = [_dist_or_self(p) for p in group["params"]]
-    optimizer.state.clear()
+        params = [_dist_or_self(p) for p in group["params"]]
+        rebound |= any(new is not old for new, old in zip(params, group["params"], strict=True))
+        group["params"] = params
+    if rebound:  # state keyed by the replaced parameters would never be read again
+        optimizer.state.clear()
 
 
 def fully_shard(

@@ -28,7 +28,7 @@ import mfsdp_hooks
 from megatron_fsdp.ddp_config import DistributedDataParallelConfig
 from megatron_fsdp.dist_index import FSDPDistributedIndex
 from megatron_fsdp.engine_options import engine_kwargs
-from mfsdp_hooks import MixedPrecisionPolicy, fsdp_units
+from mfsdp_hooks import MixedPrecisionPolicy, ShardingStrategy, fsdp_units
 from mfsdp_hooks.megatron_fsdp import UnitSpec
 
 __all__ = ["MegatronFSDP"]
@@ -107,6 +107,16 @@ class MegatronFSDP(mfsdp_hooks.MegatronFSDP):
     def _setup(self, kwargs: dict[str, Any]) -> None:
         kwargs = dict(kwargs)
         module, units = kwargs.pop("module"), kwargs.pop("fsdp_unit_modules")
+        strategy = kwargs["sharding_strategy"]
+        if not units and strategy != ShardingStrategy.NO_SHARD:
+            # The seed README: required for strategies 1-3. Without units the whole model
+            # would be one unit, every weight gathered at once.
+            raise ValueError(
+                f"fsdp_unit_modules is required with zero_dp_strategy={int(strategy)} "
+                f"({strategy.name.lower()}): pass the class of the model's repeated blocks, "
+                "e.g. fsdp_unit_modules=[TransformerBlock] (or [type(model)] for one "
+                "whole-model unit), or use zero_dp_strategy=0 to replicate like DDP"
+            )
         mfsdp_hooks.MegatronFSDP.__init__(self, module, units, **kwargs)
         self.ddp_config = None
         self.dist_index = None

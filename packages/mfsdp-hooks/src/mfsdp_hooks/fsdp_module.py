@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from mfsdp_hooks.module_conversion import managed_params_hidden
 from mfsdp_hooks.reduce_config import GradReduceConfig
 from mfsdp_hooks.root import FSDPRoot, root_of
 from mfsdp_hooks.unit import FSDPUnit, unit_of, units_under
@@ -112,6 +114,12 @@ class FSDPModule:
     @property
     def fsdp_root(self) -> FSDPRoot | None:
         return root_of(self)  # type: ignore[arg-type]
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``model.to(...)`` and friends after sharding: see ``module_conversion``."""
+        module: nn.Module = self  # type: ignore[assignment]
+        with managed_params_hidden(module, fn):
+            return super()._apply(fn, recurse)  # type: ignore[misc]
 
     # ------------------------------------------------------------ FSDP2's runtime setters
     def _units(self, recurse: bool) -> list[FSDPUnit]:

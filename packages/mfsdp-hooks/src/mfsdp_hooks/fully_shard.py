@@ -38,13 +38,13 @@ from mfsdp_hooks.slots import (
     check_parameters_supported,
     collect_slots,
     describe_parameters,
+    parameter_lines,
 )
 from mfsdp_hooks.strategy import ShardingStrategy, parse_strategy
 from mfsdp_hooks.tensor_parallel import check_tp_parameters
 from mfsdp_hooks.unit import FSDPUnit, unit_of, units_under
 from mfsdp_hooks.unit_options import UnitOptions
-
-_OWNER_ATTR = "_mfsdp_param_owners"
+from mfsdp_hooks.wrap_agreement import UNITS_INSIDE, explain_wrap_mismatch, units_inside
 
 
 def _require_positive_int(value: object, argument: str, fix: str) -> None:
@@ -107,10 +107,14 @@ def _policy(mp_policy: object) -> MixedPrecisionPolicy:
     return policy
 
 
-def _agree_on_wrap(label: str, slots: SlotMap, options: UnitOptions, host_transport: str) -> None:
-    """The wrap's first collective: every rank of the shard group wraps the same thing."""
+def _agree_on_wrap(
+    label: str, target: nn.Module, slots: SlotMap, options: UnitOptions, host_transport: str
+) -> None:
+    """The wrap's first collective: every rank of the shard group wraps the same thing.
+    The parameters travel as a digest and, to name the first that differs, line by line."""
     facts = {
         "module": label,
+        UNITS_INSIDE: units_inside(target),
         "parameters": describe_parameters(slots),
         "host_transport": host_transport,
     }
@@ -125,9 +129,12 @@ def _agree_on_wrap(label: str, slots: SlotMap, options: UnitOptions, host_transp
             facts[field.name] = repr([codec.name for codec in value])
         if isinstance(value, ExpertSharding):  # its topology's repr holds addresses
             facts[field.name] = value.describe()
-    check_ranks_agree(options.topology.shard_group, facts, what="fully_shard")
-    if options.topology.outer_group is not None:  # HSDP: the replicas must agree too
-        check_ranks_agree(options.topology.outer_group, facts, what="fully_shard")
+    details = {"parameters": parameter_lines(slots)}
+    for group in (options.topology.shard_group, options.topology.outer_group):
+        if group is not None:  # HSDP: the replicas must agree too
+            check_ranks_agree(
+                group, facts, what="fully_shard", details=details, explain=explain_wrap_mismatch
+            )
 
 
 def _ignored_ids(ignored: Iterable[nn.Parameter] | None) -> frozenset[int]:
@@ -341,7 +348,7 @@ def fully_shard(
         codecs=codecs,
         experts=experts,
     )
-    _agree_on_wrap(label, slots, options, host_transport)
+    _agree_on_wrap(label, target, slots, options, host_transport)
     options.topology.choose_host_transport(host_transport)
     if experts is not None:
         experts.topology.choose_host_transport(host_transport)
@@ -353,8 +360,7 @@ def _make_unit(
     target: nn.Module, members: list[nn.Module], options: UnitOptions, slots: SlotMap
 ) -> None:
     """Build the unit, then give each member ``FSDPModule``'s methods."""
-    owners = _shared_owner_registry(members)
-    FSDPUnit(target, options, owners, FSDPRoot.lazy_init, slots, members=members)
+    FSDPUnit(target, options, FSDPRoot.lazy_init, slots, members=members)
     for unit in fsdp_units(target):
         for group in unit.groups:
             set_owning_model(group, members[0])
@@ -383,22 +389,6 @@ def fsdp_class_of(cls: type[nn.Module]) -> type[nn.Module]:
         found = type(f"FSDP{cls.__name__}", (FSDPModule, cls), namespace)
         _FSDP_CLASSES[cls] = found
     return found
-
-
-def _shared_owner_registry(members: Sequence[nn.Module]) -> dict[int, str]:
-    """Which unit owns each parameter object, shared by every unit of one model tree."""
-    registry: dict[int, str] = next(
-        (
-            found
-            for member in members
-            for sub in member.modules()
-            if isinstance(found := sub.__dict__.get(_OWNER_ATTR), dict)
-        ),
-        {},
-    )
-    for member in members:
-        member.__dict__[_OWNER_ATTR] = registry
-    return registry
 
 
 def fsdp_units(module: nn.Module) -> list[FSDPUnit]:

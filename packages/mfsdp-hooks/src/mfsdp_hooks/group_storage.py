@@ -17,7 +17,7 @@ from mfsdp_hooks.codec import GroupCodec
 from mfsdp_hooks.grad_shard import DTensorMaker, GradShard
 from mfsdp_hooks.shard_cuts import ShardCuts
 from mfsdp_hooks.strategy import ShardingStrategy
-from mfsdp_hooks.tensor_parallel import TPSpec, unsharded_param
+from mfsdp_hooks.tensor_parallel import TPSpec, carry_attributes, unsharded_param
 
 __all__ = ["adopt_params", "check_shardable", "fill_buffers", "grad_shard", "weight_buffers"]
 
@@ -113,25 +113,30 @@ def adopt_params(
     tp_specs: Sequence[TPSpec | None],
     codec: GroupCodec | None,
 ) -> list[nn.Parameter]:
-    """Point the user's parameters at the unsharded buffer, freeing their own storage.
+    """The parameters forward and backward see: new ``nn.Parameter`` objects over views of
+    the unsharded buffer (a DTensor on the TP mesh for tensor-parallel ones, a codec's
+    decoded weight for claimed ones), with the originals' public attributes.
 
-    Keeping the same ``nn.Parameter`` objects preserves every outside reference to them
-    (an optimizer built before wrapping, tied weights, user code). A tensor-parallel
-    parameter becomes a new DTensor over the buffer (a DTensor's local tensor cannot be
-    swapped in place), as FSDP2 replaces its parameters; so does a parameter a codec
-    decodes (an FP8 weight over the gathered bytes).
+    The user's original parameters are left as they are, as FSDP2 leaves them: a reference
+    kept from before sharding reads its stale values (the unsharded buffer's storage is
+    freed between uses, so a view of it could not be read safely), and its memory goes once
+    nobody holds it. ``lookup.dist_param_of(original)`` names its replacement.
     """
     model.materialize()
     adopted = []
     for index, (param, spec) in enumerate(zip(params, tp_specs, strict=True)):
         view = model.unsharded_view(index)
         if codec is not None:
-            param = codec.unsharded_param(index, view)
+            unsharded = codec.unsharded_param(index, view)
         elif spec is None or not spec.computes_as_dtensor:
-            param.data = view
+            # ``.data``: a version counter of its own, as ``param.data = view`` gave, so
+            # gathering into the buffer again does not look like an in-place edit of a
+            # tensor autograd saved
+            unsharded = nn.Parameter(view.data, requires_grad=param.requires_grad)
         else:
-            param = unsharded_param(view, spec, requires_grad=param.requires_grad)
-        adopted.append(param)
+            unsharded = unsharded_param(view, spec, requires_grad=param.requires_grad)
+        carry_attributes(param, unsharded)
+        adopted.append(unsharded)
     if model.sharded:
         model.release()
     return adopted

@@ -17,6 +17,7 @@ _GROUP_ATTR = "_mfsdp_group"
 _INDEX_ATTR = "_mfsdp_index"
 _DIST_ATTR = "_mfsdp_dist_param"
 _MODEL_ATTR = "_mfsdp_model_ref"
+_OWNER_ATTR = "_mfsdp_owner"
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,20 @@ def register_group_params(group: ParameterGroup) -> None:
         setattr(dist_param, _GROUP_ATTR, group)
         setattr(dist_param, _INDEX_ATTR, index)
         setattr(unsharded, _DIST_ATTR, dist_param)
+
+
+def register_replaced(original: nn.Parameter, dist_param: nn.Parameter, owner: str) -> None:
+    """Tag a user's original parameter with its sharded replacement and the unit that owns
+    it: an optimizer built before sharding is re-pointed through the tag, and a module
+    outside the unit that still holds the original (a tied weight) is refused by it."""
+    setattr(original, _DIST_ATTR, dist_param)
+    setattr(original, _OWNER_ATTR, owner)
+
+
+def replaced_by_unit(param: torch.Tensor) -> str | None:
+    """The unit that replaced ``param`` (an original parameter), or None."""
+    owner = getattr(param, _OWNER_ATTR, None)
+    return owner if isinstance(owner, str) else None
 
 
 def dist_param_of(param: torch.Tensor) -> nn.Parameter | None:

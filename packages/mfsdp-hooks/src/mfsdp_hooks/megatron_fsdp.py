@@ -93,6 +93,8 @@ class MegatronFSDP(nn.Module):
             shard_options.get("max_inflight_reductions", 1),
         )
         targets = [m for m in module.modules() if classes and isinstance(m, classes)]
+        if classes and not targets:
+            _refuse_unmatched(classes, module)
         units = [sub for sub in reversed(targets) if sub is not module] + [module]
         shard_options["sync_model_each_microbatch"] = sync_model_each_microbatch
         if init_model_with_meta_device:
@@ -135,6 +137,18 @@ class MegatronFSDP(nn.Module):
 
     def install_optimized_model_weights(self) -> None:
         self.root_unit_module.install_optimized_model_weights()
+
+
+def _refuse_unmatched(classes: tuple[type[nn.Module], ...], module: nn.Module) -> None:
+    """A unit class that matches nothing would silently make the whole model one unit
+    (every weight gathered at once): refuse it, as accelerate does."""
+    wanted = ", ".join(c.__qualname__ for c in classes)
+    seen = list(dict.fromkeys(type(m).__qualname__ for m in module.modules()))
+    raise ValueError(
+        f"fsdp_unit_modules=[{wanted}] matches no module of {type(module).__name__}; its "
+        f"modules are of the classes {', '.join(seen[:12])}{', ...' if len(seen) > 12 else ''}. "
+        "Name the class of its repeated blocks (e.g. the transformer layer)"
+    )
 
 
 def _init_from_meta_and_shard(

@@ -17,19 +17,29 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.distributed as dist
 
 from mfsdp_buffers import DataParallelBuffer
 from mfsdp_collectives import group_name
 from mfsdp_hooks.param_group import ParameterGroup
+from mfsdp_hooks.training_state import TrainingState
+from mfsdp_hooks.unit_options import UnitOptions
 
-if TYPE_CHECKING:
-    from mfsdp_hooks.unit import FSDPUnit
+
+class FSDPUnit(Protocol):
+    """What is shown of a unit (``unit.FSDPUnit``; a Protocol, so ``unit`` imports us)."""
+
+    name: str
+    groups: list[ParameterGroup]
+    options: UnitOptions
+    state: TrainingState
+
 
 __all__ = [
     "describe_unit",
+    "log_event",
     "group_bytes_per_rank",
     "log_units",
     "unit_bytes_per_rank",
@@ -72,6 +82,12 @@ def unit_label(unit: FSDPUnit) -> str:
     if path is None:
         return unit.name
     return f"{path or '<root>'} ({unit.name})"
+
+
+def log_event(unit: FSDPUnit, event: str) -> None:
+    """A DEBUG line per unit event (logger ``mfsdp_hooks.observe``), free when disabled."""
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("%s: %s", unit_label(unit), event)
 
 
 def describe_unit(unit: FSDPUnit) -> str:

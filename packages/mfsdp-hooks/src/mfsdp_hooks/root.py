@@ -8,8 +8,10 @@ from torch import nn
 
 from mfsdp_collectives import CommStreams, naming_dead_peers
 from mfsdp_hooks.grad_allocator import end_iteration, pools_memory
+from mfsdp_hooks.observe import log_units
 from mfsdp_hooks.param_group import ParameterGroup
 from mfsdp_hooks.reduction_queue import ReductionQueue
+from mfsdp_hooks.stale_optimizers import guard_optimizers_on_replaced_params
 from mfsdp_hooks.unit import FSDPUnit, unit_of
 from mfsdp_hooks.unit_options import ROOT_LEVEL_OPTIONS, UnitOptions
 
@@ -35,6 +37,8 @@ class FSDPRoot:
                 for group in unit.groups:
                     group.root = self
         self._refuse_ignored_root_options()
+        paths = [self._unit_path[id(unit)] for unit in self.units]
+        log_units(root_unit.name, self.units, paths)  # INFO on rank 0; names DEBUG events
         self.streams = CommStreams(self.options.topology.device)
         self.forward_order: list[FSDPUnit] = []
         self.order_final = False
@@ -75,6 +79,7 @@ class FSDPRoot:
     @staticmethod
     def lazy_init(first: FSDPUnit) -> FSDPRoot:
         """The first unit to run forward is the root, as in FSDP2."""
+        guard_optimizers_on_replaced_params()
         return FSDPRoot(first)
 
     @property

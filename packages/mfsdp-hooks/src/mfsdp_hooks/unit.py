@@ -12,9 +12,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from mfsdp_hooks.backward_prefetch import BackwardPrefetch
 from mfsdp_hooks.input_grad_trigger import route_inputs_through_trigger
-from mfsdp_hooks.lookup import register_group_params
+from mfsdp_hooks.lookup import register_group_params, replaced_by_unit
 from mfsdp_hooks.member_forwards import MemberForwards
 from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
+from mfsdp_hooks.observe import describe_unit, log_event
 from mfsdp_hooks.param_group import ParameterGroup, Waitable
 from mfsdp_hooks.root_protocol import UnitRoot
 from mfsdp_hooks.slots import UNIT_ATTR, SlotMap, install_params
@@ -22,6 +23,8 @@ from mfsdp_hooks.tensor_parallel import grad_local
 from mfsdp_hooks.training_state import TrainingState, in_backward_pass
 from mfsdp_hooks.unit_groups import build_groups
 from mfsdp_hooks.unit_options import UnitOptions
+
+# Per-unit pre/post forward and backward events at DEBUG (as FSDP2's TORCH_LOGS=+fsdp).
 
 
 def unit_of(module: nn.Module) -> FSDPUnit | None:
@@ -54,15 +57,36 @@ def _cast_inputs(
     return cast
 
 
-def _refuse_params_of_other_units(unit: str, slots: SlotMap, owner_of: dict[int, str]) -> None:
+def _refuse_params_of_other_units(unit: str, slots: SlotMap) -> None:
     for param, name, _ in slots.values():
-        owner = owner_of.get(id(param))
+        owner = replaced_by_unit(param)
         if owner is not None:
             raise ValueError(
                 f"parameter {name!r} of {unit} is shared with the FSDP unit {owner}: tied "
                 "parameters must live in one unit; fully_shard their common parent module "
                 "instead of each user"
             )
+
+
+def register_pre_backward(output: Any, hook: Callable[[torch.Tensor], None]) -> None:
+    """``hook`` runs when the gradient of any of ``output``'s tensors is computed."""
+    tensors, _ = tree_flatten(output)
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            tensor.register_hook(hook)  # type: ignore[no-untyped-call]
+
+
+def _register_grad_hooks(
+    groups: Sequence[ParameterGroup],
+    on_grad_ready: Callable[[ParameterGroup, int, torch.Tensor], None],
+) -> None:
+    for group in groups:
+        register_group_params(group)
+        for index, param in enumerate(group.unsharded_params):
+            if group.requires_grad:
+                param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    functools.partial(on_grad_ready, group, index)
+                )
 
 
 def _gradient_after_backward(unit: str, param: str) -> RuntimeError:
@@ -80,7 +104,6 @@ class FSDPUnit:
         self,
         module: nn.Module,
         options: UnitOptions,
-        owner_of: dict[int, str],
         make_root: Callable[[FSDPUnit], object],
         slots: SlotMap,
         members: Sequence[nn.Module] = (),
@@ -103,14 +126,17 @@ class FSDPUnit:
         # (input_grad_trigger.py): its backward then ends at the same point on every rank.
         self._inputs_trigger_armed = False
         self.requires_gradient_sync = True
+        # Its forward ran since its last backward ended: a unit that took no part in an
+        # iteration (a forward of another unit alone) leaves its gradients as they are.
+        self._took_part = False
         # FSDP2's set_requires_all_reduce: False keeps HSDP's reduced shards off dp_outer.
         self.requires_all_reduce = True
-        _refuse_params_of_other_units(self.name, slots, owner_of)
-        self.groups, self._group_slots = build_groups(self.name, slots, options, owner_of)
+        _refuse_params_of_other_units(self.name, slots)
+        self.groups, self._group_slots = build_groups(self.name, slots, options)
         self._prefetch = BackwardPrefetch(
             sum(g.layout.data_numel for g in self.groups if g.requires_grad)
         )
-        self._register_grad_hooks()
+        _register_grad_hooks(self.groups, self._on_grad_ready)
         self._swap(use_unsharded=False)
         module.__dict__[UNIT_ATTR] = self
         self._handles = []
@@ -121,14 +147,8 @@ class FSDPUnit:
                 member.register_forward_hook(self.post_forward, always_call=False),
             ]
 
-    def _register_grad_hooks(self) -> None:
-        for group in self.groups:
-            register_group_params(group)
-            for index, param in enumerate(group.unsharded_params):
-                if group.requires_grad:
-                    param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                        functools.partial(self._on_grad_ready, group, index)
-                    )
+    def __repr__(self) -> str:
+        return describe_unit(self)
 
     # ----------------------------------------------------------------- state
     def _move_to(self, state: TrainingState) -> None:
@@ -196,6 +216,7 @@ class FSDPUnit:
             self._make_root(self)
         assert self.root is not None
         recomputing = in_backward_pass()
+        log_event(self, "pre_forward (recompute)" if recomputing else "pre_forward")
         if self.root.root_unit is self and not recomputing:
             self.root.pre_root_forward()
         if not recomputing:
@@ -204,6 +225,7 @@ class FSDPUnit:
             self._move_to(TrainingState.PRE_BACKWARD)
         if not recomputing:
             self.root.record_forward(self)
+            self._took_part |= torch.is_grad_enabled()
         self.unshard_async()
         self.wait_unshard()
         if not recomputing and self.options.overlap_param_gather:
@@ -220,9 +242,10 @@ class FSDPUnit:
         assert self.root is not None
         is_root = self.root.root_unit is self
         if torch.is_grad_enabled():
-            self._register_pre_backward(output)
+            register_pre_backward(output, self._pre_backward)
         if not self.forwards.finish(module):
             return output  # the unit's forward goes on in its other members
+        log_event(self, "post_forward")
         self._end_forward(is_root)
         if is_root:
             for unit in self.root.units:  # units some member of which did not run
@@ -247,13 +270,6 @@ class FSDPUnit:
             self.reshard()
         self._move_to(TrainingState.IDLE)
 
-    def _register_pre_backward(self, output: Any) -> None:
-        tensors, _ = tree_flatten(output)
-        hook: Callable[[torch.Tensor], None] = self._pre_backward
-        for tensor in tensors:
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(hook)  # type: ignore[no-untyped-call]
-
     # ----------------------------------------------------------------- backward
     def _pre_backward(self, grad: torch.Tensor) -> None:
         assert self.root is not None
@@ -261,6 +277,7 @@ class FSDPUnit:
         if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return  # another output's hook, or a late one after the unit's backward
         self._move_to(TrainingState.PRE_BACKWARD)
+        log_event(self, "pre_backward")
         self.unshard_async()
         self.wait_unshard()
         targets = self.root.backward_prefetch_targets(self)
@@ -305,16 +322,23 @@ class FSDPUnit:
             return
         assert self.root is not None
         self._move_to(TrainingState.POST_BACKWARD)
+        log_event(self, "post_backward")
         if self.options.strategy.shards_params and self.options.reshard_after_backward:
             self.reshard()
         for group in self.groups:
-            if group.reducer is not None and self.root.should_reduce(group):
+            reducer = group.reducer
+            if reducer is None or not self.root.should_reduce(group):
+                continue
+            # No forward and no gradient: gradients stay as they are (None after zero_grad)
+            # as torch leaves a module's that did not run, not reduced zeros Adam would step.
+            if self._took_part or reducer.collector.has_grads:
                 self.root.reduce(group)
 
     def end_backward(self) -> None:
         self._move_to(TrainingState.IDLE)
         self._prefetch.drop()
         self._inputs_trigger_armed = False
+        self._took_part = False
         for group in self.groups:
             if group.reducer is not None:
                 group.reducer.collector.begin_backward()

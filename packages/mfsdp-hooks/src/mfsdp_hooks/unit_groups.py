@@ -10,6 +10,7 @@ for the parameters ``UnitOptions.experts`` names) and the codec that claims them
 from __future__ import annotations
 
 from mfsdp_buffers import BucketKey, build_buckets
+from mfsdp_hooks.lookup import register_replaced
 from mfsdp_hooks.param_group import ParameterGroup
 from mfsdp_hooks.slots import Slot, SlotMap
 from mfsdp_hooks.unit_options import UnitOptions, claiming_codec
@@ -20,10 +21,10 @@ DENSE, EXPERT = "dp_shard", "expert_dp"
 
 
 def build_groups(
-    unit_name: str, slots: SlotMap, options: UnitOptions, owner_of: dict[int, str]
+    unit_name: str, slots: SlotMap, options: UnitOptions
 ) -> tuple[list[ParameterGroup], list[list[list[Slot]]]]:
-    """The unit's groups and, per group and parameter, the slots it occupies; records each
-    parameter's owner in ``owner_of``."""
+    """The unit's groups and, per group and parameter, the slots it occupies; tags each
+    original parameter with its replacement and owner (``lookup.register_replaced``)."""
     experts = options.experts
     entries = list(slots.values())
     keys, codecs = [], {}
@@ -56,6 +57,6 @@ def build_groups(
         )
         groups.append(group)
         group_slots.append([s for _, _, s in members])
-        for param, name, _ in members:
-            owner_of[id(param)] = f"{unit_name}({name})"
+        for (param, name, _), dist_param in zip(members, group.dist_params, strict=True):
+            register_replaced(param, dist_param, f"{unit_name}({name})")
     return groups, group_slots
