@@ -56,9 +56,12 @@ class FSDPModule:
     def reshard(self) -> None:
         self._mfsdp_unit().reshard()
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
-        """Skip gradient reduction while False (ZeRO-0/1 accumulate locally; 2/3 still reduce)."""
-        for unit in self._units(recurse=True):
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """Skip gradient reduction while False (ZeRO-0/1 accumulate locally; 2/3 still reduce).
+        ``recurse`` (FSDP2's): this module's unit only, or every unit under it."""
+        for unit in self._units(recurse=recurse):
             unit.requires_gradient_sync = requires_gradient_sync
 
     @property
@@ -110,6 +113,15 @@ class FSDPModule:
                 handle = group.install_weights()
                 if handle is not None:
                     handle.wait()
+
+    def reset_iter_state(self) -> None:
+        """FSDP2's: after an exception in forward or backward, make the next iteration
+        start clean (call it on the root; a unit not yet under a root is reset alone)."""
+        root = root_of(self)  # type: ignore[arg-type]
+        if root is not None:
+            root.reset_iteration()
+        else:
+            self._mfsdp_unit().reset_iteration()
 
     @property
     def fsdp_root(self) -> FSDPRoot | None:

@@ -213,6 +213,19 @@ def _own_parameters(scope: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Pa
     ]
 
 
+def _named(mesh: DeviceMesh) -> DeviceMesh:
+    """FSDP2's canonical ``init_device_mesh("cpu", (world,))`` has no dim names: the same
+    group, named (no collective). A 2-D mesh needs names, as FSDP2 requires for HSDP."""
+    if mesh.mesh_dim_names:
+        return mesh
+    if mesh.ndim != 1:
+        raise ValueError(
+            "mesh: a 2-D mesh (HSDP) needs dim names: init_device_mesh(..., "
+            "mesh_dim_names=('dp_outer', 'dp_shard'))"
+        )
+    return DeviceMesh.from_group(mesh.get_group(), mesh.device_type, mesh_dim_names=("dp_shard",))
+
+
 def resolve_topology(mesh: DeviceMesh | FSDPTopology | None, module: nn.Module) -> FSDPTopology:
     """The topology ``fully_shard(module, mesh=mesh)`` uses (may communicate: new groups)."""
     if isinstance(mesh, FSDPTopology):
@@ -227,12 +240,8 @@ def resolve_topology(mesh: DeviceMesh | FSDPTopology | None, module: nn.Module) 
                 "(FSDP) or a 2-D (replicate, shard) mesh (HSDP); pass mesh[('dp_outer', "
                 "'dp_shard')] or mesh['dp_shard']"
             )
-        names = mesh.mesh_dim_names
-        if not names:
-            raise ValueError(
-                "mesh needs dim names: init_device_mesh(..., mesh_dim_names=('dp_shard',)) or "
-                "('dp_outer', 'dp_shard') for HSDP"
-            )
+        mesh = _named(mesh)
+        names = mesh.mesh_dim_names or ()
         if mesh.ndim == 2:  # FSDP2's convention: (replicate, shard) means HSDP
             return FSDPTopology.from_mesh(mesh, dp_shard_dim=names[1], dp_outer_dim=names[0])
         return FSDPTopology.from_mesh(mesh, dp_shard_dim=names[0])

@@ -193,6 +193,13 @@ class FSDPRoot:
         finally:
             self.in_backward = False
 
+    def reset_iteration(self) -> None:
+        """``reset_iter_state`` after an exception: in-flight work done, units IDLE."""
+        self.wait_reductions()
+        for unit in self.units:
+            unit.reset_iteration()
+        self.in_backward = False
+
     def _sync_across_replicas(self) -> None:
         """HSDP: shards that still hold ``no_sync`` parts (their unit reduced nothing in this
         last micro-batch) are all-reduced across the replicas now."""

@@ -48,8 +48,9 @@ _LEGAL: dict[TrainingState, frozenset[TrainingState]] = {
     _S.IDLE: frozenset({_S.FORWARD, _S.PRE_BACKWARD, _S.POST_BACKWARD, _S.IDLE}),
     # post-forward; a module called twice in one forward re-enters FORWARD.
     _S.FORWARD: frozenset({_S.IDLE, _S.FORWARD}),
-    # recompute inside its own backward re-enters PRE_BACKWARD.
-    _S.PRE_BACKWARD: frozenset({_S.PRE_BACKWARD, _S.POST_BACKWARD}),
+    # recompute inside its own backward re-enters PRE_BACKWARD; reset_iter_state after an
+    # exception in backward goes back to IDLE.
+    _S.PRE_BACKWARD: frozenset({_S.PRE_BACKWARD, _S.POST_BACKWARD, _S.IDLE}),
     # only the end of the whole backward (root's final callback) leaves it.
     _S.POST_BACKWARD: frozenset({_S.IDLE}),
 }

@@ -126,9 +126,7 @@ class FSDPUnit:
         # (input_grad_trigger.py): its backward then ends at the same point on every rank.
         self._inputs_trigger_armed = False
         self.requires_gradient_sync = True
-        # Its forward ran since its last backward ended: a unit that took no part in an
-        # iteration (a forward of another unit alone) leaves its gradients as they are.
-        self._took_part = False
+        self._took_part = False  # its forward ran (with grad) since its backward ended
         # FSDP2's set_requires_all_reduce: False keeps HSDP's reduced shards off dp_outer.
         self.requires_all_reduce = True
         _refuse_params_of_other_units(self.name, slots)
@@ -329,10 +327,15 @@ class FSDPUnit:
             reducer = group.reducer
             if reducer is None or not self.root.should_reduce(group):
                 continue
-            # No forward and no gradient: gradients stay as they are (None after zero_grad)
-            # as torch leaves a module's that did not run, not reduced zeros Adam would step.
+            # No forward, no gradient: grads stay None (as torch's), not zeros Adam steps.
             if self._took_part or reducer.collector.has_grads:
                 self.root.reduce(group)
+
+    def reset_iteration(self) -> None:
+        """FSDP2's ``reset_iter_state``: an exception ended the iteration midway."""
+        self.forwards.abandon()
+        self.reshard()
+        self.end_backward()
 
     def end_backward(self) -> None:
         self._move_to(TrainingState.IDLE)
