@@ -1,0 +1,676 @@
+"""The cells of the entry-point x feature matrix (``test_megatron_fsdp_matrix.py``).
+
+A cell is (row, column): an entry point and a feature. ``cell_worker`` runs on every rank:
+it builds the column's model and meshes, wraps them through the row's entry point, trains
+``STEPS`` steps and returns the global loss of each step and the final full weights, or the
+exception the wrap raised. ``reference_run`` trains the same model in one process on the
+same global batches: the ground truth the test compares with.
+
+Rows (entry points):
+
+* ``seed``: ``megatron_fsdp.fully_shard(model, optimizer, fsdp_unit_modules=[...], ...)``.
+* ``model_optimizer``: ``fully_shard_model`` then ``fully_shard_optimizer``.
+* ``class``: ``megatron_fsdp.MegatronFSDP(module, FSDPDistributedIndex(...),
+  DistributedDataParallelConfig(...), fsdp_unit_modules=[...])``.
+* ``per_module``: ``mfsdp_hooks.fully_shard`` on each block, then the root; a plain optimizer
+  built afterwards on ``model.parameters()``.
+* ``mcore``: ``megatron_fsdp.mcore.FullyShardedDataParallel`` with stand-ins for
+  Megatron-Core's configs, driven as Megatron-Core's loop drives a model chunk
+  (``zero_grad_buffer``, backward, ``finish_grad_sync``, ``scale_gradients``, a plain
+  optimizer step, ``copy_main_weights_to_model_weights``, ``start_param_sync``).
+
+Model families: ``toy`` (``mfsdp_hooks.testing.ToyModel``: tied embedding and head, a frozen
+layer), ``tp`` (``mfsdp_hooks.tp_testing``), ``ep`` (``mfsdp_hooks.moe_testing``) and
+``float8`` (``mfsdp_te.float8_testing``). Every toy cell carries the tie and the frozen layer;
+the ``tied`` and ``frozen`` columns also assert them explicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+import megatron_fsdp
+import mfsdp_hooks
+from megatron_fsdp import (
+    DistributedDataParallelConfig,
+    FSDPDistributedIndex,
+    MixedPrecisionPolicy,
+    fully_shard_model,
+    fully_shard_optimizer,
+)
+from megatron_fsdp.mcore import FullyShardedDataParallel
+from mfsdp_checkpoint import gather_full_state_dict, load_checkpoint, save_checkpoint
+from mfsdp_collectives import FSDPTopology
+from mfsdp_hooks import ExpertSharding
+from mfsdp_hooks.moe_testing import MOE_OUT, MOE_WIDTH, NUM_EXPERTS, MoEBlock, moe_model
+from mfsdp_hooks.testing import Block, ToyModel, loss_fn, make_batches, make_model
+from mfsdp_hooks.tp_testing import TP_OUT, TP_WIDTH, MLPBlock, megatron_tp_model, tp_model
+
+ROWS = ("seed", "model_optimizer", "class", "per_module", "mcore")
+COLS = (
+    "zero0",
+    "zero1",
+    "zero2",
+    "zero3",
+    "hsdp",
+    "hfsdp",
+    "tp_dtensor",
+    "tp_megatron",
+    "ep",
+    "cp",
+    "meta_init",
+    "float8",
+    "bf16",
+    "no_sync",
+    "recompute",
+    "cpu_offload",
+    "tied",
+    "frozen",
+    "dcp_resume",
+    "to_device",
+    "train_eval",
+)
+
+STEPS = 10
+SAVE_AFTER = 5  # dcp_resume: save after this many steps, resume a fresh model for the rest
+LR = 1e-2
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+_FAMILY = {"tp_dtensor": "tp", "tp_megatron": "tp", "ep": "ep", "float8": "float8"}
+_WORLD = {"hsdp": 4, "hfsdp": 4, "tp_dtensor": 4, "tp_megatron": 4, "ep": 4, "cp": 4}
+_STRATEGY = {"zero0": 0, "zero1": 1, "zero2": 2}
+_STRATEGY_NAME = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
+_UNIT: dict[str, type[nn.Module]] = {"toy": Block, "tp": MLPBlock, "ep": MoEBlock}
+
+
+def family(col: str) -> str:
+    return _FAMILY.get(col, "toy")
+
+
+def world_size(col: str) -> int:
+    """Ranks a column needs: 4 for 2x2 meshes, 2 otherwise."""
+    return _WORLD.get(col, 2)
+
+
+def strategy(col: str) -> int:
+    """The ZeRO strategy of a column (ZeRO-3 unless the column is about the strategy)."""
+    return _STRATEGY.get(col, 3)
+
+
+def micro_batches(col: str) -> int:
+    return 2 if col == "no_sync" else 1
+
+
+def _unit_class(col: str) -> type[nn.Module]:
+    if family(col) == "float8":
+        from mfsdp_te.float8_testing import Float8Block
+
+        return Float8Block
+    return _UNIT[family(col)]
+
+
+# --------------------------------------------------------------------------- data
+def global_batch(col: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s whole batch (what one process trains on)."""
+    kind = family(col)
+    if kind == "toy":
+        # cp cuts the sequence over 2 ranks: 6 positions (the default 5 would not divide).
+        return _toy_batches(6 if col == "cp" else 5)[step]
+    gen = torch.Generator().manual_seed(step)
+    if kind == "tp":
+        return torch.randn(8, 4, TP_WIDTH, generator=gen), torch.randn(8, 4, TP_OUT, generator=gen)
+    if kind == "ep":
+        return torch.randn(16, MOE_WIDTH, generator=gen), torch.randn(16, MOE_OUT, generator=gen)
+    from mfsdp_te.float8_testing import float8_batch
+
+    return float8_batch(step)
+
+
+_BATCHES: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def _toy_batches(seq: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if seq not in _BATCHES:
+        _BATCHES[seq] = make_batches(STEPS, global_batch=12, seq=seq)
+    return _BATCHES[seq]
+
+
+def eval_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """train_eval: the batch evaluated under ``no_grad`` after every step."""
+    return make_batches(1, global_batch=12, seq=5, seed=99)[0]
+
+
+def batch_loss(col: str, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    if family(col) == "toy":
+        return loss_fn(outputs, targets)
+    return nn.functional.mse_loss(outputs, targets)
+
+
+def shares_in_reference(col: str) -> int:
+    """How many per-rank shares the one-process reference runs as micro-batches of their
+    own: float8 scales activations per tensor and bf16 rounds each share's gradient before
+    the fp32 reduction, so the reference must see what each rank computes."""
+    return world_size(col) if col in ("float8", "bf16") else 1
+
+
+# --------------------------------------------------------------------------- layout
+@dataclass
+class Layout:
+    """A column's meshes and this rank's share of the data."""
+
+    device_mesh: DeviceMesh | None = None
+    dp_shard_dim: str | None = None
+    dp_outer_dim: str | None = None
+    tp_dim: str | None = None
+    hybrid_group: dist.ProcessGroup | None = None
+    outer_optim: bool = False
+    expert_mesh: DeviceMesh | None = None
+    per_module_mesh: DeviceMesh | FSDPTopology | None = None
+    experts: ExpertSharding | None = None
+    dp: tuple[int, int] = (0, 1)  # (rank, size) over the batch rows
+    cp: tuple[int, int] = (0, 1)  # (rank, size) over the sequence
+    tp_mesh: DeviceMesh | None = None
+
+
+def make_layout(col: str, rank: int, world: int) -> Layout:
+    if col in ("hsdp", "hfsdp"):
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_outer", "dp_shard"))
+        per_module: DeviceMesh | FSDPTopology = mesh  # FSDP2's (replicate, shard) convention
+        if col == "hfsdp":
+            topology = FSDPTopology.from_mesh(
+                mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer"
+            )
+            topology.shard_optimizer_across_outer(dist.group.WORLD)  # type: ignore[arg-type]
+            per_module = topology
+        return Layout(
+            device_mesh=mesh,
+            dp_shard_dim="dp_shard",
+            dp_outer_dim="dp_outer",
+            hybrid_group=dist.group.WORLD,
+            outer_optim=col == "hfsdp",
+            per_module_mesh=per_module,
+            dp=(rank, world),
+        )
+    if family(col) == "tp":
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "tp"))
+        per_module = mesh["dp_shard"]  # DTensor TP: FSDP2's way, the 1-D DP mesh
+        if col == "tp_megatron":  # plain local TP tensors: the engine needs the TP dim named
+            per_module = FSDPTopology.from_mesh(mesh, dp_shard_dim="dp_shard", tp_dim="tp")
+        return Layout(
+            device_mesh=mesh,
+            dp_shard_dim="dp_shard",
+            tp_dim="tp",
+            per_module_mesh=per_module,
+            dp=(mesh["dp_shard"].get_local_rank(), world // 2),
+            tp_mesh=mesh["tp"],
+        )
+    if col == "ep":
+        dense = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        expert = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "ep"))
+        experts = ExpertSharding(
+            topology=FSDPTopology.from_mesh(expert, dp_shard_dim="dp_shard"), mean_over=world
+        )
+        return Layout(
+            device_mesh=dense,
+            dp_shard_dim="dp_shard",
+            expert_mesh=expert,
+            per_module_mesh=dense,
+            experts=experts,
+            dp=(rank, world),
+        )
+    if col == "cp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_shard", "cp"))
+        flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return Layout(
+            device_mesh=mesh,
+            dp_shard_dim="dp_shard_cp",
+            per_module_mesh=flat,
+            dp=(mesh["dp_shard"].get_local_rank(), 2),
+            cp=(mesh["cp"].get_local_rank(), world // 2),
+        )
+    return Layout(dp=(rank, world))
+
+
+def local_share(
+    x: torch.Tensor, y: torch.Tensor, layout: Layout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows (and, under cp, its part of the sequence) of a batch."""
+    (dp_rank, dp_size), (cp_rank, cp_size) = layout.dp, layout.cp
+    x, y = x.chunk(dp_size)[dp_rank], y.chunk(dp_size)[dp_rank]
+    if cp_size > 1:
+        x, y = x.chunk(cp_size, dim=1)[cp_rank], y.chunk(cp_size, dim=1)[cp_rank]
+    return x, y
+
+
+# --------------------------------------------------------------------------- models
+def original_model(col: str, layout: Layout, seed: int = 0) -> nn.Module:
+    """The column's model as the user builds it before wrapping (on every rank alike)."""
+    kind = family(col)
+    if kind == "tp":
+        assert layout.tp_mesh is not None
+        if col == "tp_megatron":
+            return megatron_tp_model(layout.tp_mesh)
+        return tp_model("mlp", layout.tp_mesh)
+    if kind == "ep":
+        assert layout.expert_mesh is not None
+        return moe_model(layout.expert_mesh["ep"].get_group())
+    if kind == "float8":
+        from mfsdp_te.float8_testing import float8_model
+
+        return float8_model()
+    if col == "meta_init":
+        with torch.device("meta"):
+            return ToyModel()
+    return make_model(seed, checkpoint="non_reentrant" if col == "recompute" else None)
+
+
+@dataclass
+class TransformerConfigStandIn:
+    """The ``TransformerConfig`` fields the adapter reads, with Megatron-Core's defaults."""
+
+    tensor_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    num_moe_experts: int | None = None
+    calculate_per_token_loss: bool = False
+    init_model_with_meta_device: bool = False
+
+
+@dataclass
+class MCoreDDPConfigStandIn:
+    """Megatron-Core's ``DistributedDataParallelConfig``: shared fields and its own."""
+
+    data_parallel_sharding_strategy: str = "no_shard"
+    outer_dp_sharding_strategy: str = "no_shard"
+    num_distributed_optimizer_instances: int = 1
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    use_distributed_optimizer: bool = False
+    use_megatron_fsdp: bool = False
+    grad_reduce_in_fp32: bool = False
+    num_buckets: int | None = None
+    align_param_gather: bool = False
+
+
+@dataclass
+class Built:
+    """A wrapped model: what to call, what to step, what checkpoints and gathers take."""
+
+    model: nn.Module  # called for forward; has no_sync(), to(), eval(), train()
+    optimizer: torch.optim.Optimizer
+    state_model: nn.Module  # for save/load_checkpoint and gather_full_state_dict
+    inner: nn.Module  # the user's (now sharded) module
+
+
+def _seed_kwargs(col: str, layout: Layout) -> dict[str, Any]:
+    """The seed entry points' arguments for a column."""
+    kwargs: dict[str, Any] = {"zero_dp_strategy": strategy(col)}
+    if layout.device_mesh is not None:
+        kwargs.update(device_mesh=layout.device_mesh, dp_shard_dim=layout.dp_shard_dim)
+    if layout.tp_dim is not None:
+        kwargs["tp_dim"] = layout.tp_dim
+    if layout.dp_outer_dim is not None:
+        kwargs.update(
+            dp_outer_dim=layout.dp_outer_dim,
+            hybrid_fsdp_group=layout.hybrid_group,
+            outer_dp_sharding_strategy="optim" if layout.outer_optim else "no_shard",
+        )
+    if layout.expert_mesh is not None:
+        kwargs["expt_device_mesh"] = layout.expert_mesh
+    if col == "meta_init":
+        kwargs["init_model_with_meta_device"] = True
+    if col == "bf16":
+        kwargs["mixed_precision_policy"] = BF16
+    if col == "cpu_offload":  # the seed API has no offload argument: refused by name
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    return kwargs
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR)
+
+
+def build(row: str, col: str, layout: Layout, seed: int = 0) -> Built:
+    """Wrap the column's model through the row's entry point (may raise: a refusal)."""
+    module = original_model(col, layout, seed)
+    units = [_unit_class(col)]
+    torch.manual_seed(seed)  # meta init draws the weights now, as the direct build would
+    if row == "seed":
+        wrapped, optimizer = megatron_fsdp.fully_shard(
+            module,
+            _adamw(module.parameters()),
+            fsdp_unit_modules=units,
+            **_seed_kwargs(col, layout),
+        )
+        return Built(wrapped, optimizer, wrapped, wrapped.module)
+    if row == "model_optimizer":
+        wrapped = fully_shard_model(module, fsdp_unit_modules=units, **_seed_kwargs(col, layout))
+        optimizer = fully_shard_optimizer(_adamw(wrapped.parameters()))
+        return Built(wrapped, optimizer, wrapped, wrapped.module)
+    if row == "class":
+        wrapped = _class_api(module, col, layout, units)
+        optimizer = fully_shard_optimizer(_adamw(wrapped.parameters()))
+        return Built(wrapped, optimizer, wrapped, wrapped.module)
+    if row == "per_module":
+        _per_module(module, col, layout, units[0])
+        return Built(module, _adamw(module.parameters()), module, module)
+    if row == "mcore":
+        chunk = _mcore(module, col, units)
+        return Built(chunk, _adamw(chunk.parameters()), chunk, chunk.module.module)
+    raise ValueError(f"unknown row {row!r}")
+
+
+def _class_api(
+    module: nn.Module, col: str, layout: Layout, units: list[type[nn.Module]]
+) -> megatron_fsdp.MegatronFSDP:
+    mesh = layout.device_mesh
+    if mesh is None:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    index = FSDPDistributedIndex(
+        mesh,
+        dp_shard_dim=layout.dp_shard_dim or "dp_shard",
+        dp_outer_dim=layout.dp_outer_dim,
+        tp_dim=layout.tp_dim,
+        hybrid_fsdp_group=layout.hybrid_group,
+        hsdp_outer_dp_shard=layout.outer_optim,
+        expt_device_mesh=layout.expert_mesh,
+    )
+    config = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=_STRATEGY_NAME[strategy(col)],
+        outer_dp_sharding_strategy="optim" if layout.outer_optim else "no_shard",
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+    )
+    kwargs: dict[str, Any] = {"fsdp_unit_modules": units}
+    if col == "meta_init":
+        kwargs["init_model_with_meta_device"] = True
+    if col == "bf16":
+        kwargs["mixed_precision_policy"] = BF16
+    if col == "cpu_offload":  # no offload keyword in the reference's class: refused by name
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    return megatron_fsdp.MegatronFSDP(module, index, config, **kwargs)
+
+
+def _per_module(module: nn.Module, col: str, layout: Layout, unit: type[nn.Module]) -> None:
+    """FSDP2's pattern: each block, then the root, with the same options."""
+    options: dict[str, Any] = {"mesh": layout.per_module_mesh, "sharding_strategy": strategy(col)}
+    if col == "bf16":
+        options["mp_policy"] = BF16
+    if col == "cpu_offload":
+        options["offload_policy"] = CPUOffloadPolicy()
+    if family(col) == "float8":
+        from mfsdp_te import float8_codecs
+
+        options["param_codecs"] = float8_codecs()
+    blocks = [m for m in module.modules() if isinstance(m, unit)]
+    for block in blocks:
+        mfsdp_hooks.fully_shard(block, experts=layout.experts, **options)
+    mfsdp_hooks.fully_shard(module, **options)
+
+
+def _mcore(module: nn.Module, col: str, units: list[type[nn.Module]]) -> Any:
+    config = TransformerConfigStandIn(
+        tensor_model_parallel_size=2 if family(col) == "tp" else 1,
+        context_parallel_size=2 if col == "cp" else 1,
+        expert_model_parallel_size=2 if col == "ep" else 1,
+        num_moe_experts=NUM_EXPERTS if col == "ep" else None,
+        init_model_with_meta_device=col == "meta_init",
+    )
+    ddp_config = MCoreDDPConfigStandIn(
+        data_parallel_sharding_strategy=_STRATEGY_NAME[strategy(col)],
+        # Megatron-Core's HSDP: several distributed-optimizer instances (HFSDP: and the
+        # optimizer sharded across them).
+        num_distributed_optimizer_instances=2 if col in ("hsdp", "hfsdp") else 1,
+        outer_dp_sharding_strategy="optim" if col == "hfsdp" else "no_shard",
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        use_distributed_optimizer=True,
+        use_megatron_fsdp=True,
+        grad_reduce_in_fp32=col == "bf16",
+    )
+    if col == "bf16":  # Megatron-Core's Float16Module: the model itself in bf16
+        module = module.bfloat16()
+    extra: dict[str, Any] = {}
+    if col == "cpu_offload":
+        extra["offload_policy"] = CPUOffloadPolicy()
+    return FullyShardedDataParallel(config, ddp_config, module, fsdp_unit_modules=units, **extra)
+
+
+# --------------------------------------------------------------------------- training
+def train_step(built: Built, row: str, col: str, step: int, layout: Layout) -> float:
+    """One optimizer step on ``step``'s batch; returns the global loss (mean over ranks)."""
+    model, optimizer = built.model, built.optimizer
+    micro = micro_batches(col)
+    x, y = global_batch(col, step)
+    if row == "mcore":  # Megatron-Core's order: buffers zeroed before the forward passes
+        model.zero_grad_buffer()  # type: ignore[operator]
+        optimizer.zero_grad()
+    total = torch.zeros(())
+    pairs = list(zip(x.chunk(micro), y.chunk(micro), strict=True))
+    for index, (mx, my) in enumerate(pairs):
+        lx, ly = local_share(mx, my, layout)
+        last = index == micro - 1
+        with contextlib.nullcontext() if last else model.no_sync():  # type: ignore[operator]
+            loss = batch_loss(col, model(lx), ly)
+            # Megatron-Core sums the micro-batches' gradients and scale_gradients averages.
+            (loss if row == "mcore" else loss / micro).backward()
+        total += loss.detach().float() / micro
+    if row == "mcore":
+        model.finish_grad_sync(force_all_reduce=False)  # type: ignore[operator]
+        if micro > 1:
+            model.scale_gradients(1 / micro)  # type: ignore[operator]
+        optimizer.step()
+        model.param_and_grad_buffer.copy_main_weights_to_model_weights()  # type: ignore[union-attr]
+        model.start_param_sync()  # type: ignore[operator]
+    else:
+        optimizer.step()
+        optimizer.zero_grad()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
+def eval_loss(built: Built, col: str, layout: Layout) -> float:
+    """train_eval: ``eval()``, a ``no_grad`` forward on the eval batch, ``train()``."""
+    built.model.eval()
+    with torch.no_grad():
+        lx, ly = local_share(*eval_batch(), layout)
+        total = batch_loss(col, built.model(lx), ly).detach().float()
+    built.model.train()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
+def _check_tied_and_frozen(built: Built, col: str, trained: bool) -> None:
+    inner = built.inner
+    if col == "tied":
+        assert inner.head.weight is inner.embed.weight, "the tie was lost by wrapping"
+        names = [n for n, _ in built.model.named_parameters()]
+        assert not any(n.endswith("head.weight") for n in names), names  # one parameter
+    if col == "frozen":
+        weight = inner.frozen.weight
+        assert not weight.requires_grad, "the frozen layer became trainable"
+        if trained:
+            assert weight.grad is None, "the frozen layer got a gradient"
+
+
+def final_weights(built: Built, col: str, layout: Layout) -> dict[str, torch.Tensor]:
+    """Every parameter's full value, named as in the one-process model (collective)."""
+    kind = family(col)
+    if kind in ("toy", "tp"):
+        full = gather_full_state_dict(built.state_model, rank0_only=False)
+        return {_plain(k): v.float() for k, v in full.items()}
+    weights = {}
+    for name, param in built.model.named_parameters():
+        value = param.full_tensor() if hasattr(param, "full_tensor") else param
+        parts = _plain(name).split(".")
+        if kind == "ep" and "experts" in parts:  # local expert K is global first + K
+            assert layout.expert_mesh is not None
+            per_rank = NUM_EXPERTS // layout.expert_mesh["ep"].size()
+            first = layout.expert_mesh["ep"].get_local_rank() * per_rank
+            at = parts.index("experts") + 1
+            parts[at] = str(first + int(parts[at]))
+        weights[".".join(parts)] = value.detach().float().clone()
+    return weights
+
+
+def _plain(name: str) -> str:
+    while name.startswith("module."):
+        name = name.removeprefix("module.")
+    return name
+
+
+def cell_worker(rank: int, world: int, row: str, col: str, ckpt: str) -> dict[str, Any]:
+    """One cell on one rank: the refusal, or losses, eval losses and final weights."""
+    layout = make_layout(col, rank, world)
+    try:
+        built = build(row, col, layout)
+    except Exception as error:  # a refusal: every rank must raise it, before communicating
+        dist.barrier()
+        return {"refused": (type(error), str(error))}
+    if col == "to_device":  # transformers.Trainer's call, and a dtype no-op
+        built.model.to(torch.device("cpu", 0))
+        built.model.float()
+    _check_tied_and_frozen(built, col, trained=False)
+    losses, evals = [], []
+    for step in range(STEPS):
+        if col == "dcp_resume" and step == SAVE_AFTER:
+            save_checkpoint(ckpt, built.state_model, built.optimizer)
+            built = build(row, col, layout, seed=123)  # another init: the load must win
+            load_checkpoint(ckpt, built.state_model, built.optimizer)
+        losses.append(train_step(built, row, col, step, layout))
+        if col == "train_eval":
+            evals.append(eval_loss(built, col, layout))
+    _check_tied_and_frozen(built, col, trained=True)
+    # Plain lists: tensors sent back from a rank would travel as shared-memory handles that
+    # die with the rank.
+    weights = {k: v.tolist() for k, v in final_weights(built, col, layout).items()}
+    return {"losses": losses, "evals": evals, "weights": weights}
+
+
+# --------------------------------------------------------------------------- reference
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """The ranks run single-threaded; so does the reference (bf16 sums are order-sensitive)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_model(row: str, col: str) -> nn.Module:
+    kind = family(col)
+    if kind == "tp":
+        return tp_model("mlp", None)
+    if kind == "ep":
+        return moe_model(None)
+    if kind == "float8":
+        from mfsdp_te.float8_testing import float8_model
+
+        return float8_model()
+    model = make_model(0, checkpoint="non_reentrant" if col == "recompute" else None)
+    if col == "meta_init" and row == "per_module":
+        _per_module_init_order(model)
+    if col == "bf16" and row == "mcore":  # the bf16 model's weights are the main weights'
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(param.bfloat16().float())
+    return model
+
+
+def _per_module_init_order(model: nn.Module) -> None:
+    """Per-module meta init initialises in the order the wraps ran: each block's modules,
+    then the root's own (embed, frozen, head on a scratch copy as its weight is tied,
+    value): the reference draws its weights in that order too."""
+    torch.manual_seed(0)
+    for block in model.blocks:  # type: ignore[union-attr]
+        for module in block.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    model.embed.reset_parameters()  # type: ignore[operator]
+    model.frozen.reset_parameters()  # type: ignore[operator]
+    nn.Linear(model.head.in_features, model.head.out_features, bias=False)  # type: ignore[arg-type]
+    model.value.reset_parameters()  # type: ignore[operator]
+
+
+def reference_run(row: str, col: str) -> dict[str, Any]:
+    """The cell's one-process training: losses, eval losses, final weights."""
+    with _one_thread():
+        master = _reference_model(row, col)
+        # bf16: fp32 main weights step; each share runs forward and backward on a bf16
+        # copy, its gradient taken to fp32 before the mean over shares (reduce_dtype).
+        compute = copy.deepcopy(master).bfloat16() if col == "bf16" else master
+        optimizer = _adamw(master.parameters())
+        micro, shares = micro_batches(col), shares_in_reference(col)
+        losses, evals = [], []
+        for step in range(STEPS):
+            x, y = global_batch(col, step)
+            total = 0.0
+            for mx, my in zip(x.chunk(micro), y.chunk(micro), strict=True):
+                for sx, sy in zip(mx.chunk(shares), my.chunk(shares), strict=True):
+                    loss = batch_loss(col, compute(sx), sy)
+                    (loss / (micro * shares)).backward()
+                    total += loss.item() / (micro * shares)
+                    if compute is not master:
+                        _bf16_grads_to_master(compute, master)
+            optimizer.step()
+            optimizer.zero_grad()
+            if compute is not master:
+                _master_to_compute(master, compute)
+            losses.append(total)
+            if col == "train_eval":
+                with torch.no_grad():
+                    evals.append(batch_loss(col, master(eval_batch()[0]), eval_batch()[1]).item())
+        weights = {k: v.detach().float().clone() for k, v in _reference_state(master, col).items()}
+    return {"losses": losses, "evals": evals, "weights": weights}
+
+
+def _bf16_grads_to_master(compute: nn.Module, master: nn.Module) -> None:
+    for low, high in zip(compute.parameters(), master.parameters(), strict=True):
+        if low.grad is not None:
+            grad = low.grad.float()
+            high.grad = grad if high.grad is None else high.grad + grad
+            low.grad = None
+
+
+def _master_to_compute(master: nn.Module, compute: nn.Module) -> None:
+    with torch.no_grad():
+        for high, low in zip(master.parameters(), compute.parameters(), strict=True):
+            low.copy_(high)
+
+
+def _reference_state(model: nn.Module, col: str) -> dict[str, torch.Tensor]:
+    if family(col) in ("toy", "tp"):
+        return dict(model.state_dict())
+    return dict(model.named_parameters())
+
+
+def assert_parity(
+    got: dict[str, Any], want: dict[str, Any], col: str, rtol: float, what: str
+) -> None:
+    """Losses, eval losses and final weights within ``rtol`` relative (``assert_close_rel``:
+    the largest error over the largest expected magnitude)."""
+    from mfsdp_hooks.testing import assert_close_rel
+
+    for name in ("losses", "evals"):
+        assert len(got[name]) == len(want[name]), (what, name, got[name], want[name])
+        for step, (a, b) in enumerate(zip(got[name], want[name], strict=True)):
+            assert abs(a - b) <= rtol * abs(b), f"{what}: {name}[{step}] {a} != {b}: {got[name]}"
+    weights = {k: torch.tensor(v) for k, v in got["weights"].items()}
+    expected: dict[str, torch.Tensor] = want["weights"]
+    if family(col) == "ep":  # each rank holds its own experts: compare those
+        expected = {k: v for k, v in expected.items() if k in weights}
+    assert weights.keys() == expected.keys(), (what, sorted(weights), sorted(expected))
+    for name, value in expected.items():
+        assert_close_rel(weights[name], value, rtol, f"{what}: {name}")
