@@ -94,6 +94,24 @@ def tests(session: nox.Session, torch: str) -> None:
 
 
 @nox.session
+def tests_full(session: nox.Session) -> None:
+    """The whole suite with the full entry-point x feature parity matrix (CI runs a
+    cross-section of it; run this before resolving work that touches an entry point)."""
+    _install_workspace(session)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "packages",
+        "tests",
+        "benchmarks/test_trackers.py",
+        "benchmarks/test_goals.py",
+        *session.posargs,
+        env={"MFSDP_FULL_MATRIX": "1"},
+    )
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """ruff lint and format check over the whole tree."""
     session.install("ruff>=0.6")

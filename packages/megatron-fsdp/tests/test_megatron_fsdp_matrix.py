@@ -60,13 +60,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("seed", "tp_megatron"): PARITY,
     ("seed", "ep"): PARITY,
     ("seed", "cp"): PARITY,
-    ("seed", "meta_init"): (
-        "xfail",
-        "fully_shard(model, optimizer, init_model_with_meta_device=True) with the optimizer "
-        "built on the meta model: ValueError 'optimizer holds no fully-sharded parameters' "
-        "(_rebind_optimizer finds no replacement for meta parameters; the seed README says "
-        "an optimizer built before wrapping is what fully_shard is for)",
-    ),
+    ("seed", "meta_init"): PARITY,
     ("seed", "float8"): PARITY,
     ("seed", "bf16"): PARITY,
     ("seed", "no_sync"): PARITY,
@@ -109,12 +103,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("class", "tp_dtensor"): PARITY,
     ("class", "tp_megatron"): PARITY,
     ("class", "ep"): PARITY,
-    ("class", "cp"): (
-        "xfail",
-        "FSDPDistributedIndex(mesh, dp_shard_dim='dp_shard_cp') refuses a flattened dim "
-        "(dist_index._group_of reads mesh_dim_names only) that fully_shard_model and the "
-        "reference's index accept",
-    ),
+    ("class", "cp"): PARITY,
     ("class", "meta_init"): PARITY,
     ("class", "float8"): PARITY,
     ("class", "bf16"): PARITY,
@@ -178,7 +167,7 @@ CI_CELLS: tuple[tuple[str, str], ...] = (
     ("seed", "zero3"),
     ("seed", "tp_dtensor"),
     ("seed", "float8"),
-    ("seed", "meta_init"),  # xfail: kept in CI so that its fix is noticed
+    ("seed", "meta_init"),  # was an engine bug (meta optimizer not re-pointed)
     ("seed", "to_device"),
     ("seed", "dcp_resume"),
     ("model_optimizer", "zero0"),
@@ -187,7 +176,7 @@ CI_CELLS: tuple[tuple[str, str], ...] = (
     ("model_optimizer", "bf16"),
     ("class", "zero1"),
     ("class", "hsdp"),
-    ("class", "cp"),  # xfail: kept in CI so that its fix is noticed
+    ("class", "cp"),  # was an engine bug (flattened dim refused by the index)
     ("class", "tied"),
     ("per_module", "zero2"),
     ("per_module", "tp_megatron"),

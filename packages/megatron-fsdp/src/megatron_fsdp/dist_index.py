@@ -14,11 +14,13 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from mfsdp_collectives import mesh_has_dim
+
 __all__ = ["FSDPDistributedIndex"]
 
 
 def _group_of(mesh: DeviceMesh | None, dim: str | None) -> dist.ProcessGroup | None:
-    if mesh is None or dim is None or dim not in (mesh.mesh_dim_names or ()):
+    if mesh is None or dim is None or not mesh_has_dim(mesh, dim):
         return None
     return mesh[dim].get_group()
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from mfsdp_collectives import FSDPTopology
+from mfsdp_collectives import FSDPTopology, mesh_has_dim
 
 __all__ = ["hybrid_topology", "parse_outer_strategy"]
 
@@ -45,15 +45,7 @@ def _dp_ranks(mesh: DeviceMesh, dims: tuple[str, str]) -> list[int]:
 
 
 def _names_a_dim(mesh: DeviceMesh, dim: str | None) -> bool:
-    if dim is None:
-        return False
-    if dim in (mesh.mesh_dim_names or ()):
-        return True
-    try:  # a dim flattened onto the mesh (``mesh[("dp_shard", "cp")]._flatten(...)``)
-        mesh[dim]
-    except (KeyError, RuntimeError, ValueError):
-        return False
-    return True
+    return dim is not None and mesh_has_dim(mesh, dim)
 
 
 def hybrid_topology(

@@ -35,12 +35,13 @@ from .optim_sharding import OptimizerSharding
 from .shm import SharedMemoryTransport
 from .streams import CommStreams
 from .strict import strict_async, strict_async_enabled
-from .topology import FSDPTopology, default_device
+from .topology import FSDPTopology, default_device, mesh_has_dim
 from .tracer import CommRecord, CommTracer
 
 __version__ = "1.0.0"
 
 __all__ = [
+    "mesh_has_dim",
     "CommHandle",
     "CommRecord",
     "CommStreams",

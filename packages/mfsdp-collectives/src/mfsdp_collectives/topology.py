@@ -44,10 +44,10 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _has_dim(mesh: DeviceMesh, names: tuple[str, ...], dim: str) -> bool:
+def mesh_has_dim(mesh: DeviceMesh, dim: str) -> bool:
     """A dim of the mesh, or a flattened one (``mesh[("dp_shard", "cp")]._flatten(
     "dp_shard_cp")`` registers ``"dp_shard_cp"`` on the root mesh for context parallelism)."""
-    if dim in names:
+    if dim in (mesh.mesh_dim_names or ()):
         return True
     try:
         mesh[dim]
@@ -290,7 +290,7 @@ class FSDPTopology:
             )
         dims = {"dp_shard_dim": dp_shard_dim, "dp_outer_dim": dp_outer_dim, "tp_dim": tp_dim}
         for arg, dim in dims.items():
-            if dim is not None and not _has_dim(mesh, names, dim):
+            if dim is not None and not mesh_has_dim(mesh, dim):
                 raise ValueError(
                     f"{arg}={dim!r} is not a dimension of the mesh; the mesh has "
                     f"mesh_dim_names={list(names)}: pass one of them or rename the mesh dims"

@@ -18,6 +18,7 @@ _INDEX_ATTR = "_mfsdp_index"
 _DIST_ATTR = "_mfsdp_dist_param"
 _MODEL_ATTR = "_mfsdp_model_ref"
 _OWNER_ATTR = "_mfsdp_owner"
+_MATERIALIZED_ATTR = "_mfsdp_materialized_as"
 
 
 @dataclass(frozen=True)
@@ -50,14 +51,27 @@ def register_replaced(original: nn.Parameter, dist_param: nn.Parameter, owner: s
     setattr(original, _OWNER_ATTR, owner)
 
 
+def register_materialized(meta: torch.Tensor, real: torch.Tensor) -> None:
+    """Tag a meta-device parameter with the real one meta init made for it, so an optimizer
+    built on the meta model is re-pointed (through it) at the sharded replacement."""
+    setattr(meta, _MATERIALIZED_ATTR, real)
+
+
+def _materialized(param: torch.Tensor) -> torch.Tensor:
+    real = getattr(param, _MATERIALIZED_ATTR, None)
+    return real if isinstance(real, torch.Tensor) else param
+
+
 def replaced_by_unit(param: torch.Tensor) -> str | None:
     """The unit that replaced ``param`` (an original parameter), or None."""
-    owner = getattr(param, _OWNER_ATTR, None)
+    owner = getattr(_materialized(param), _OWNER_ATTR, None)
     return owner if isinstance(owner, str) else None
 
 
 def dist_param_of(param: torch.Tensor) -> nn.Parameter | None:
-    """The distributed parameter behind ``param`` (itself, or its unsharded compute twin)."""
+    """The distributed parameter behind ``param``: itself, its unsharded compute twin, the
+    original it replaced, or a meta parameter materialised into such an original."""
+    param = _materialized(param)
     twin = getattr(param, _DIST_ATTR, None)
     if isinstance(twin, nn.Parameter):
         return twin

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from mfsdp_hooks.lookup import register_materialized
+
 __all__ = [
     "MetaMaterializer",
     "check_initialisable",
@@ -105,6 +107,7 @@ class MetaMaterializer:
         new = torch.empty(old.shape, dtype=old.dtype, device=self._device)
         if isinstance(old, nn.Parameter):
             new = nn.Parameter(new, requires_grad=old.requires_grad)
+            register_materialized(old, new)
         self._made[id(old)] = (old, new)
         return new, False
 
@@ -115,6 +118,7 @@ class MetaMaterializer:
         )
         if isinstance(old, nn.Parameter):
             piece = nn.Parameter(piece, requires_grad=old.requires_grad)
+            register_materialized(old, piece)
         self._made[id(old)] = (old, piece)
         return piece
 
