@@ -81,16 +81,7 @@ def tests(session: nox.Session, torch: str) -> None:
     if torch != LOCAL_TORCH and not _selected_explicitly(f"tests(torch='{torch}')"):
         session.skip(f"select with: nox -s \"tests(torch='{torch}')\"")
     _install_workspace(session, torch)
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "packages",
-        "tests",
-        "benchmarks/test_trackers.py",
-        "benchmarks/test_goals.py",
-        *session.posargs,
-    )
+    _run_suite(session, {})
 
 
 @nox.session
@@ -98,17 +89,12 @@ def tests_full(session: nox.Session) -> None:
     """The whole suite with the full entry-point x feature parity matrix (CI runs a
     cross-section of it; run this before resolving work that touches an entry point)."""
     _install_workspace(session)
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "packages",
-        "tests",
-        "benchmarks/test_trackers.py",
-        "benchmarks/test_goals.py",
-        *session.posargs,
-        env={"MFSDP_FULL_MATRIX": "1"},
-    )
+    _run_suite(session, {"MFSDP_FULL_MATRIX": "1"})
+
+
+def _run_suite(session: nox.Session, env: dict[str, str]) -> None:
+    suite = ["packages", "tests", "benchmarks/test_trackers.py", "benchmarks/test_goals.py"]
+    session.run("python", "-m", "pytest", *suite, *session.posargs, env=env)
 
 
 @nox.session

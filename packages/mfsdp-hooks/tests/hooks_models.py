@@ -41,6 +41,7 @@ __all__ = [
     "make_model",
     "make_optimizer",
     "reference_training",
+    "shard_blocks_then_root",
     "train_data_parallel",
     "trainable",
 ]
@@ -91,3 +92,19 @@ def local_rows(param: Any) -> slice:
     group = location.group
     piece = group.optim_layout.local_piece(location.index, group.topology.optim_rank)
     return slice(piece.row_start, piece.row_end)
+
+
+def shard_blocks_then_root(model: nn.Module, impl: str, **options: Any) -> None:
+    """``fully_shard`` each block, then the root, with ours (``impl="ours"``) or torch's FSDP2
+    (``"fsdp2"``), so tests run the same code through both."""
+    if impl == "fsdp2":
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        shard: Any = torch_fully_shard
+    else:
+        from mfsdp_hooks import fully_shard
+
+        shard = fully_shard
+    for block in model.blocks:  # type: ignore[union-attr]
+        shard(block, **options)
+    shard(model, **options)

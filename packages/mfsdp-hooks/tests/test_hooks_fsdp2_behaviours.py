@@ -8,11 +8,9 @@ units in FORWARD, so the next iteration raised "illegal state change".
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
-from hooks_models import make_batches, make_model, train_data_parallel
+from hooks_models import make_batches, make_model, shard_blocks_then_root, train_data_parallel
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -22,22 +20,10 @@ from mfsdp_hooks import fully_shard
 STEPS = 5
 
 
-def _shard(model: nn.Module, impl: str, **options: Any) -> None:
-    if impl == "fsdp2":
-        from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-        shard: Any = torch_fully_shard
-    else:
-        shard = fully_shard
-    for block in model.blocks:  # type: ignore[union-attr]
-        shard(block, **options)
-    shard(model, **options)
-
-
 def _unnamed_mesh_worker(rank: int, world: int, impl: str) -> list[float]:
     mesh = init_device_mesh("cpu", (world,))  # no mesh_dim_names
     model = make_model()
-    _shard(model, impl, mesh=mesh)
+    shard_blocks_then_root(model, impl, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     return train_data_parallel(model, optimizer, make_batches(STEPS), rank, world, global_mean=True)
 
@@ -72,7 +58,7 @@ def _reset_worker(rank: int, world: int, impl: str) -> list[float]:
     model = make_model()
     fails = _Fails()
     model.blocks[1].register_forward_pre_hook(lambda m, args: (fails(args[0]),))
-    _shard(model, impl)
+    shard_blocks_then_root(model, impl)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     batches = make_batches(STEPS)
     losses = train_data_parallel(model, optimizer, batches[:2], rank, world, global_mean=True)
@@ -95,7 +81,7 @@ def test_reset_iter_state_after_an_exception_in_forward() -> None:
 
 def _recurse_worker(rank: int, world: int) -> list[bool]:
     model = make_model()
-    _shard(model, "ours")
+    shard_blocks_then_root(model, "ours")
     model.set_requires_gradient_sync(False, recurse=False)  # type: ignore[operator]
     alone = [b.requires_gradient_sync for b in model.blocks]  # type: ignore[union-attr]
     root_alone = model.requires_gradient_sync  # type: ignore[operator]
