@@ -24,14 +24,16 @@ class MemberForwards:
         self.members = tuple(members)
         self._pending: set[int] = set()
 
-    def begin(self, module: nn.Module) -> bool:
+    def begin(self, module: nn.Module, *, alone: bool = False) -> bool:
         """At a member's pre-forward: True when it starts the unit's forward (a single
-        member always does; of several, the first one to run)."""
+        member always does; of several, the first one to run). ``alone``: the member runs
+        by itself, outside its root's forward (a chunked loss calling the head on pieces of
+        the output): its own forward is the whole pass."""
         if len(self.members) == 1:
             return True
         if self._pending:
             return False
-        self._pending = {id(m) for m in self.members}
+        self._pending = {id(module)} if alone else {id(m) for m in self.members}
         return True
 
     def finish(self, module: nn.Module) -> bool:

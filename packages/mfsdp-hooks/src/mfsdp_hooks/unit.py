@@ -97,6 +97,14 @@ def _gradient_after_backward(unit: str, param: str) -> RuntimeError:
     )
 
 
+def _outside_root_forward(unit: FSDPUnit) -> bool:
+    """A member called by itself after its root's forward ended (not in recompute)."""
+    root = unit.root
+    return not (root is None or root.root_unit is unit or in_backward_pass()) and (
+        root.root_unit.state is not TrainingState.FORWARD
+    )
+
+
 class FSDPUnit:
     """Drives unshard → forward → reshard → backward → reduce for one module."""
 
@@ -208,7 +216,7 @@ class FSDPUnit:
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if not self.forwards.begin(module):  # a later member: the first one gathered
+        if not self.forwards.begin(module, alone=_outside_root_forward(self)):
             return _cast_inputs(self.options.policy, args, kwargs)
         if self.root is None:
             self._make_root(self)
