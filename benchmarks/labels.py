@@ -24,10 +24,10 @@ __all__ = ["install_labels"]
 
 TARGETS: dict[str, tuple[str, ...]] = {
     "ours": (
-        "mfsdp_hooks.param_group",
-        "mfsdp_hooks.unit",
-        "mfsdp_hooks.root",
-        "mfsdp_hooks.optimizer",
+        "mfsdp_hooks.weights.param_group",
+        "mfsdp_hooks.runtime.unit",
+        "mfsdp_hooks.runtime.root",
+        "mfsdp_hooks.optim.optimizer",
         "mfsdp_collectives.ops",
         "mfsdp_collectives.handle",
         "mfsdp_collectives._launch",

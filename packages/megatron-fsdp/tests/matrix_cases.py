@@ -20,7 +20,7 @@ Rows (entry points):
   optimizer step, ``copy_main_weights_to_model_weights``, ``start_param_sync``).
 
 Model families: ``toy`` (``mfsdp_hooks.testing.ToyModel``: tied embedding and head, a frozen
-layer), ``tp`` (``mfsdp_hooks.tp_testing``), ``ep`` (``mfsdp_hooks.moe_testing``) and
+layer), ``tp`` (``mfsdp_hooks.testing.tp``), ``ep`` (``mfsdp_hooks.testing.moe``) and
 ``float8`` (``mfsdp_te.float8_testing``). Every toy cell carries the tie and the frozen layer;
 the ``tied`` and ``frozen`` columns also assert them explicitly.
 """
@@ -52,9 +52,9 @@ from megatron_fsdp.mcore import FullyShardedDataParallel
 from mfsdp_checkpoint import gather_full_state_dict, load_checkpoint, save_checkpoint
 from mfsdp_collectives import FSDPTopology
 from mfsdp_hooks import ExpertSharding
-from mfsdp_hooks.moe_testing import MOE_OUT, MOE_WIDTH, NUM_EXPERTS, MoEBlock, moe_model
 from mfsdp_hooks.testing import Block, ToyModel, loss_fn, make_batches, make_model
-from mfsdp_hooks.tp_testing import TP_OUT, TP_WIDTH, MLPBlock, megatron_tp_model, tp_model
+from mfsdp_hooks.testing.moe import MOE_OUT, MOE_WIDTH, NUM_EXPERTS, MoEBlock, moe_model
+from mfsdp_hooks.testing.tp import TP_OUT, TP_WIDTH, MLPBlock, megatron_tp_model, tp_model
 
 ROWS = ("seed", "model_optimizer", "class", "per_module", "mcore")
 COLS = (

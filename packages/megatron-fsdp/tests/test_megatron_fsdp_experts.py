@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp import fully_shard_model, fully_shard_optimizer
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks.moe_testing import MOE_OUT, MOE_WIDTH, MoEBlock, moe_model
+from mfsdp_hooks.testing.moe import MOE_OUT, MOE_WIDTH, MoEBlock, moe_model
 
 STEPS = 10
 

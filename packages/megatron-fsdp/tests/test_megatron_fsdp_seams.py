@@ -36,7 +36,7 @@ from mfsdp_hooks.testing import (
     train_data_parallel,
     train_single_process,
 )
-from mfsdp_hooks.tp_testing import TP_OUT, TP_WIDTH, MLPBlock, tp_model
+from mfsdp_hooks.testing.tp import TP_OUT, TP_WIDTH, MLPBlock, tp_model
 
 STEPS = 10
 Wrap = Callable[[nn.Module], tuple[nn.Module, torch.optim.Optimizer]]

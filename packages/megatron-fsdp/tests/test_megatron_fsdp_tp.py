@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 from megatron_fsdp import fully_shard_model, fully_shard_optimizer
 from mfsdp_checkpoint import gather_full_state_dict
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks.tp_testing import TP_OUT, TP_WIDTH, MLPBlock, megatron_tp_model, tp_model
+from mfsdp_hooks.testing.tp import TP_OUT, TP_WIDTH, MLPBlock, megatron_tp_model, tp_model
 
 STEPS = 10
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import MegatronFSDP, MixedPrecisionPolicy, attach_optimizer, fully_shard
-from mfsdp_hooks.contiguous_step import ContiguousStepper
+from mfsdp_hooks.optim.contiguous_step import ContiguousStepper
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),

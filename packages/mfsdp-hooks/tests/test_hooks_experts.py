@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from mfsdp_collectives import CommTracer, FSDPTopology
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import ExpertSharding, fsdp_units, fully_shard
-from mfsdp_hooks.moe_testing import MOE_OUT, MOE_WIDTH, MoEBlock, moe_model
+from mfsdp_hooks.testing.moe import MOE_OUT, MOE_WIDTH, MoEBlock, moe_model
 
 STEPS = 10
 

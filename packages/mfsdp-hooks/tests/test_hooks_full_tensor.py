@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from mfsdp_collectives import FSDPTopology
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import MegatronFSDP, RowShardedDTensor, fully_shard, row_sharded
-from mfsdp_hooks.dtensor_views import sharded_dtensor
-from mfsdp_hooks.tp_testing import TP_OUT, TP_WIDTH, full_value, tp_model
+from mfsdp_hooks.dtensor.dtensor_views import sharded_dtensor
+from mfsdp_hooks.testing.tp import TP_OUT, TP_WIDTH, full_value, tp_model
 
 
 def _check_gathers(model: nn.Module, reference: nn.Module, what: str) -> int:

@@ -22,7 +22,7 @@ from torch import nn
 from mfsdp_buffers import LiveTensorTracker, PlainAllocator
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import MegatronFSDP, ParameterGroup, attach_optimizer, fsdp_units
-from mfsdp_hooks.unit import FSDPUnit
+from mfsdp_hooks.runtime.unit import FSDPUnit
 
 WIDTH, BLOCKS, BATCH = 128, 6, 4
 SLACK = 64 * 1024  # scalars, loss, small temporaries

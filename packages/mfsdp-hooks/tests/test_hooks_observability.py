@@ -19,7 +19,7 @@ from torch import nn
 from mfsdp_collectives import RankMismatchError
 from mfsdp_collectives.testing import run_distributed, run_distributed_outcomes
 from mfsdp_hooks import MegatronFSDP, fsdp_units, fully_shard
-from mfsdp_hooks.unit import unit_of
+from mfsdp_hooks.runtime.unit import unit_of
 
 BLOCK_NUMEL = 262  # LayerNorm(15) + Linear(15, 7) + Linear(7, 15)
 EVENTS = ["pre_forward", "post_forward", "pre_backward", "post_backward"]

@@ -203,7 +203,7 @@ def test_a_root_level_option_given_to_a_non_root_unit_is_refused() -> None:
 
 # ----------------------------------------------------------------- the unit's state machine
 def test_the_unit_state_machine_refuses_moves_the_lifecycle_never_makes() -> None:
-    from mfsdp_hooks.training_state import TrainingState as S
+    from mfsdp_hooks.runtime.training_state import TrainingState as S
 
     legal = [
         (S.IDLE, S.FORWARD),

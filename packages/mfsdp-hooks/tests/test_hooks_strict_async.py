@@ -32,8 +32,8 @@ from test_hooks_training_modes import _accumulation_worker, _recompute_worker
 from mfsdp_collectives import strict_async
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import MegatronFSDP, fully_shard
-from mfsdp_hooks.reduction_queue import ReductionQueue
-from mfsdp_hooks.unit import FSDPUnit
+from mfsdp_hooks.grads.reduction_queue import ReductionQueue
+from mfsdp_hooks.runtime.unit import FSDPUnit
 
 STEPS = 10
 

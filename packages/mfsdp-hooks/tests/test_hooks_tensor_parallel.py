@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import fsdp_units, fully_shard
-from mfsdp_hooks.tp_testing import TP_OUT, TP_WIDTH, full_value, sequence_shard, tp_model
+from mfsdp_hooks.testing.tp import TP_OUT, TP_WIDTH, full_value, sequence_shard, tp_model
 
 STEPS = 10
 

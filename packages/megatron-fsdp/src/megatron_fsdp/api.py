@@ -19,12 +19,12 @@ from megatron_fsdp.wrapper import MegatronFSDP
 from mfsdp_checkpoint import enable_dcp
 from mfsdp_hooks import (
     MixedPrecisionPolicy,
+    UnitSpec,
     attach_optimizer,
     dist_param_of,
     optimizer_groups,
     owning_model,
 )
-from mfsdp_hooks.megatron_fsdp import UnitSpec
 
 
 def fully_shard_model(

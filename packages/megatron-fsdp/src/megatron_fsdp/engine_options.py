@@ -18,8 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from megatron_fsdp.expert_mesh import expert_sharding
 from megatron_fsdp.hybrid import hybrid_topology, parse_outer_strategy
 from mfsdp_collectives import FSDPTopology
-from mfsdp_hooks import MixedPrecisionPolicy, parse_strategy
-from mfsdp_hooks.megatron_fsdp import UnitSpec, resolve_unit_modules
+from mfsdp_hooks import MixedPrecisionPolicy, UnitSpec, parse_strategy, resolve_unit_modules
 from mfsdp_te import float8_codecs
 
 __all__ = ["engine_kwargs"]

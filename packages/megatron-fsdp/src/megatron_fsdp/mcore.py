@@ -32,7 +32,7 @@ from megatron_fsdp.ddp_config import DistributedDataParallelConfig
 from megatron_fsdp.dist_index import FSDPDistributedIndex
 from megatron_fsdp.wrapper import MegatronFSDP
 from mfsdp_checkpoint import enable_dcp
-from mfsdp_hooks.megatron_fsdp import UnitSpec
+from mfsdp_hooks import UnitSpec
 
 __all__ = ["FullyShardedDataParallel", "MCoreFSDPModel"]
 

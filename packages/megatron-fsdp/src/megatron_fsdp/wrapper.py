@@ -28,8 +28,7 @@ import mfsdp_hooks
 from megatron_fsdp.ddp_config import DistributedDataParallelConfig
 from megatron_fsdp.dist_index import FSDPDistributedIndex
 from megatron_fsdp.engine_options import engine_kwargs
-from mfsdp_hooks import MixedPrecisionPolicy, ShardingStrategy, fsdp_units
-from mfsdp_hooks.megatron_fsdp import UnitSpec
+from mfsdp_hooks import MixedPrecisionPolicy, ShardingStrategy, UnitSpec, fsdp_units
 
 __all__ = ["MegatronFSDP"]
 

@@ -1,29 +1,35 @@
 """mfsdp_hooks: the FSDP unit lifecycle, mixed precision and optimizer integration."""
 
-from mfsdp_hooks.codec import CodecContext, GroupCodec, IdentityCodec, ParamClassCodec, ParamCodec
-from mfsdp_hooks.dtensor_views import dtensor_like, local_tensor
-from mfsdp_hooks.experts import ExpertSharding, is_megatron_expert
-from mfsdp_hooks.forward_methods import register_fsdp_forward_method
-from mfsdp_hooks.fully_shard import (
+from mfsdp_hooks.api.forward_methods import register_fsdp_forward_method
+from mfsdp_hooks.api.fully_shard import (
     FSDPModule,
     UnshardHandle,
     fsdp_units,
     fully_shard,
     is_fully_sharded,
 )
-from mfsdp_hooks.grad_allocator import GRAD_ALLOCATORS, make_grad_allocator
-from mfsdp_hooks.lookup import ParamLocation, dist_param_of, locate, owning_model
-from mfsdp_hooks.megatron_fsdp import MegatronFSDP, resolve_unit_modules
-from mfsdp_hooks.mixed_precision import MixedPrecisionPolicy
-from mfsdp_hooks.optimizer import FSDPOptimizer, attach_optimizer, optimizer_groups
-from mfsdp_hooks.param_group import ParameterGroup
-from mfsdp_hooks.reduce_config import GradReduceConfig
-from mfsdp_hooks.row_sharded import RowShardedDTensor, row_sharded
-from mfsdp_hooks.strategy import ShardingStrategy, parse_strategy
-from mfsdp_hooks.tensor_parallel import TPSpec, tp_full_tensor
-from mfsdp_hooks.training_state import TrainingState
-from mfsdp_hooks.unit import FSDPUnit
-from mfsdp_hooks.unit_options import UnitOptions
+from mfsdp_hooks.api.root_wrapper import MegatronFSDP, UnitSpec, resolve_unit_modules
+from mfsdp_hooks.config.codec import (
+    CodecContext,
+    GroupCodec,
+    IdentityCodec,
+    ParamClassCodec,
+    ParamCodec,
+)
+from mfsdp_hooks.config.experts import ExpertSharding, is_megatron_expert
+from mfsdp_hooks.config.grad_allocator import GRAD_ALLOCATORS, make_grad_allocator
+from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
+from mfsdp_hooks.config.reduce_config import GradReduceConfig
+from mfsdp_hooks.config.strategy import ShardingStrategy, parse_strategy
+from mfsdp_hooks.config.unit_options import UnitOptions
+from mfsdp_hooks.dtensor.dtensor_views import dtensor_like, local_tensor
+from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor, row_sharded
+from mfsdp_hooks.dtensor.tensor_parallel import TPSpec, tp_full_tensor
+from mfsdp_hooks.optim.optimizer import FSDPOptimizer, attach_optimizer, optimizer_groups
+from mfsdp_hooks.runtime.training_state import TrainingState
+from mfsdp_hooks.runtime.unit import FSDPUnit
+from mfsdp_hooks.weights.lookup import ParamLocation, dist_param_of, locate, owning_model
+from mfsdp_hooks.weights.param_group import ParameterGroup
 
 __version__ = "1.0.0"
 
@@ -48,6 +54,7 @@ __all__ = [
     "ParameterGroup",
     "ShardingStrategy",
     "TrainingState",
+    "UnitSpec",
     "UnitOptions",
     "UnshardHandle",
     "__version__",

@@ -1,0 +1,226 @@
+"""The methods every fully-sharded module gains: FSDP2's ``FSDPModule`` API, on our units.
+
+``fully_shard`` swaps a module's class for a subclass that also derives from ``FSDPModule``.
+The setters that change how units behave from now on (``set_reshard_after_forward``,
+``set_reshard_after_backward``, ``set_gradient_divide_factor``) apply to every unit in the
+module's subtree unless ``recurse=False``, as FSDP2's do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mfsdp_hooks.api.module_conversion import managed_params_hidden
+from mfsdp_hooks.config.reduce_config import GradReduceConfig
+from mfsdp_hooks.runtime.root import FSDPRoot, root_of
+from mfsdp_hooks.runtime.unit import FSDPUnit, unit_of, units_under
+
+__all__ = ["FSDPModule", "UnshardHandle"]
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``, as in FSDP2: ``wait()`` before using the weights."""
+
+    def __init__(self, unit: FSDPUnit) -> None:
+        self._unit: FSDPUnit | None = unit
+
+    def wait(self) -> None:
+        if self._unit is not None:
+            self._unit.wait_unshard()
+            self._unit = None
+
+
+class FSDPModule:
+    """Methods every fully-sharded module gains (mixed into its class)."""
+
+    def _mfsdp_unit(self) -> FSDPUnit:
+        unit = unit_of(self)  # type: ignore[arg-type]
+        assert unit is not None
+        return unit
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this module's parameters now; with ``async_op`` return a handle to wait on."""
+        unit = self._mfsdp_unit()
+        unit.request_unshard()
+        if async_op:
+            return UnshardHandle(unit)
+        unit.wait_unshard()
+        return None
+
+    def reshard(self) -> None:
+        self._mfsdp_unit().reshard()
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """Skip gradient reduction while False (ZeRO-0/1 accumulate locally; 2/3 still reduce).
+        ``recurse`` (FSDP2's): this module's unit only, or every unit under it."""
+        for unit in self._units(recurse=recurse):
+            unit.requires_gradient_sync = requires_gradient_sync
+
+    @property
+    def requires_gradient_sync(self) -> bool:
+        """Whether this unit's next backward reduces its gradients (False inside ``no_sync``)."""
+        return self._mfsdp_unit().requires_gradient_sync
+
+    @property
+    def sync_model_each_microbatch(self) -> bool:
+        return self._mfsdp_unit().options.sync_model_each_microbatch
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
+
+    def set_modules_to_forward_prefetch(self, modules: Sequence[nn.Module]) -> None:
+        self._mfsdp_unit().forward_prefetch = [_require_unit(m, "modules") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: Sequence[nn.Module]) -> None:
+        self._mfsdp_unit().backward_prefetch = [_require_unit(m, "modules") for m in modules]
+
+    def start_grad_sync(self) -> None:
+        """Launch the reductions of what ``no_sync`` kept local, without waiting for them
+        (``finish_grad_sync`` waits)."""
+        root = self._mfsdp_unit().root
+        if root is not None:
+            root.start_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every gradient reduction and reduce what ``no_sync`` kept local."""
+        root = self._mfsdp_unit().root
+        if root is not None:
+            root.finish_grad_sync()
+
+    def zero_grad_buffer(self) -> None:
+        for unit in self._units(recurse=True):
+            for group in unit.groups:
+                group.zero_main_grads()
+
+    def install_optimized_model_weights(self) -> None:
+        """Copy optimizer-updated weights into the compute weights now instead of lazily."""
+        for unit in self._units(recurse=True):
+            for group in unit.groups:
+                group.freshness.close_step_window(stepped=True)
+                handle = group.install_weights()
+                if handle is not None:
+                    handle.wait()
+
+    def reset_iter_state(self) -> None:
+        """FSDP2's: after an exception in forward or backward, make the next iteration
+        start clean (call it on the root; a unit not yet under a root is reset alone)."""
+        root = root_of(self)  # type: ignore[arg-type]
+        if root is not None:
+            root.reset_iteration()
+        else:
+            self._mfsdp_unit().reset_iteration()
+
+    @property
+    def fsdp_root(self) -> FSDPRoot | None:
+        return root_of(self)  # type: ignore[arg-type]
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``model.to(...)`` and friends after sharding: see ``module_conversion``."""
+        module: nn.Module = self  # type: ignore[assignment]
+        with managed_params_hidden(module, fn):
+            return super()._apply(fn, recurse)  # type: ignore[misc]
+
+    # ------------------------------------------------------------ FSDP2's runtime setters
+    def _units(self, recurse: bool) -> list[FSDPUnit]:
+        module: nn.Module = self  # type: ignore[assignment]
+        modules = module.modules() if recurse else [module]
+        return units_under(modules)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Reshard after forward (True, the root included) or keep the weights for backward."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+        for unit in self._units(recurse):
+            unit.options = dataclasses.replace(
+                unit.options, reshard_after_forward=reshard_after_forward
+            )
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """False keeps the gathered weights after backward (gradient accumulation trades
+        memory for the next forward's all-gather); updated weights are still re-gathered."""
+        for unit in self._units(recurse):
+            unit.options = dataclasses.replace(
+                unit.options, reshard_after_backward=bool(reshard_after_backward)
+            )
+
+    def set_sync_model_each_microbatch(self, sync_model_each_microbatch: bool) -> None:
+        """Finish every micro-batch's reductions in its own backward (True) or let ``no_sync``
+        micro-batches' reductions overlap the next one (False). A root-level option: call it
+        on the root; it applies to the whole tree, from the next backward on."""
+        if not isinstance(sync_model_each_microbatch, bool):
+            raise ValueError(
+                f"sync_model_each_microbatch must be a bool, got {sync_model_each_microbatch!r}"
+            )
+        root = self._mfsdp_unit().root
+        if root is not None and root.root_unit is not self._mfsdp_unit():
+            raise ValueError(
+                f"set_sync_model_each_microbatch on {type(self).__name__}, which is not the "
+                "FSDP root: call it on the root module (it applies to the whole tree)"
+            )
+        for unit in self._units(recurse=True):
+            unit.options = dataclasses.replace(
+                unit.options, sync_model_each_microbatch=sync_model_each_microbatch
+            )
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Gradients are summed over the ranks and divided by ``factor`` (instead of the
+        number of ranks), for this module's own unit."""
+        if not factor > 0:
+            raise ValueError(f"factor must be positive, got {factor!r}")
+        config = GradReduceConfig(average_in_collective=False, gradient_scaling_factor=1 / factor)
+        for group in self._mfsdp_unit().groups:
+            if group.reducer is not None:
+                group.reducer.configure(config)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's older name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 code. Ours always finishes a backward's reductions at its end
+        (outside ``no_sync``), which is what True asks; False only lets FSDP2 skip that wait,
+        so the gradients are the same either way."""
+        if not isinstance(is_last_backward, bool):
+            raise ValueError(f"is_last_backward must be a bool, got {is_last_backward!r}")
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters inside ``dp_shard`` only and accumulates the partial
+        shards; the next backward with True (or ``finish_grad_sync``, which the attached
+        optimizer's step calls) all-reduces the accumulated shard across ``dp_outer`` once.
+        ZeRO-0/1 keep such gradients local, as under ``no_sync``. Read from the root."""
+        if not isinstance(requires_all_reduce, bool):
+            raise ValueError(f"requires_all_reduce must be a bool, got {requires_all_reduce!r}")
+        for unit in self._units(recurse):
+            unit.requires_all_reduce = requires_all_reduce
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Not supported yet: the all-gather after a step waits on the current stream."""
+        raise NotImplementedError(
+            "set_post_optim_event: waiting the all-gather stream on a user event is not "
+            "supported yet; the next all-gather already waits for the optimizer step"
+        )
+
+
+def _require_unit(module: nn.Module, argument: str) -> FSDPUnit:
+    unit = unit_of(module)
+    if unit is None:
+        raise ValueError(
+            f"{argument}: {type(module).__name__} is not fully sharded; "
+            "call fully_shard on it first"
+        )
+    return unit

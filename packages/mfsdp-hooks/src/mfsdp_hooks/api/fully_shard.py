@@ -1,0 +1,412 @@
+"""The per-module, FSDP2-compatible entry point: ``fully_shard(module, ...)``.
+
+Call it on each block, then on the root, exactly like ``torch.distributed.fsdp.fully_shard``.
+The module's class is swapped for a subclass that also derives from ``FSDPModule``, which adds
+``unshard()``, ``reshard()``, ``set_requires_gradient_sync()`` and explicit prefetch lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.tensor import Shard
+
+from mfsdp_buffers import Allocator
+from mfsdp_collectives import (
+    FSDPTopology,
+    check_host_transport,
+    check_ranks_agree,
+)
+from mfsdp_hooks.api.fsdp_module import FSDPModule, UnshardHandle
+from mfsdp_hooks.api.wrap_agreement import UNITS_INSIDE, explain_wrap_mismatch, units_inside
+from mfsdp_hooks.config.codec import IDENTITY, ParamClassCodec, ParamCodec
+from mfsdp_hooks.config.experts import ExpertSharding
+from mfsdp_hooks.config.grad_allocator import make_grad_allocator
+from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy, from_fsdp2_policy
+from mfsdp_hooks.config.reduce_config import GradReduceConfig
+from mfsdp_hooks.config.strategy import ShardingStrategy, parse_strategy
+from mfsdp_hooks.config.unit_options import UnitOptions
+from mfsdp_hooks.dtensor.tensor_parallel import check_tp_parameters
+from mfsdp_hooks.runtime.member_forwards import ModuleGroup, unit_members
+from mfsdp_hooks.runtime.root import FSDPRoot
+from mfsdp_hooks.runtime.slots import (
+    SlotMap,
+    check_parameters_supported,
+    collect_slots,
+    describe_parameters,
+    parameter_lines,
+)
+from mfsdp_hooks.runtime.unit import FSDPUnit, unit_of, units_under
+from mfsdp_hooks.weights.lookup import set_owning_model
+from mfsdp_hooks.weights.meta_init import MetaMaterializer, check_initialisable, modules_in_scope
+
+
+def _require_positive_int(value: object, argument: str, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{argument} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{argument}={value}: {fix}")
+
+
+def _require_fraction(value: object, argument: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{argument} must be a float in [0, 1], got {value!r}")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(
+            f"{argument}={value} is outside [0, 1]: 0.0 prefetches at the unit's pre-backward, "
+            "1.0 once all of its gradients arrived"
+        )
+
+
+def _check_overlap_options(
+    max_inflight_reductions: object, prefetch_depth: object, backward_prefetch_grad_fraction: object
+) -> None:
+    _require_positive_int(
+        max_inflight_reductions,
+        "max_inflight_reductions",
+        "at least 1 reduction must be allowed in flight "
+        "(use overlap_grad_reduce=False to wait for each one)",
+    )
+    _require_positive_int(
+        prefetch_depth,
+        "prefetch_depth",
+        "gather at least the next unit ahead, or turn prefetching off with "
+        "overlap_param_gather=False",
+    )
+    _require_fraction(backward_prefetch_grad_fraction, "backward_prefetch_grad_fraction")
+
+
+def _check_module(members: Sequence[nn.Module], experts: object) -> None:
+    for member in members:
+        existing = unit_of(member)
+        if existing is not None:
+            raise ValueError(
+                f"module: fully_shard was already applied to this {existing.name}; "
+                "apply it once per module"
+            )
+    if experts is not None and not isinstance(experts, ExpertSharding):
+        raise TypeError(
+            f"experts must be an mfsdp_hooks.ExpertSharding or None, got {type(experts).__name__}"
+        )
+
+
+def _policy(mp_policy: object) -> MixedPrecisionPolicy:
+    """Ours, torch FSDP2's (converted: same fields) or None (the default)."""
+    policy = from_fsdp2_policy(mp_policy) if mp_policy is not None else MixedPrecisionPolicy()
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be an mfsdp_hooks.MixedPrecisionPolicy or torch FSDP2's, got "
+            f"{type(mp_policy).__name__}"
+        )
+    return policy
+
+
+def _agree_on_wrap(
+    label: str, target: nn.Module, slots: SlotMap, options: UnitOptions, host_transport: str
+) -> None:
+    """The wrap's first collective: every rank of the shard group wraps the same thing.
+    The parameters travel as a digest and, to name the first that differs, line by line."""
+    facts = {
+        "module": label,
+        UNITS_INSIDE: units_inside(target),
+        "parameters": describe_parameters(slots),
+        "host_transport": host_transport,
+    }
+    for field in dataclasses.fields(options):
+        value = getattr(options, field.name)
+        if field.name == "topology":
+            continue
+        # An allocator's or codec's repr holds its address; its kind is what must agree.
+        by_kind = field.name in ("grad_allocator", "codec")
+        facts[field.name] = type(value).__name__ if by_kind else repr(value)
+        if field.name == "codecs":
+            facts[field.name] = repr([codec.name for codec in value])
+        if isinstance(value, ExpertSharding):  # its topology's repr holds addresses
+            facts[field.name] = value.describe()
+    details = {"parameters": parameter_lines(slots)}
+    for group in (options.topology.shard_group, options.topology.outer_group):
+        if group is not None:  # HSDP: the replicas must agree too
+            check_ranks_agree(
+                group, facts, what="fully_shard", details=details, explain=explain_wrap_mismatch
+            )
+
+
+def _ignored_ids(ignored: Iterable[nn.Parameter] | None) -> frozenset[int]:
+    """As FSDP2: one set may be passed to every call; parameters of other modules are moot."""
+    params = list(ignored or ())
+    bad = [i for i, p in enumerate(params) if not isinstance(p, torch.Tensor)]
+    if bad:
+        raise TypeError(
+            f"ignored_params[{bad[0]}] is a {type(params[bad[0]]).__name__}, not a parameter"
+        )
+    return frozenset(id(p) for p in params)
+
+
+def _reshard_after_forward(value: bool | int | None) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise NotImplementedError(
+        f"reshard_after_forward={value!r}: resharding onto a smaller group after forward is "
+        "not supported yet; pass True (reshard fully) or False (keep the weights unsharded)"
+    )
+
+
+def check_offload_policy(policy: object, device: torch.device) -> None:
+    """FSDP2's offload policies. ``CPUOffloadPolicy`` asks for the sharded weights, the
+    gradients and the optimizer step on the host: when the model computes on the CPU they
+    are there already, so it is honoured as it stands. Keeping them on the host while an
+    accelerator computes is not built yet and raises."""
+    if policy is None or type(policy) is OffloadPolicy:
+        return
+    if not isinstance(policy, CPUOffloadPolicy):
+        raise TypeError(
+            f"offload_policy must be torch.distributed.fsdp.OffloadPolicy or CPUOffloadPolicy, "
+            f"got {type(policy).__name__}"
+        )
+    if device.type != "cpu":
+        raise NotImplementedError(
+            f"offload_policy=CPUOffloadPolicy() with the model on {device}: keeping the sharded "
+            "weights, gradients and optimizer step on the host while the accelerator computes "
+            "is not supported yet; leave offload_policy None (or shard more widely)"
+        )
+
+
+def check_shard_placements(fn: Callable[[nn.Parameter], Any] | None, slots: SlotMap) -> None:
+    """FSDP2's ``shard_placement_fn``: the engine shards rows (dim 0) only, so each answer
+    must be ``Shard(0)`` (or None, the default); it is asked before any collective."""
+    if fn is None:
+        return
+    if not callable(fn):
+        raise TypeError(f"shard_placement_fn must be callable, got {type(fn).__name__}")
+    for param, name, _ in slots.values():
+        placement = fn(param)
+        if placement is None or (
+            isinstance(placement, Shard) and placement.dim in (0, -param.dim())
+        ):
+            continue
+        raise NotImplementedError(
+            f"shard_placement_fn returned {placement!r} for {name!r}: sharding along another "
+            "dim than 0 is not supported yet; return Shard(0) or None for it"
+        )
+
+
+def _check_hfsdp_strategy(topology: FSDPTopology, strategy: ShardingStrategy) -> None:
+    if topology.shards_optimizer_across_outer and strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
+        raise ValueError(
+            f"sharding_strategy={strategy}: a topology that shards the optimizer across "
+            "dp_outer (HFSDP) needs ZeRO-3; pass sharding_strategy=3 or replicate across dp_outer"
+        )
+
+
+def _own_parameters(scope: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Parameter]]:
+    """The parameters the modules in ``scope`` register themselves, with their paths."""
+    return [
+        (f"{path}.{name}" if path else name, param)
+        for path, sub in scope
+        for name, param in sub.named_parameters(recurse=False)
+    ]
+
+
+def _named(mesh: DeviceMesh) -> DeviceMesh:
+    """FSDP2's canonical ``init_device_mesh("cpu", (world,))`` has no dim names: the same
+    group, named (no collective). A 2-D mesh needs names, as FSDP2 requires for HSDP."""
+    if mesh.mesh_dim_names:
+        return mesh
+    if mesh.ndim != 1:
+        raise ValueError(
+            "mesh: a 2-D mesh (HSDP) needs dim names: init_device_mesh(..., "
+            "mesh_dim_names=('dp_outer', 'dp_shard'))"
+        )
+    return DeviceMesh.from_group(mesh.get_group(), mesh.device_type, mesh_dim_names=("dp_shard",))
+
+
+def resolve_topology(mesh: DeviceMesh | FSDPTopology | None, module: nn.Module) -> FSDPTopology:
+    """The topology ``fully_shard(module, mesh=mesh)`` uses (may communicate: new groups)."""
+    if isinstance(mesh, FSDPTopology):
+        return mesh
+    if mesh is None:
+        device = next((p.device for p in module.parameters() if p.device.type != "meta"), None)
+        return FSDPTopology.default(device)
+    if isinstance(mesh, DeviceMesh):
+        if mesh.ndim > 2:
+            raise NotImplementedError(
+                f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}: fully_shard takes a 1-D mesh "
+                "(FSDP) or a 2-D (replicate, shard) mesh (HSDP); pass mesh[('dp_outer', "
+                "'dp_shard')] or mesh['dp_shard']"
+            )
+        mesh = _named(mesh)
+        names = mesh.mesh_dim_names or ()
+        if mesh.ndim == 2:  # FSDP2's convention: (replicate, shard) means HSDP
+            return FSDPTopology.from_mesh(mesh, dp_shard_dim=names[1], dp_outer_dim=names[0])
+        return FSDPTopology.from_mesh(mesh, dp_shard_dim=names[0])
+    raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+
+
+def fully_shard(
+    module: nn.Module | Sequence[nn.Module],
+    *,
+    mesh: DeviceMesh | FSDPTopology | None = None,
+    reshard_after_forward: bool | int | None = None,
+    mp_policy: MixedPrecisionPolicy | Any | None = None,
+    sharding_strategy: int | str | ShardingStrategy = ShardingStrategy.OPTIM_GRADS_PARAMS,
+    overlap_param_gather: bool = True,
+    overlap_grad_reduce: bool = True,
+    sync_model_each_microbatch: bool = True,
+    average_in_collective: bool = True,
+    gradient_scaling_factor: float | None = None,
+    calculate_per_token_loss: bool = False,
+    report_nan_in_param_grad: bool = False,
+    max_inflight_reductions: int = 1,
+    prefetch_depth: int = 1,
+    backward_prefetch_grad_fraction: float = 0.5,
+    grad_buffer_allocator: str | Allocator = "plain",
+    host_transport: str = "auto",
+    param_codec: ParamCodec | None = None,
+    param_codecs: Sequence[ParamClassCodec] = (),
+    experts: ExpertSharding | None = None,
+    ignored_params: Iterable[nn.Parameter] | None = None,
+    offload_policy: Any = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    **unsupported: Any,
+) -> Any:
+    """Shard ``module``'s parameters (those not owned by an already-sharded child) in place.
+
+    Returns the same module object, whose class now also derives from ``FSDPModule``. A
+    list of modules (FSDP2's ``fully_shard([a, b])``, e.g. tied embeddings) becomes one unit:
+    gathered before the first of them runs forward, resharded after the last; the list is
+    returned, each module now an ``FSDPModule``.
+    Overlap is bounded in units: ``prefetch_depth`` units are gathered ahead (forward and
+    backward, after the first iteration recorded the order) and at most
+    ``max_inflight_reductions`` gradient reductions are in flight. In backward a unit issues
+    its prefetch once ``backward_prefetch_grad_fraction`` of its gradient elements arrived:
+    0.0 gathers at the unit's pre-backward as FSDP2 does; the default 0.5 lets the unit's
+    widest backward activations die first, so the next unit's weights do not add to the
+    backward peak. ``grad_buffer_allocator``
+    serves the temporary reduce buffers: ``"plain"``, ``"double_buffer"`` or ``"trace_pool"``.
+    ``host_transport`` picks how CPU all-gathers and reduce-scatters travel: ``"auto"``
+    (shared memory when every rank of the shard group is on this host, else gloo),
+    ``"shm"`` (shared memory or an error) or ``"gloo"``. ``param_codec`` changes how the
+    weights travel in the all-gather (``mfsdp_hooks.config.codec``; the default sends them as they
+    are); it needs main weights apart from the compute weights. ``param_codecs`` claim
+    tensor-subclass parameters (``mfsdp_te.float8_codecs()``: torchao float8 weights, which
+    then travel as float8 bytes). ``ignored_params`` (FSDP2's) are left as they are: not
+    sharded, not gathered, their gradients not reduced. ``reshard_after_forward`` None is
+    FSDP2's default: True, except for the root, which keeps its weights for backward. ``experts``
+    (``ExpertSharding``) shards the parameters it names over the expert-data-parallel group
+    instead, with their gradient mean over the dense DP size (expert parallelism).
+    ``offload_policy``: FSDP2's ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy()``; see
+    :func:`check_offload_policy`. ``shard_placement_fn`` (FSDP2's): each parameter's
+    placement, ``Shard(0)`` or None (the same); other dims raise naming the parameter.
+    """
+    if unsupported:
+        names = ", ".join(sorted(unsupported))
+        raise TypeError(
+            f"fully_shard() got unsupported argument(s) {names}: they are not implemented yet"
+        )
+    members = unit_members(module)
+    _check_module(members, experts)
+    # One module is its own scope; several are gathered into a container outside the tree.
+    target = members[0] if len(members) == 1 else ModuleGroup(members)
+    label = "+".join(type(m).__name__ for m in members)
+    policy = _policy(mp_policy)
+    strategy = parse_strategy(sharding_strategy, "sharding_strategy")
+    _check_overlap_options(max_inflight_reductions, prefetch_depth, backward_prefetch_grad_fraction)
+    grad_allocator = make_grad_allocator(grad_buffer_allocator, max_inflight_reductions)
+    check_host_transport(host_transport)  # before resolve_topology, which may communicate
+    # A module (partly) on the meta device: its own modules are initialised here, in module
+    # order, before sharding; whether they can be is checked before any collective.
+    scope = modules_in_scope(target, skip=lambda m: unit_of(m) is not None)
+    check_initialisable(scope, f"fully_shard({label})")
+    topology = resolve_topology(mesh, target)
+    check_offload_policy(offload_policy, topology.device)
+    _check_hfsdp_strategy(topology, strategy)
+    # Before initialising meta modules: their TP parameters are refused, not initialised.
+    check_tp_parameters(_own_parameters(scope), topology, f"fully_shard({label})")
+    materializer = MetaMaterializer(topology.device)
+    for _, sub in scope:
+        materializer.materialize(sub)
+    slots = collect_slots(target, _ignored_ids(ignored_params))
+    codecs = tuple(param_codecs)
+    check_parameters_supported(slots, target, lambda p: any(c.claims(p) for c in codecs))
+    check_shard_placements(shard_placement_fn, slots)
+    options = UnitOptions(
+        topology=topology,
+        strategy=strategy,
+        policy=policy,
+        reduce_config=GradReduceConfig(
+            average_in_collective=average_in_collective,
+            gradient_scaling_factor=gradient_scaling_factor,
+            calculate_per_token_loss=calculate_per_token_loss,
+        ),
+        reshard_after_forward=_reshard_after_forward(reshard_after_forward),
+        overlap_param_gather=overlap_param_gather,
+        overlap_grad_reduce=overlap_grad_reduce,
+        sync_model_each_microbatch=sync_model_each_microbatch,
+        report_nan_in_param_grad=report_nan_in_param_grad,
+        max_inflight_reductions=max_inflight_reductions,
+        prefetch_depth=prefetch_depth,
+        backward_prefetch_grad_fraction=float(backward_prefetch_grad_fraction),
+        grad_allocator=grad_allocator,
+        codec=param_codec or IDENTITY,
+        codecs=codecs,
+        experts=experts,
+    )
+    _agree_on_wrap(label, target, slots, options, host_transport)
+    options.topology.choose_host_transport(host_transport)
+    if experts is not None:
+        experts.topology.choose_host_transport(host_transport)
+    _make_unit(target, members, options, slots)
+    return module
+
+
+def _make_unit(
+    target: nn.Module, members: list[nn.Module], options: UnitOptions, slots: SlotMap
+) -> None:
+    """Build the unit, then give each member ``FSDPModule``'s methods."""
+    FSDPUnit(target, options, FSDPRoot.lazy_init, slots, members=members)
+    for unit in fsdp_units(target):
+        for group in unit.groups:
+            set_owning_model(group, members[0])
+    for member in members:
+        if not isinstance(member, FSDPModule):
+            member.__class__ = fsdp_class_of(type(member))
+
+
+_FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _refuse_deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    raise TypeError(
+        f"copy.deepcopy of a fully-sharded {type(self).__name__} is not supported: the copy "
+        "would share the original's hooks and buffers. Build a fresh model and load a state "
+        "dict (model.state_dict() / mfsdp_checkpoint) into it instead"
+    )
+
+
+def fsdp_class_of(cls: type[nn.Module]) -> type[nn.Module]:
+    """``FSDP<cls>``: ``cls`` with ``FSDPModule``'s methods, built once per class (so every
+    wrapped ``Block`` has the same class, as with FSDP2)."""
+    found = _FSDP_CLASSES.get(cls)
+    if found is None:
+        namespace = {"__deepcopy__": _refuse_deepcopy}
+        found = type(f"FSDP{cls.__name__}", (FSDPModule, cls), namespace)
+        _FSDP_CLASSES[cls] = found
+    return found
+
+
+def fsdp_units(module: nn.Module) -> list[FSDPUnit]:
+    """Every unit under ``module`` once, in module order."""
+    return units_under(module.modules())
+
+
+def is_fully_sharded(module: nn.Module) -> bool:
+    return unit_of(module) is not None
+
+
+__all__ = ["FSDPModule", "UnshardHandle", "fsdp_units", "fully_shard", "is_fully_sharded"]

@@ -1,0 +1,120 @@
+"""The reduced gradients the optimizer reads, owned by the parameters' ``.grad``.
+
+The storage is allocated when a backward first reduces into it and is referenced only by
+the ``.grad`` DTensors of the distributed parameters (the group keeps a weak reference), so
+``optimizer.zero_grad()`` (``set_to_none=True``) frees it at once, as with plain torch and
+FSDP2, instead of keeping a persistent gradient buffer alive through the next forward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from mfsdp_buffers import FlatLayout
+from mfsdp_hooks.dtensor.dtensor_views import local_tensor
+
+
+class DTensorMaker(Protocol):
+    """Builds parameter ``index``'s DTensor over ``local`` (``ShardCuts.dtensor``)."""
+
+    def __call__(self, local: torch.Tensor, index: int, *, sharded: bool) -> torch.Tensor: ...
+
+
+class GradShard:
+    """This rank's reduced gradients of one parameter group, created on demand."""
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        rank: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        sharded: bool,
+        make_dtensor: DTensorMaker,
+    ) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.dtype = dtype
+        self.device = device
+        self.sharded = sharded
+        self._make_dtensor = make_dtensor
+        self.numel = layout.shard_numel if sharded else layout.padded_numel
+        self._storage: weakref.ref[torch.Tensor] | None = None
+
+    @property
+    def storage(self) -> torch.Tensor | None:
+        """The live flat gradient tensor, or None once every ``.grad`` dropped it."""
+        return self._storage() if self._storage is not None else None
+
+    def local_rows(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s rows on this rank inside ``flat`` (its whole value unsharded)."""
+        placement = self.layout.placements[index]
+        if not self.sharded:
+            return flat[placement.offset : placement.end].view(placement.shape)
+        piece = self.layout.local_piece(index, self.rank)
+        return flat[piece.shard_offset : piece.shard_offset + piece.numel].view(
+            piece.num_rows, *placement.shape[1:]
+        )
+
+    def _dtensor(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        return self._make_dtensor(self.local_rows(flat, index), index, sharded=self.sharded)
+
+    def new_flat(self, numel: int) -> torch.Tensor:
+        """An uninitialised flat tensor of the gradients' dtype and device."""
+        return torch.empty(numel, dtype=self.dtype, device=self.device)
+
+    def prepare(self, params: Sequence[nn.Parameter]) -> tuple[torch.Tensor, bool]:
+        """The flat tensor the next reduction writes into, and whether it must add to it.
+
+        Torch's rule: gradients the user kept are added to; cleared ones start afresh. The
+        parameters' ``.grad`` are pointed at the returned storage before it is filled.
+        """
+        present = [p.grad is not None for p in params]
+        current = self.storage
+        if current is not None and all(present):
+            return current, True
+        if current is None and not any(present):
+            flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            self._install(flat, params, range(len(params)))
+            return flat, False
+        # Some gradients were cleared, or replaced by tensors of the user's: rebuild one
+        # storage that holds what is kept and zeros elsewhere, then add into it.
+        flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for index, param in enumerate(params):
+                if param.grad is not None:
+                    kept = param.grad
+                    local = local_tensor(kept)
+                    self.local_rows(flat, index).copy_(local)
+        self._install(flat, params, range(len(params)))
+        return flat, True
+
+    def _install(self, flat: torch.Tensor, params: Sequence[nn.Parameter], which: range) -> None:
+        for index in which:
+            params[index].grad = self._dtensor(flat, index)
+        self._storage = weakref.ref(flat)
+
+    def zero_(self) -> None:
+        flat = self.storage
+        if flat is not None:
+            with torch.no_grad():
+                flat.zero_()
+
+    def nonfinite_flags(self) -> torch.Tensor:
+        """One flag per parameter: 1 when its local reduced gradient holds NaN or Inf."""
+        count = len(self.layout.placements)
+        flags = torch.zeros(count, dtype=torch.float32, device=self.device)
+        flat = self.storage
+        if flat is None:
+            return flags
+        for index in range(count):
+            local = self.local_rows(flat, index)
+            if local.numel() and not bool(torch.isfinite(local).all()):
+                flags[index] = 1.0
+        return flags

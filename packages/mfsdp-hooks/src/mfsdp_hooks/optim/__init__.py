@@ -1,0 +1,1 @@
+"""Optimizer integration: the attached optimizer and the contiguous-chunk step."""

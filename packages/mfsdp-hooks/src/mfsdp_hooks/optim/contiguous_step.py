@@ -1,0 +1,410 @@
+"""Step an elementwise optimizer over contiguous runs of sharded parameters, not one by one.
+
+A group's sharded main weights are views into one flat buffer, and after a reduction their
+gradients are views into one flat gradient buffer, in the same order. Adam, AdamW and SGD
+update every element on its own, so one call on a flat view over a run of such parameters
+computes, bit for bit, what one call per parameter computes, on plain tensors instead of
+DTensors. Runs are cut into chunks of ``chunk_numel`` elements: on a CPU a chunk that stays
+in cache makes the optimizer's several passes over it cheaper.
+
+``optimizer.state[p]`` keeps the layout torch and checkpointing expect: views, shaped like
+``p``, into the run's flat state buffers, and one step counter shared by the run. A run whose
+picture breaks (a gradient the user replaced or dropped, state loaded from a checkpoint)
+re-adopts what is consistent, or takes torch's per-parameter loop for that step.
+
+During ``step()`` the groups' ``"params"`` lists hold the chunks, so optimizer step hooks
+see chunks there; the lists are restored before ``step()`` returns, or raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from mfsdp_hooks.dtensor.dtensor_views import dtensor_like, local_tensor
+
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.SGD,
+)
+"""Exact types whose update of an element reads only that element's weight, grad and state."""
+
+CPU_CHUNK_NUMEL = 1 << 18
+"""Elements per chunk on CPU: 1 MiB of fp32, so each of the optimizer's passes hits cache."""
+
+
+def supports_contiguous_step(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer) in ELEMENTWISE_OPTIMIZERS
+
+
+def _flat_over(locals_: list[torch.Tensor]) -> torch.Tensor | None:
+    """One 1-D view over tensors that tile one storage back to back, else None."""
+    nonempty = [t for t in locals_ if t.numel()]
+    if not nonempty:
+        return None
+    first = nonempty[0]
+    storage = first.untyped_storage().data_ptr()
+    cursor = first.storage_offset()
+    for tensor in nonempty:
+        if (
+            tensor.dtype != first.dtype
+            or tensor.device != first.device
+            or not tensor.is_contiguous()
+            or tensor.untyped_storage().data_ptr() != storage
+            or tensor.storage_offset() != cursor
+        ):
+            return None
+        cursor += tensor.numel()
+    return first.as_strided((cursor - first.storage_offset(),), (1,), first.storage_offset())
+
+
+def _view_like(flat: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tensor:
+    """``flat[offset:]`` viewed as ``param``'s local piece, wrapped like ``param``."""
+    local = local_tensor(param)
+    if local.numel():
+        piece = flat[offset : offset + local.numel()].view(local.shape)
+    else:  # a view at the storage's end confuses deepcopy's storage memo; nothing to share
+        piece = flat.new_empty(local.shape)
+    return dtensor_like(piece, param) if isinstance(param, DTensor) else piece
+
+
+def _split_state(
+    values_by_key: dict[str, list[torch.Tensor]], shapes: list[torch.Size]
+) -> tuple[dict[str, list[torch.Tensor]], dict[str, torch.Tensor]] | None:
+    """Sort state entries into elementwise ones (shaped like their tensor) and shared
+    scalars (one equal value everywhere); None when an entry is neither."""
+    elementwise: dict[str, list[torch.Tensor]] = {}
+    scalars: dict[str, torch.Tensor] = {}
+    for key, values in values_by_key.items():
+        if all(value.shape == shape for value, shape in zip(values, shapes, strict=True)):
+            elementwise[key] = values
+        elif all(value.numel() == 1 and torch.equal(value, values[0]) for value in values):
+            scalars[key] = values[0]
+        else:
+            return None
+    return elementwise, scalars
+
+
+def _tensor_entries(entries: list[dict[str, Any]]) -> dict[str, list[torch.Tensor]] | None:
+    """Per key, every entry's tensor; None unless all entries hold the same tensor keys."""
+    keys = set(entries[0])
+    by_key: dict[str, list[torch.Tensor]] = {key: [] for key in keys}
+    for entry in entries:
+        if set(entry) != keys:
+            return None
+        for key, value in entry.items():
+            if not isinstance(value, torch.Tensor):
+                return None
+            by_key[key].append(local_tensor(value))
+    return by_key
+
+
+@dataclass
+class _Run:
+    """Parameters whose local weights tile one flat buffer, and the run's optimizer state."""
+
+    params: list[torch.Tensor]
+    offsets: list[int]
+    weights: torch.Tensor
+    chunk_bounds: list[tuple[int, int]]
+    chunks: list[torch.Tensor] = field(init=False)
+    flats: dict[str, torch.Tensor] | None = None
+    """Elementwise state over the whole run, by key; None before the run's first step."""
+    scalars: dict[str, torch.Tensor] = field(default_factory=dict)
+    """State shared by the whole run (the step counter), by key."""
+    chunk_states: list[dict[str, Any]] = field(default_factory=list)
+    installed: list[dict[str, Any]] | None = None
+    """What ``optimizer.state[p]`` held when the run last installed it, per parameter."""
+
+    def __post_init__(self) -> None:
+        self.chunks = [self.weights[start:end] for start, end in self.chunk_bounds]
+
+    @property
+    def numel(self) -> int:
+        return self.weights.numel()
+
+    def weights_in_place(self) -> bool:
+        """Whether the parameters still tile the buffer the run was planned on."""
+        flat = _flat_over([local_tensor(param) for param in self.params])
+        return (
+            flat is not None
+            and flat.data_ptr() == self.weights.data_ptr()
+            and flat.numel() == self.numel
+        )
+
+    def flat_grads(self) -> torch.Tensor | None:
+        grads: list[torch.Tensor] = []
+        for param in self.params:
+            grad = param.grad
+            if grad is None:
+                return None
+            grads.append(local_tensor(grad))
+        flat = _flat_over(grads)
+        if flat is None or flat.numel() != self.numel or flat.dtype != self.weights.dtype:
+            return None
+        return flat
+
+    def state_is_current(self, state: dict[torch.Tensor, Any]) -> bool:
+        if self.installed is None:
+            return False
+        for param, installed in zip(self.params, self.installed, strict=True):
+            held = state.get(param)
+            if held is None or len(held) != len(installed):
+                return False
+            for key, value in installed.items():
+                if held.get(key) is not value:
+                    return False
+        return True
+
+    def adopt(self, state: dict[torch.Tensor, Any]) -> bool:
+        """Take over the per-parameter state torch holds; False where it is inconsistent.
+
+        No state at all is consistent: torch then creates it for the chunks at this step.
+        """
+        entries = [state.get(param) or {} for param in self.params]
+        if not any(entries):
+            self.flats, self.scalars, self.installed = None, {}, None
+            self.chunk_states = [{} for _ in self.chunks]
+            return True
+        by_key = _tensor_entries(entries)
+        shapes = [local_tensor(param).shape for param in self.params]
+        split = None if by_key is None else _split_state(by_key, shapes)
+        if split is None:
+            return False
+        elementwise, scalars = split
+        flats: dict[str, torch.Tensor] = {}
+        for key, values in elementwise.items():
+            flat = _flat_over(values)
+            if flat is None or flat.numel() != self.numel:
+                flat = torch.cat([value.reshape(-1) for value in values])
+            flats[key] = flat
+        self._hold(flats, scalars)
+        self.install(state)
+        return True
+
+    def adopt_created(self, state: dict[torch.Tensor, Any]) -> None:
+        """Take over, and install per parameter, the state torch created at the first step."""
+        created = [state.get(chunk) or {} for chunk in self.chunks]
+        by_key = _tensor_entries(created)
+        split = None if by_key is None else _split_state(by_key, [c.shape for c in self.chunks])
+        if split is None:  # the weights were already stepped: losing this state is not an option
+            raise RuntimeError(
+                f"contiguous_step: {sorted(created[0])} is not elementwise state; "
+                "pass contiguous_step=False for this optimizer"
+            )
+        elementwise, scalars = split
+        keys = list(elementwise)
+        del by_key, split, elementwise
+        flats: dict[str, torch.Tensor] = {}
+        for key in keys:
+            # Each chunk's tensor is dropped as soon as it is copied, so at most one key of
+            # one run is held twice.
+            first = created[0][key]
+            flat = torch.empty(self.numel, dtype=first.dtype, device=first.device)
+            del first
+            for entry, (start, end) in zip(created, self.chunk_bounds, strict=True):
+                flat[start:end].copy_(entry.pop(key))
+            flats[key] = flat
+        self._hold(flats, scalars)
+        self.install(state)
+
+    def _hold(self, flats: dict[str, torch.Tensor], scalars: dict[str, torch.Tensor]) -> None:
+        self.flats, self.scalars = flats, scalars
+        # Chunk 0 holds the shared scalars themselves: torch's in-place update of its step
+        # counter is then what every parameter of the run sees. The other chunks hold copies,
+        # refreshed before each step.
+        self.chunk_states = []
+        for index, (start, end) in enumerate(self.chunk_bounds):
+            entry: dict[str, Any] = {key: flat[start:end] for key, flat in flats.items()}
+            for key, scalar in scalars.items():
+                entry[key] = scalar if index == 0 else scalar.clone()
+            self.chunk_states.append(entry)
+
+    def refresh_chunk_scalars(self) -> None:
+        for entry in self.chunk_states[1:]:
+            for key, scalar in self.scalars.items():
+                entry[key].copy_(scalar)
+
+    def install(self, state: dict[torch.Tensor, Any]) -> None:
+        """Point every parameter's state at views of the run's state."""
+        assert self.flats is not None
+        installed: list[dict[str, Any]] = []
+        with torch.no_grad():
+            for param, offset in zip(self.params, self.offsets, strict=True):
+                entry: dict[str, Any] = {
+                    key: _view_like(flat, param, offset) for key, flat in self.flats.items()
+                }
+                entry.update(self.scalars)
+                state[param] = entry
+                installed.append(dict(entry))
+        self.installed = installed
+
+    def release(self, state: dict[torch.Tensor, Any]) -> None:
+        """Hand the run back to torch's per-parameter loop for this step.
+
+        Each parameter gets its own copy of the shared scalars (torch would otherwise count
+        one step once per parameter); the elementwise views stay valid as they are.
+        """
+        if self.state_is_current(state):
+            for param in self.params:
+                entry = state[param]
+                for key, scalar in self.scalars.items():
+                    entry[key] = scalar.clone()
+        self.flats, self.scalars, self.installed = None, {}, None
+        self.chunk_states = []
+
+
+def _plan_runs(
+    params: list[torch.Tensor], eligible: Callable[[torch.Tensor], bool], chunk_numel: int
+) -> list[_Run]:
+    runs: list[_Run] = []
+    members: list[torch.Tensor] = []
+
+    last: torch.Tensor | None = None  # the run's last non-empty piece
+
+    def close() -> None:
+        nonlocal last
+        flat = _flat_over([local_tensor(p) for p in members])
+        if flat is not None:
+            offsets, cursor = [], 0
+            for param in members:
+                offsets.append(cursor)
+                cursor += local_tensor(param).numel()
+            bounds = [
+                (start, min(start + chunk_numel, cursor)) for start in range(0, cursor, chunk_numel)
+            ]
+            runs.append(_Run(list(members), offsets, flat, bounds))
+        members.clear()
+        last = None
+
+    for param in params:
+        local = local_tensor(param)
+        if not eligible(param) or local.dim() == 0 or not local.is_floating_point():
+            close()
+            continue
+        if local.numel():
+            if last is not None and _flat_over([last, local]) is None:
+                close()
+            last = local
+        members.append(param)
+    close()
+    return runs
+
+
+@dataclass
+class _GroupPlan:
+    key: tuple[int, ...]
+    runs: list[_Run]
+
+
+class ContiguousStepper:
+    """Swaps an optimizer's parameter lists for flat chunks around one ``step`` call."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        eligible: Callable[[torch.Tensor], bool],
+        chunk_numel: int | None = None,
+    ) -> None:
+        if not supports_contiguous_step(optimizer):
+            names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+            raise TypeError(
+                f"contiguous_step: {type(optimizer).__name__} is not one of the elementwise "
+                f"optimizers it supports ({names}); pass contiguous_step=False"
+            )
+        if chunk_numel is not None and (isinstance(chunk_numel, bool) or chunk_numel < 1):
+            raise ValueError(
+                f"step_chunk_numel must be a positive int or None (automatic), got {chunk_numel!r}"
+            )
+        self.optimizer = optimizer
+        self.eligible = eligible
+        self.chunk_numel = chunk_numel
+        self._plans: list[_GroupPlan] = []
+        self.active = False
+
+    def _chunk_numel_for(self, params: list[torch.Tensor]) -> int:
+        if self.chunk_numel is not None:
+            return self.chunk_numel
+        on_cpu = all(local_tensor(p).device.type == "cpu" for p in params)
+        return CPU_CHUNK_NUMEL if on_cpu else 1 << 62
+
+    def _plan(self, index: int, group: dict[str, Any]) -> _GroupPlan:
+        params: list[torch.Tensor] = group["params"]
+        key = tuple(id(p) for p in params)
+        while len(self._plans) <= index:
+            self._plans.append(_GroupPlan((), []))
+        plan = self._plans[index]
+        if plan.key != key or not all(run.weights_in_place() for run in plan.runs):
+            runs = _plan_runs(params, self.eligible, self._chunk_numel_for(params))
+            plan = self._plans[index] = _GroupPlan(key, runs)
+        return plan
+
+    def hand_back(self) -> None:
+        """Let torch's own loop step every parameter next (a closure re-creates gradients)."""
+        for plan in self._plans:
+            for run in plan.runs:
+                run.release(self.optimizer.state)
+
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Inside, each group lists flat chunks with gradients in place of the runs it covers."""
+        optimizer = self.optimizer
+        state: dict[torch.Tensor, Any] = optimizer.state
+        originals: list[list[torch.Tensor]] = []
+        stepped: list[_Run] = []
+        try:
+            for index, group in enumerate(optimizer.param_groups):
+                originals.append(group["params"])
+                # A fused kernel already makes one call per group, and its vector and tail
+                # paths round differently, so re-chunking would change its results.
+                if group.get("differentiable", False) or group.get("fused", False):
+                    continue
+                covered: set[int] = set()
+                swapped: list[torch.Tensor] = []
+                for run in self._plan(index, group).runs:
+                    grads = run.flat_grads()
+                    ready = grads is not None and (run.state_is_current(state) or run.adopt(state))
+                    if not ready:
+                        run.release(state)
+                        continue
+                    assert grads is not None
+                    run.refresh_chunk_scalars()
+                    for chunk, chunk_state, (start, end) in zip(
+                        run.chunks, run.chunk_states, run.chunk_bounds, strict=True
+                    ):
+                        chunk.grad = grads[start:end]
+                        if chunk_state:
+                            state[chunk] = chunk_state
+                    covered.update(id(p) for p in run.params)
+                    swapped.extend(run.chunks)
+                    stepped.append(run)
+                if covered:
+                    rest = [p for p in group["params"] if id(p) not in covered]
+                    group["params"] = swapped + rest
+            self.active = True
+            yield
+            for run in stepped:
+                if run.flats is None:
+                    run.adopt_created(state)
+        finally:
+            self.active = False
+            for group, params in zip(optimizer.param_groups, originals, strict=False):
+                group["params"] = params
+            for run in stepped:
+                for chunk in run.chunks:
+                    chunk.grad = None
+                    state.pop(chunk, None)
+
+
+__all__ = [
+    "CPU_CHUNK_NUMEL",
+    "ELEMENTWISE_OPTIMIZERS",
+    "ContiguousStepper",
+    "supports_contiguous_step",
+]

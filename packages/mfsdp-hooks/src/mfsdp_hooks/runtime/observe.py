@@ -1,0 +1,157 @@
+"""What a user can see of the units: their repr, a wrap-time summary and per-unit events.
+
+* ``describe_unit`` is ``FSDPUnit.__repr__``: name, parameters, bytes per rank, state.
+* ``log_units`` (logger ``mfsdp_hooks.observe``, INFO, global rank 0 only) writes one line
+  per unit when the root is built, as NVIDIA megatron-fsdp's ``_log_parameter_groups``
+  does: its groups, their dtypes and sizes, the sharding strategy and the bytes each rank
+  holds. Enough to see at a glance that ``fsdp_unit_modules`` matched what was meant.
+* ``unit_label`` names a unit in the DEBUG events the unit logs through ``log_event`` (same
+  logger) at pre/post forward and backward, as FSDP2's ``TORCH_LOGS=+fsdp``.
+
+The units' paths under their root are known once the root is built; before, a unit is
+named by its class.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch.distributed as dist
+
+from mfsdp_buffers import DataParallelBuffer
+from mfsdp_collectives import group_name
+from mfsdp_hooks.config.unit_options import UnitOptions
+from mfsdp_hooks.runtime.training_state import TrainingState
+from mfsdp_hooks.weights.param_group import ParameterGroup
+
+
+class FSDPUnit(Protocol):
+    """What is shown of a unit (``unit.FSDPUnit``; a Protocol, so ``unit`` imports us)."""
+
+    name: str
+    groups: list[ParameterGroup]
+    options: UnitOptions
+    state: TrainingState
+
+
+__all__ = [
+    "describe_unit",
+    "log_event",
+    "group_bytes_per_rank",
+    "log_units",
+    "unit_bytes_per_rank",
+    "unit_label",
+]
+
+# The logger keeps its documented name wherever this module lives.
+_log = logging.getLogger("mfsdp_hooks.observe")
+# Each unit's path under its root (recorded by ``log_units``), without keeping units alive.
+_PATHS: weakref.WeakKeyDictionary[FSDPUnit, str] = weakref.WeakKeyDictionary()
+
+
+def _buffer_bytes(buffer: DataParallelBuffer | None) -> int:
+    """The bytes of ``buffer`` that persist on this rank (its shard, or all of it unsharded)."""
+    if buffer is None or not buffer.has_persistent_shard:
+        return 0
+    numel = buffer.layout.shard_numel if buffer.sharded else buffer.layout.padded_numel
+    return numel * buffer.dtype.itemsize
+
+
+def group_bytes_per_rank(group: ParameterGroup) -> tuple[int, int]:
+    """(weights, gradients): the bytes this rank holds for ``group`` between iterations.
+
+    Weights are the compute weights that persist plus the main weights; gradients are the
+    reduced gradient shard (allocated at the first backward). The unsharded weights and
+    gradients a unit needs while it runs come on top, for that unit only.
+    """
+    weights = _buffer_bytes(group.model) + _buffer_bytes(group.main)
+    grads = 0 if group.grads is None else group.grads.numel * group.grads.dtype.itemsize
+    return weights, grads
+
+
+def unit_bytes_per_rank(unit: FSDPUnit) -> int:
+    """Weights and gradient bytes this rank holds for ``unit``, over all its groups."""
+    return sum(sum(group_bytes_per_rank(group)) for group in unit.groups)
+
+
+def unit_label(unit: FSDPUnit) -> str:
+    """``blocks.0 (Block)`` once the root knows the unit's path, else its class name."""
+    path = _PATHS.get(unit)
+    if path is None:
+        return unit.name
+    return f"{path or '<root>'} ({unit.name})"
+
+
+def log_event(unit: FSDPUnit, event: str) -> None:
+    """A DEBUG line per unit event (logger ``mfsdp_hooks.observe``), free when disabled."""
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("%s: %s", unit_label(unit), event)
+
+
+def describe_unit(unit: FSDPUnit) -> str:
+    """``FSDPUnit.__repr__``: what a user printing a unit wants to know."""
+    params = sum(len(group.names) for group in unit.groups)
+    return (
+        f"FSDPUnit({unit_label(unit)}, params={params}, groups={len(unit.groups)}, "
+        f"bytes_per_rank={unit_bytes_per_rank(unit)}, "
+        f"strategy={unit.options.strategy.name.lower()}, state={unit.state.name})"
+    )
+
+
+def _size(nbytes: int) -> str:
+    """``1.5 MiB``: sizes a person reads at a glance (exact bytes are in the repr)."""
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    size = nbytes / 1024
+    for unit in ("KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def _dtype(dtype: object) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _describe_group(group: ParameterGroup) -> str:
+    topology = group.topology
+    dtypes = _dtype(group.original_dtype)
+    if group.compute_dtype != group.original_dtype:
+        dtypes += f"->{_dtype(group.compute_dtype)} compute"
+    if group.main is not None:
+        dtypes += f", {_dtype(group.main.dtype)} main"
+    frozen = "" if group.requires_grad else " frozen"
+    return (
+        f"{len(group.names)} params{frozen} {dtypes}, {group.layout.data_numel} elements over "
+        f"{group_name(topology.shard_group)}({topology.shard_size})"
+    )
+
+
+def _unit_line(unit: FSDPUnit) -> str:
+    weights = sum(group_bytes_per_rank(group)[0] for group in unit.groups)
+    grads = sum(group_bytes_per_rank(group)[1] for group in unit.groups)
+    groups = "; ".join(_describe_group(group) for group in unit.groups) or "no parameters"
+    return (
+        f"FSDP unit {unit_label(unit)}: {len(unit.groups)} group(s) [{groups}], "
+        f"{unit.options.strategy.name.lower()}, per rank {_size(weights)} weights + "
+        f"{_size(grads)} grads"
+    )
+
+
+def log_units(root_name: str, units: Sequence[FSDPUnit], paths: Sequence[str]) -> None:
+    """Record each unit's path (``unit_label``) and log the model's units at INFO on global
+    rank 0: one line per unit, then the total per rank."""
+    for unit, path in zip(units, paths, strict=True):
+        _PATHS[unit] = path.removesuffix(".")
+    if not _log.isEnabledFor(logging.INFO):
+        return
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    for unit in units:
+        _log.info("%s", _unit_line(unit))
+    total = sum(unit_bytes_per_rank(unit) for unit in units)
+    _log.info("FSDP model %s: %d unit(s), %s per rank", root_name, len(units), _size(total))

@@ -1,0 +1,65 @@
+"""Optimizers still holding the parameters ``fully_shard`` replaced: refused at their step.
+
+An optimizer built on a model before sharding holds the user's original parameters. The
+model computes with new ones from then on (``group_storage.adopt_params``), so such an
+optimizer would step stale tensors that nothing reads and training would silently stop.
+Optimizers handed to us (``megatron_fsdp.fully_shard(model, optimizer)``,
+``fully_shard_optimizer``) are re-pointed at the replacements; any other is found once,
+when the root starts its first forward, and gets a step pre-hook (torch's public, per-
+optimizer hook: nothing process-wide) that raises naming the parameters if it still holds
+replaced ones when stepped. It removes itself after the first step that passes.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from mfsdp_hooks.weights.lookup import replaced_by_unit
+
+__all__ = ["guard_optimizers_on_replaced_params", "replaced_params_of"]
+
+_GUARDED_ATTR = "_mfsdp_replaced_params_guard"
+
+
+def replaced_params_of(optimizer: torch.optim.Optimizer) -> list[str]:
+    """``"group g, position i: <unit(param)>"`` for each replaced parameter it holds."""
+    return [
+        f"group {g}, position {i}: {owner}"
+        for g, group in enumerate(optimizer.param_groups)
+        for i, param in enumerate(group["params"])
+        if (owner := replaced_by_unit(param)) is not None
+    ]
+
+
+def _guard(optimizer: torch.optim.Optimizer) -> None:
+    handle: Any = None
+
+    def refuse_replaced(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        stale = replaced_params_of(opt)
+        if not stale:
+            handle.remove()
+            opt.__dict__.pop(_GUARDED_ATTR, None)
+            return
+        listed = "; ".join(stale[:4]) + ("; ..." if len(stale) > 4 else "")
+        raise RuntimeError(
+            f"{type(opt).__name__}.step(): {len(stale)} of its parameters were replaced by "
+            f"fully_shard ({listed}); it would step stale copies the model no longer uses, "
+            "so nothing would train. Build the optimizer after sharding, on "
+            "model.parameters(), or hand it over: megatron_fsdp.fully_shard(model, "
+            "optimizer) or megatron_fsdp.fully_shard_optimizer(optimizer) re-point it"
+        )
+
+    handle = optimizer.register_step_pre_hook(refuse_replaced)
+    optimizer.__dict__[_GUARDED_ATTR] = True
+
+
+def guard_optimizers_on_replaced_params() -> None:
+    """Find the live optimizers that hold replaced parameters and guard their step."""
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.optim.Optimizer):
+            continue
+        if _GUARDED_ATTR not in obj.__dict__ and replaced_params_of(obj):
+            _guard(obj)

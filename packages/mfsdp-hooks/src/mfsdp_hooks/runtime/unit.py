@@ -1,0 +1,357 @@
+"""An FSDP unit: one wrapped module, its parameter groups and its lifecycle hooks."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
+from mfsdp_hooks.config.unit_options import UnitOptions
+from mfsdp_hooks.dtensor.tensor_parallel import grad_local
+from mfsdp_hooks.runtime.backward_prefetch import BackwardPrefetch
+from mfsdp_hooks.runtime.input_grad_trigger import route_inputs_through_trigger
+from mfsdp_hooks.runtime.member_forwards import MemberForwards
+from mfsdp_hooks.runtime.observe import describe_unit, log_event
+from mfsdp_hooks.runtime.root_protocol import UnitRoot
+from mfsdp_hooks.runtime.slots import UNIT_ATTR, SlotMap, install_params
+from mfsdp_hooks.runtime.training_state import TrainingState, in_backward_pass
+from mfsdp_hooks.runtime.unit_groups import build_groups
+from mfsdp_hooks.weights.lookup import register_group_params, replaced_by_unit
+from mfsdp_hooks.weights.param_group import ParameterGroup, Waitable
+
+# Per-unit pre/post forward and backward events at DEBUG (as FSDP2's TORCH_LOGS=+fsdp).
+
+
+def unit_of(module: nn.Module) -> FSDPUnit | None:
+    unit = module.__dict__.get(UNIT_ATTR)
+    return unit if isinstance(unit, FSDPUnit) else None
+
+
+def units_under(modules: Iterable[nn.Module]) -> list[FSDPUnit]:
+    """The distinct units of ``modules``, in order: a unit over several modules
+    (``fully_shard([a, b])``) is listed once."""
+    found: dict[int, FSDPUnit] = {}
+    for module in modules:
+        unit = unit_of(module)
+        if unit is not None:
+            found.setdefault(id(unit), unit)
+    return list(found.values())
+
+
+def _cast_inputs(
+    policy: MixedPrecisionPolicy, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Floating-point inputs in the compute dtype, when the policy asks for it."""
+    dtype = policy.param_dtype
+    if dtype is None or not policy.cast_forward_inputs:
+        return args, kwargs
+    cast: tuple[tuple[Any, ...], dict[str, Any]] = tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+        (args, kwargs),
+    )
+    return cast
+
+
+def _refuse_params_of_other_units(unit: str, slots: SlotMap) -> None:
+    for param, name, _ in slots.values():
+        owner = replaced_by_unit(param)
+        if owner is not None:
+            raise ValueError(
+                f"parameter {name!r} of {unit} is shared with the FSDP unit {owner}: tied "
+                "parameters must live in one unit; fully_shard their common parent module "
+                "instead of each user"
+            )
+
+
+def register_pre_backward(output: Any, hook: Callable[[torch.Tensor], None]) -> None:
+    """``hook`` runs when the gradient of any of ``output``'s tensors is computed."""
+    tensors, _ = tree_flatten(output)
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            tensor.register_hook(hook)  # type: ignore[no-untyped-call]
+
+
+def _register_grad_hooks(
+    groups: Sequence[ParameterGroup],
+    on_grad_ready: Callable[[ParameterGroup, int, torch.Tensor], None],
+) -> None:
+    for group in groups:
+        register_group_params(group)
+        for index, param in enumerate(group.unsharded_params):
+            if group.requires_grad:
+                param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    functools.partial(on_grad_ready, group, index)
+                )
+
+
+def _gradient_after_backward(unit: str, param: str) -> RuntimeError:
+    return RuntimeError(
+        f"FSDP unit {unit}: the gradient of {param!r} arrived after the unit's backward ended "
+        "(the gradient of its inputs was already computed); a parameter whose gradient does "
+        "not flow through the unit's inputs cannot be reduced with the unit's others"
+    )
+
+
+def _outside_root_forward(unit: FSDPUnit) -> bool:
+    """A member called by itself after its root's forward ended (not in recompute)."""
+    root = unit.root
+    return not (root is None or root.root_unit is unit or in_backward_pass()) and (
+        root.root_unit.state is not TrainingState.FORWARD
+    )
+
+
+class FSDPUnit:
+    """Drives unshard → forward → reshard → backward → reduce for one module."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        options: UnitOptions,
+        make_root: Callable[[FSDPUnit], object],
+        slots: SlotMap,
+        members: Sequence[nn.Module] = (),
+    ) -> None:
+        """``slots``: ``collect_slots(module)``, which ``fully_shard`` already checked.
+        ``members``: for ``fully_shard([a, b])``, the modules whose forwards drive the unit
+        (``module`` is then a container of them outside the user's tree)."""
+        self.module = module
+        self.forwards = MemberForwards(members or (module,))
+        # Builds the root (which sets ``root`` on every unit of the tree) at the first forward.
+        self._make_root = make_root
+        self.options = options
+        self.name = type(module).__name__
+        self.state = TrainingState.IDLE
+        self.root: UnitRoot[FSDPUnit, ParameterGroup] | None = None
+        self.forward_prefetch: list[FSDPUnit] | None = None
+        self.backward_prefetch: list[FSDPUnit] | None = None
+        self._pending_unshard: list[Waitable] = []
+        # This iteration's forward routed the unit's inputs through an input-grad trigger
+        # (input_grad_trigger.py): its backward then ends at the same point on every rank.
+        self._inputs_trigger_armed = False
+        self.requires_gradient_sync = True
+        self._took_part = False  # its forward ran (with grad) since its backward ended
+        # FSDP2's set_requires_all_reduce: False keeps HSDP's reduced shards off dp_outer.
+        self.requires_all_reduce = True
+        _refuse_params_of_other_units(self.name, slots)
+        self.groups, self._group_slots = build_groups(self.name, slots, options)
+        self._prefetch = BackwardPrefetch(
+            sum(g.layout.data_numel for g in self.groups if g.requires_grad)
+        )
+        _register_grad_hooks(self.groups, self._on_grad_ready)
+        self._swap(use_unsharded=False)
+        module.__dict__[UNIT_ATTR] = self
+        self._handles = []
+        for member in self.forwards.members:
+            member.__dict__[UNIT_ATTR] = self
+            self._handles += [
+                member.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True),
+                member.register_forward_hook(self.post_forward, always_call=False),
+            ]
+
+    def __repr__(self) -> str:
+        return describe_unit(self)
+
+    # ----------------------------------------------------------------- state
+    def _move_to(self, state: TrainingState) -> None:
+        """The one place the unit changes state (``TrainingState`` lists the legal moves)."""
+        self.state.check_move(state, self.name)
+        self.state = state
+
+    @property
+    def post_backward_done(self) -> bool:
+        """Its backward is over for this iteration (until the root's final callback)."""
+        return self.state is TrainingState.POST_BACKWARD
+
+    # ----------------------------------------------------------------- parameter swap
+    def _swap(self, use_unsharded: bool) -> None:
+        for group, group_slots in zip(self.groups, self._group_slots, strict=True):
+            install_params(
+                group.unsharded_params if use_unsharded else group.dist_params, group_slots
+            )
+
+    @property
+    def is_unsharded(self) -> bool:
+        return any(g.is_unsharded for g in self.groups if g.model.sharded)
+
+    # ----------------------------------------------------------------- unshard / reshard
+    def unshard_async(self) -> None:
+        """Issue this unit's all-gathers (if needed) without waiting for them."""
+        streams = self.root.streams if self.root is not None else None
+        for group in self.groups:
+            handle = group.unshard(streams)
+            if handle is not None:
+                self._pending_unshard.append(handle)
+
+    def wait_unshard(self) -> None:
+        handles, self._pending_unshard = self._pending_unshard, []
+        for handle in handles:
+            handle.wait()
+        self._swap(use_unsharded=True)
+
+    def request_unshard(self) -> None:
+        """Issue a user's unshard: re-install weights a bare optimizer may have stepped."""
+        for group in self.groups:
+            group.freshness.recheck_step_window()
+        self.unshard_async()
+
+    def unshard(self) -> None:
+        """Make the unsharded weights current now (a user's call, outside forward/backward)."""
+        self.request_unshard()
+        self.wait_unshard()
+
+    def reshard(self) -> None:
+        for handle in self._pending_unshard:
+            handle.wait()
+        self._pending_unshard = []
+        for group in self.groups:
+            group.reshard()
+        self._swap(use_unsharded=False)
+
+    # ----------------------------------------------------------------- forward
+    def pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if not self.forwards.begin(module, alone=_outside_root_forward(self)):
+            return _cast_inputs(self.options.policy, args, kwargs)
+        if self.root is None:
+            self._make_root(self)
+        assert self.root is not None
+        recomputing = in_backward_pass()
+        log_event(self, "pre_forward (recompute)" if recomputing else "pre_forward")
+        if self.root.root_unit is self and not recomputing:
+            self.root.pre_root_forward()
+        if not recomputing:
+            self._move_to(TrainingState.FORWARD)
+        elif self.state is not TrainingState.POST_BACKWARD:  # done units stay done
+            self._move_to(TrainingState.PRE_BACKWARD)
+        if not recomputing:
+            self.root.record_forward(self)
+            self._took_part |= torch.is_grad_enabled()
+        self.unshard_async()
+        self.wait_unshard()
+        if not recomputing and self.options.overlap_param_gather:
+            for target in self.root.forward_prefetch_targets(self):
+                target.unshard_async()
+        args, kwargs = _cast_inputs(self.options.policy, args, kwargs)
+        if not self._inputs_trigger_armed:  # a recompute of an armed forward needs none
+            args, kwargs, self._inputs_trigger_armed = route_inputs_through_trigger(
+                args, kwargs, self._on_inputs_grad
+            )
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        assert self.root is not None
+        is_root = self.root.root_unit is self
+        if torch.is_grad_enabled():
+            register_pre_backward(output, self._pre_backward)
+        if not self.forwards.finish(module):
+            return output  # the unit's forward goes on in its other members
+        log_event(self, "post_forward")
+        self._end_forward(is_root)
+        if is_root:
+            for unit in self.root.units:  # units some member of which did not run
+                if unit.forwards.abandon():
+                    unit._end_forward(is_root=False)
+        if is_root and self.options.policy.output_dtype is not None:
+            dtype = self.options.policy.output_dtype
+            output = tree_map(
+                lambda t: (
+                    t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                ),
+                output,
+            )
+        return output
+
+    def _end_forward(self, is_root: bool) -> None:
+        if in_backward_pass():  # recomputation: the weights stay for the backward
+            return
+        reshard = self.options.reshard_after_forward
+        keep = is_root if reshard is None else not reshard
+        if not keep or (is_root and not torch.is_grad_enabled()):
+            self.reshard()
+        self._move_to(TrainingState.IDLE)
+
+    # ----------------------------------------------------------------- backward
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        assert self.root is not None
+        self.root.begin_backward()
+        if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return  # another output's hook, or a late one after the unit's backward
+        self._move_to(TrainingState.PRE_BACKWARD)
+        log_event(self, "pre_backward")
+        self.unshard_async()
+        self.wait_unshard()
+        targets = self.root.backward_prefetch_targets(self)
+        if self.options.overlap_param_gather:
+            self._prefetch.begin(targets, self.options.backward_prefetch_grad_fraction)
+            # The root's own parameters get most of their gradients at the very end of
+            # backward (embeddings): their share says nothing about its progress.
+            self._prefetch.issue(force=self.root.root_unit is self)
+
+    def _on_grad_ready(self, group: ParameterGroup, index: int, param: torch.Tensor) -> None:
+        if param.grad is None:
+            return
+        grad = grad_local(param.grad, group.tp_specs[index])  # TP: reduced over DP only
+        reducer = group.reducer
+        assert self.root is not None and reducer is not None
+        if self.post_backward_done:
+            raise _gradient_after_backward(self.name, group.names[index])
+        self.root.reap_finished_reductions()
+        self.root.settle_reduction(group)  # its buffer may still be in a reduction
+        complete = reducer.collector.accumulate(index, grad)
+        param.grad = None
+        self._prefetch.on_grad(grad.numel())
+        waiting = [g for g in self.groups if g.reducer and not g.reducer.collector.all_received]
+        # Every gradient here: the backward may end now. Only where an input-grad trigger
+        # would end it anyway right after, with nothing issued in between, so a rank whose
+        # data skipped a parameter (no "every gradient" moment) issues the same collectives
+        # in the same order; units without one end at the root's final callback.
+        if complete and not waiting and self._inputs_trigger_armed:
+            self._end_own_backward()
+
+    def _on_inputs_grad(self) -> None:
+        if not self.post_backward_done:
+            self._end_own_backward()
+
+    def _end_own_backward(self) -> None:
+        self._prefetch.issue(force=True)
+        self.post_backward()
+
+    def post_backward(self) -> None:
+        """Reshard and issue gradient reductions once the unit's backward is done."""
+        if self.post_backward_done:
+            return
+        assert self.root is not None
+        self._move_to(TrainingState.POST_BACKWARD)
+        log_event(self, "post_backward")
+        if self.options.strategy.shards_params and self.options.reshard_after_backward:
+            self.reshard()
+        for group in self.groups:
+            reducer = group.reducer
+            if reducer is None or not self.root.should_reduce(group):
+                continue
+            # No forward, no gradient: grads stay None (as torch's), not zeros Adam steps.
+            if self._took_part or reducer.collector.has_grads:
+                self.root.reduce(group)
+
+    def reset_iteration(self) -> None:
+        """FSDP2's ``reset_iter_state``: an exception ended the iteration midway."""
+        self.forwards.abandon()
+        self.reshard()
+        self.end_backward()
+
+    def end_backward(self) -> None:
+        self._move_to(TrainingState.IDLE)
+        self._prefetch.drop()
+        self._inputs_trigger_armed = False
+        self._took_part = False
+        for group in self.groups:
+            if group.reducer is not None:
+                group.reducer.collector.begin_backward()
+        if self.options.reshard_after_backward:
+            self.reshard()

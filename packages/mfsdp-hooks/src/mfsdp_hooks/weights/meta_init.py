@@ -1,0 +1,178 @@
+"""Meta-device initialisation: materialise, initialise and shard one unit at a time.
+
+A model built under ``torch.device("meta")`` holds no memory. Each module with parameters or
+buffers on meta is given real storage on the target device and initialised by its own
+``reset_parameters()`` (or ``_reset_parameters()``), in module order; as soon as every
+module of an FSDP unit is done, the unit is sharded, which frees the full tensors. No rank
+ever holds more than its shards plus about one unit.
+
+Module order is construction order for ordinary models, so with the same
+``torch.manual_seed`` the result equals the model built directly on the device, tied weights
+included: a module whose parameter was tied to one initialised earlier (a head tied to the
+embedding) runs its ``reset_parameters`` on a scratch copy that is then dropped, exactly as
+construction initialised the head's own weight before the tie replaced it.
+
+Tensor-parallel parameters (DTensors on a TP mesh, e.g. from ``parallelize_module`` on a
+meta model) are initialised whole: ``reset_parameters()`` runs on a plain tensor of the
+global shape, drawing exactly the random numbers one-process construction draws, and each
+TP rank then keeps its own slice (``distribute_tensor`` with no source rank, so no
+communication). TP-replicated parameters come out identical on every TP rank and TP-sharded
+ones equal the slices of the one-process model, whatever RNG state TP ranks would otherwise
+diverge on; the cost is one unit's full TP weights for a moment, as without TP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from mfsdp_hooks.weights.lookup import register_materialized
+
+__all__ = [
+    "MetaMaterializer",
+    "check_initialisable",
+    "has_meta_state",
+    "materialize_in_order",
+    "modules_in_scope",
+]
+
+_RESET_METHODS = ("reset_parameters", "_reset_parameters")
+
+
+def has_meta_state(module: nn.Module) -> bool:
+    """Whether ``module`` itself (not its children) holds parameters or buffers on meta."""
+    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    return any(t.device.type == "meta" for t in tensors)
+
+
+def _reset_method(module: nn.Module) -> Callable[[], object] | None:
+    for name in _RESET_METHODS:
+        method = getattr(module, name, None)
+        if callable(method):
+            return method  # type: ignore[no-any-return]
+    return None
+
+
+def modules_in_scope(
+    root: nn.Module, skip: Callable[[nn.Module], bool]
+) -> list[tuple[str, nn.Module]]:
+    """``root``'s modules in module order, without the subtrees ``skip`` says belong elsewhere
+    (FSDP units wrapped already)."""
+    found: list[tuple[str, nn.Module]] = []
+    stack: list[tuple[str, nn.Module]] = [("", root)]
+    while stack:
+        path, module = stack.pop()
+        if module is not root and skip(module):
+            continue
+        found.append((path, module))
+        children = [(f"{path}.{n}" if path else n, c) for n, c in module.named_children()]
+        stack.extend(reversed(children))
+    return found
+
+
+def check_initialisable(modules: Iterable[tuple[str, nn.Module]], what: str) -> None:
+    """Raise (locally, before any collective) naming each meta module that cannot be
+    initialised because it has no ``reset_parameters``."""
+    missing = [
+        f"{path or '<root>'} ({type(module).__name__})"
+        for path, module in modules
+        if has_meta_state(module) and _reset_method(module) is None
+    ]
+    if missing:
+        raise ValueError(
+            f"{what}: these modules hold parameters or buffers on the meta device but define "
+            f"no reset_parameters() to initialise them: {missing}; add a reset_parameters() "
+            "that initialises every parameter and buffer of the module, or build the model on "
+            "a real device"
+        )
+
+
+class MetaMaterializer:
+    """Gives meta modules real storage on ``device`` and runs their own initialisation."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        # id(meta tensor) -> (the meta tensor, kept so its id stays unique; its replacement)
+        self._made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _replacement(self, old: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The real tensor for ``old`` (for a DTensor, its whole global value, to initialise
+        then slice), and whether it was made earlier (a tie)."""
+        made = self._made.get(id(old))
+        if made is not None:
+            return made[1], True
+        new = torch.empty(old.shape, dtype=old.dtype, device=self._device)
+        if isinstance(old, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=old.requires_grad)
+            register_materialized(old, new)
+        self._made[id(old)] = (old, new)
+        return new, False
+
+    def _keep_local_slice(self, old: DTensor, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the initialised ``whole`` of ``old``, as ``old``'s DTensor."""
+        piece: torch.Tensor = distribute_tensor(
+            whole.detach(), old.device_mesh, old.placements, src_data_rank=None
+        )
+        if isinstance(old, nn.Parameter):
+            piece = nn.Parameter(piece, requires_grad=old.requires_grad)
+            register_materialized(old, piece)
+        self._made[id(old)] = (old, piece)
+        return piece
+
+    def materialize(self, module: nn.Module) -> None:
+        """Real storage for ``module``'s own meta tensors, then its ``reset_parameters()``."""
+        if not has_meta_state(module):
+            return
+        tied: dict[str, torch.Tensor] = {}
+        distributed: dict[str, DTensor] = {}
+        for table in (module._parameters, module._buffers):
+            for name, old in table.items():
+                if old is None or old.device.type != "meta":
+                    continue
+                new, earlier = self._replacement(old)
+                if isinstance(old, DTensor) and not earlier:
+                    distributed[name] = old
+                if earlier:  # initialised with its first owner: this module's init is scratch
+                    tied[name] = new
+                    scratch = torch.empty(old.shape, dtype=old.dtype, device=self._device)
+                    new = (
+                        nn.Parameter(scratch, old.requires_grad)
+                        if name in module._parameters
+                        else scratch
+                    )
+                table[name] = new  # type: ignore[assignment]
+        reset = _reset_method(module)
+        assert reset is not None, "check_initialisable runs first"
+        with torch.no_grad():
+            reset()
+        for name, old in distributed.items():
+            table = module._parameters if name in module._parameters else module._buffers
+            whole = table[name]
+            assert whole is not None
+            table[name] = self._keep_local_slice(old, whole)  # type: ignore[assignment]
+        for name, shared in tied.items():
+            table = module._parameters if name in module._parameters else module._buffers
+            table[name] = shared  # type: ignore[assignment]
+
+
+def materialize_in_order(
+    modules: Sequence[tuple[str, nn.Module]],
+    materializer: MetaMaterializer,
+    units: Sequence[nn.Module],
+    wrap: Callable[[nn.Module], None],
+) -> None:
+    """Initialise ``modules`` in order, wrapping each unit of ``units`` right after its last
+    module (a child unit always completes before its parent)."""
+    position = {id(m): i for i, (_, m) in enumerate(modules)}
+    ends: dict[int, list[nn.Module]] = {}
+    for unit in units:
+        last = max(position[id(m)] for m in unit.modules() if id(m) in position)
+        ends.setdefault(last, []).append(unit)
+    depth = {id(m): (p.count(".") + 1 if p else 0) for p, m in modules}
+    for index, (_, module) in enumerate(modules):
+        materializer.materialize(module)
+        for unit in sorted(ends.get(index, []), key=lambda u: -depth[id(u)]):
+            wrap(unit)

@@ -1,0 +1,289 @@
+"""One FSDP unit's parameters of one dtype: their flat buffers and the parameters users see.
+
+A ``ParameterGroup`` owns, laid out by one ``FlatLayout``:
+
+* model weights in the compute dtype: sharded for ZeRO-3 (nothing persists when fp32 main
+  weights exist: the main shard is cast in before each gather), whole otherwise;
+* main weights in the optimizer dtype, only when that differs from the compute dtype;
+* reduced gradients in the optimizer dtype (a ``GradShard``): sharded for ZeRO-1/2/3, whole
+  for ``no_shard``, owned by the distributed parameters' ``.grad``.
+
+Under HFSDP (``topology.shards_optimizer_across_outer``) two layouts cut the same packing:
+``layout`` into the ``dp_shard`` compute shards, which persist and are all-gathered for
+forward and backward, and ``optim_layout`` into ``dp_shard x dp_outer`` sub-shards for the
+main weights, the gradients and the optimizer state. After a step, the sub-shards are
+all-gathered across ``dp_outer`` into the compute shard once (``_refresh_compute_shard``).
+
+It also owns two sets of ``nn.Parameter`` objects created once: the unsharded parameters
+(zero-copy views into the unsharded model-weight buffer, used by forward and backward) and
+the distributed parameters (DTensors of the original shapes over the optimizer-facing shard,
+seen by the optimizer and by ``state_dict``). The group is the weight side: sharded <->
+unsharded, and installing optimizer-updated weights. Its gradients are collected and
+reduced by its ``GradReducer`` (``grad_reducer``), into the ``GradShard`` it owns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from mfsdp_buffers import Allocator, PlainAllocator
+from mfsdp_collectives import (
+    CommHandle,
+    CommStreams,
+    FSDPTopology,
+    all_gather_into,
+)
+from mfsdp_hooks.config.codec import IDENTITY, CodecContext, ParamClassCodec, ParamCodec
+from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
+from mfsdp_hooks.config.reduce_config import GradReduceConfig
+from mfsdp_hooks.config.strategy import ShardingStrategy
+from mfsdp_hooks.dtensor.tensor_parallel import local_value, tp_spec_of
+from mfsdp_hooks.grads.grad_reducer import GradReducer
+from mfsdp_hooks.grads.grad_shard import GradShard
+from mfsdp_hooks.weights.group_storage import (
+    adopt_params,
+    check_shardable,
+    fill_buffers,
+    grad_shard,
+    weight_buffers,
+)
+from mfsdp_hooks.weights.shard_cuts import ShardCuts
+from mfsdp_hooks.weights.weight_freshness import WeightFreshness
+
+DEFAULT_ALIGNMENT = 16
+
+
+class Waitable(Protocol):
+    """What an unshard hands back: ``wait()`` before using the compute weights."""
+
+    def wait(self) -> None: ...
+
+
+class GroupRoot(Protocol):
+    """What the optimizer integration asks of the root behind a parameter group."""
+
+    def finish_grad_sync(self) -> None: ...
+
+
+class _DecodeAfter:
+    """A gather whose codec rebuilds the compute weights once it has landed."""
+
+    def __init__(self, handle: CommHandle, decode: Callable[[], None]) -> None:
+        self._handle = handle
+        self._decode: Callable[[], None] | None = decode
+
+    def wait(self) -> None:
+        self._handle.wait()
+        decode, self._decode = self._decode, None
+        if decode is not None:
+            with torch.no_grad():
+                decode()
+
+
+class ParameterGroup:
+    """The parameters of one FSDP unit that share dtype and ``requires_grad``."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        *,
+        topology: FSDPTopology,
+        strategy: ShardingStrategy,
+        policy: MixedPrecisionPolicy,
+        reduce_config: GradReduceConfig,
+        grad_allocator: Allocator | None = None,
+        alignment: int = DEFAULT_ALIGNMENT,
+        codec: ParamCodec = IDENTITY,
+        class_codec: ParamClassCodec | None = None,
+    ) -> None:
+        """``codec`` carries the weights of every gather; ``class_codec`` (parameters it
+        claims, e.g. float8 weights) is bound to this group and also decides what travels."""
+        self.names = list(names)
+        self.root: GroupRoot | None = None
+        self.topology = topology
+        self.strategy = strategy
+        self.requires_grad = params[0].requires_grad
+        self.original_dtype = params[0].dtype
+        # Tensor parallelism: the TP-local tensors are what FSDP flattens and shards.
+        self.tp_specs = [tp_spec_of(p, topology.tp_mesh) for p in params]
+        values = [local_value(p) for p in params]
+        self.shapes = [v.shape for v in values]
+        check_shardable(self.names, self.shapes)
+        self.cuts = ShardCuts(self.shapes, topology, alignment=alignment, tp_specs=self.tp_specs)
+        self.layout, self.optim_layout = self.cuts.layout, self.cuts.optim_layout
+        self.compute_dtype = policy.compute_dtype(self.original_dtype)
+        self.reduce_dtype = policy.grad_reduce_dtype(self.original_dtype)
+        optimizer_dtype = policy.optimizer_dtype(self.original_dtype)
+        bound = None
+        if class_codec is not None:
+            bound = class_codec.bind(params, self._codec_context(topology))
+            codec, self.compute_dtype = bound, bound.wire_dtype
+            values = [bound.high_precision(i) for i in range(len(params))]
+        self.model, self.main = weight_buffers(
+            self.cuts,
+            strategy,
+            self.names[0],
+            compute_dtype=self.compute_dtype,
+            optimizer_dtype=optimizer_dtype,
+        )
+        if codec is not IDENTITY and self.main is None:
+            raise NotImplementedError(
+                f"param_codec={type(codec).__name__} for {names[0]!r} needs main weights apart "
+                f"from the compute weights, but both are {self.compute_dtype}: pass a "
+                "MixedPrecisionPolicy whose param_dtype differs from main_params_dtype"
+            )
+        self.codec = codec
+        self.grads: GradShard | None = None
+        if self.requires_grad:
+            self.grads = grad_shard(
+                self.cuts,
+                strategy,
+                self.names[0],
+                grad_dtype=policy.grad_dtype(self.original_dtype),
+                optimizer_dtype=optimizer_dtype,
+                make_dtensor=self.cuts.dtensor,
+            )
+        fill_buffers(self.model, self.main, values, encoded=bound is not None)
+        self.unsharded_params = adopt_params(self.model, params, self.tp_specs, bound)
+        self.dist_params = self.cuts.dist_params(
+            self.main if self.main is not None else self.model, strategy, originals=params
+        )
+        self.freshness = WeightFreshness(steppable=self.requires_grad)
+        if bound is not None or (topology.shards_optimizer_across_outer and codec is not IDENTITY):
+            # encoded compute weights exist only once the first gather or install made them
+            self.freshness.mark_dirty()
+        self.reducer = self._reducer(reduce_config, grad_allocator)
+
+    def _reducer(
+        self, reduce_config: GradReduceConfig, grad_allocator: Allocator | None
+    ) -> GradReducer | None:
+        if self.grads is None:
+            return None
+        return GradReducer(
+            self.layout,
+            self.grads,
+            self.dist_params,
+            topology=self.topology,
+            strategy=self.strategy,
+            reduce_dtype=self.reduce_dtype,
+            reduce_config=reduce_config,
+            allocator=grad_allocator or PlainAllocator(),
+        )
+
+    def _codec_context(self, topology: FSDPTopology) -> CodecContext:
+        if topology.shards_optimizer_across_outer:
+            raise NotImplementedError(
+                f"{self.names[0]!r}: parameters a codec claims (FP8 weights) cannot be sharded "
+                "across dp_outer (HFSDP) yet: replicate across dp_outer or shard plain weights"
+            )
+        group = topology.shard_group if topology.shard_size > 1 else None
+        return CodecContext(self.layout, topology.shard_rank, group, self.compute_dtype)
+
+    # ----------------------------------------------------------------- weights
+    @property
+    def is_unsharded(self) -> bool:
+        return self.model.is_materialized
+
+    def unshard(self, streams: CommStreams | None = None) -> Waitable | None:
+        """Start making the unsharded weights current; wait on the returned handle before use."""
+        if self.model.sharded:
+            if self.model.is_materialized and not self.freshness.dirty:
+                return None
+            if self.freshness.dirty:
+                self._refresh_compute_shard(streams)
+            self.freshness.dirty = False
+            return self._gather(streams)
+        if self.freshness.dirty:
+            return self.install_weights(streams)
+        return None
+
+    def _refresh_compute_shard(self, streams: CommStreams | None) -> None:
+        """HFSDP: rebuild the compute shard from the ``dp_outer`` peers' updated sub-shards
+        (encoding this rank's main sub-shard into its slot first); a no-op otherwise."""
+        outer = self.topology.outer_group
+        if not self.topology.shards_optimizer_across_outer or outer is None:
+            return
+        slot = self.cuts.sub_shard(self.model)
+        if self.main is not None:
+            with torch.no_grad():
+                self.codec.encode(self.main.shard, slot)
+        transport = self.topology.outer_transport
+        all_gather_into(slot, self.model.shard, outer, stream=streams, transport=transport).wait()
+
+    def _gather(self, streams: CommStreams | None) -> Waitable:
+        """All-gather ZeRO-3 weights straight into the unsharded buffer.
+
+        With separate main weights (and no HFSDP) nothing of the compute dtype persists: this
+        rank's slot of the unsharded buffer is filled by encoding the main shard, then
+        gathered in place.
+        """
+        unsharded = self.model.materialize()
+        if self.main is not None and not self.model.has_persistent_shard:
+            with torch.no_grad():
+                self.codec.encode(self.main.shard, self.model.shard)
+        handle = all_gather_into(
+            self.model.shard,
+            unsharded,
+            self.topology.shard_group,
+            stream=streams,
+            transport=self.topology.host_transport,
+        )
+        return self._decoded(handle, unsharded)
+
+    def _decoded(self, handle: CommHandle, gathered: torch.Tensor) -> Waitable:
+        if not self.codec.decodes:
+            return handle
+        return _DecodeAfter(handle, lambda: self.codec.decode(gathered))
+
+    def reshard(self) -> None:
+        if self.model.sharded:
+            self.model.release()
+
+    def install_weights(self, streams: CommStreams | None = None) -> Waitable | None:
+        """Bring the compute weights up to date with optimizer-updated weights."""
+        self.freshness.dirty = False
+        if self.model.sharded:
+            self._refresh_compute_shard(streams)
+            return self._gather(streams) if self.model.is_materialized else None
+        full = self.model.materialize()
+        if self.strategy == ShardingStrategy.NO_SHARD or self.topology.shard_size == 1:
+            if self.main is not None:
+                with torch.no_grad():
+                    self.codec.encode(self.main.materialize(), full)
+                    self.codec.decode(full)
+            return None
+        slot = self.model.shard
+        if self.main is not None:
+            with torch.no_grad():
+                self.codec.encode(self.main.shard, slot)
+        handle = all_gather_into(
+            slot,
+            full,
+            self.topology.shard_group,
+            stream=streams,
+            transport=self.topology.host_transport,
+        )
+        return self._decoded(handle, full)
+
+    # ----------------------------------------------------------------- gradients
+    def mark_weights_dirty(self) -> None:
+        """Say the optimizer-facing weights changed outside ``optimizer.step()`` (e.g. a load):
+        the compute weights are re-installed at the next unshard."""
+        self.freshness.mark_dirty()
+
+    def zero_main_grads(self) -> None:
+        """Zero the reduced gradients in place, if the parameters still hold them."""
+        if self.grads is not None:
+            self.grads.zero_()
+        if self.reducer is not None:
+            self.reducer.drop_partial()
+
+    def grad_nan_flags(self) -> torch.Tensor:
+        """One flag per parameter: 1 when its local reduced gradient holds NaN or Inf."""
+        assert self.grads is not None
+        return self.grads.nonfinite_flags()

@@ -1,0 +1,117 @@
+"""How one parameter group's flat buffer is cut into shards, and this rank's views of them.
+
+Two cuts of one packing: ``layout`` into the compute shards the shard group all-gathers for
+forward and backward, and ``optim_layout`` into the optimizer-facing shards (main weights,
+gradients, optimizer state). Without HFSDP they are the same cut. Under HFSDP the second
+has ``shard x outer`` sub-shards and the first is it merged across ``dp_outer``, so a
+rank's sub-shard is a slice of its own compute shard (``sub_shard``). The distributed
+parameters the optimizer and ``state_dict`` see are DTensors over this rank's rows of the
+optimizer-facing shard (``dist_params``, :class:`RowShardedDTensor` so that ``full_tensor()``
+gathers the true rows), on the topology's optimizer mesh; a
+tensor-parallel parameter's (its shape here is the TP-local one) on the 2-D ``(dp, tp)``
+mesh, with its TP placement on the second dim (``dtensor``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+from mfsdp_buffers import DataParallelBuffer, FlatLayout
+from mfsdp_collectives import FSDPTopology
+from mfsdp_hooks.config.strategy import ShardingStrategy
+from mfsdp_hooks.dtensor.dtensor_views import replicated_dtensor, sharded_dtensor
+from mfsdp_hooks.dtensor.row_sharded import row_sharded
+from mfsdp_hooks.dtensor.tensor_parallel import TPSpec, carry_attributes
+
+__all__ = ["ShardCuts"]
+
+
+class ShardCuts:
+    """The compute and optimizer-facing cuts of one group, for this rank of ``topology``."""
+
+    def __init__(
+        self,
+        shapes: Sequence[torch.Size],
+        topology: FSDPTopology,
+        *,
+        alignment: int,
+        tp_specs: Sequence[TPSpec | None] = (),
+    ) -> None:
+        self.shapes = list(shapes)
+        self.topology = topology
+        self.tp_specs = list(tp_specs) or [None] * len(self.shapes)
+        self._dp_tp_meshes = {id(s.mesh): topology.with_tp(s.mesh) for s in self.tp_specs if s}
+        self.optim_layout = FlatLayout.build(
+            self.shapes, world_size=topology.optim_size, alignment=alignment
+        )
+        self.layout = self.optim_layout.merged(topology.optim_size // topology.shard_size)
+        self.optim_rank = topology.optim_rank
+
+    def sub_shard(self, buffer: DataParallelBuffer) -> torch.Tensor:
+        """This rank's optimizer-facing shard inside ``buffer``'s shard (a buffer of either
+        cut): all of it, or under HFSDP its ``dp_outer`` slice of the compute shard."""
+        start = self.optim_layout.shard_range(self.optim_rank)[0]
+        start -= buffer.layout.shard_range(buffer.rank)[0]
+        return buffer.shard[start : start + self.optim_layout.shard_numel]
+
+    def local_rows(self, buffer: DataParallelBuffer, index: int) -> torch.Tensor:
+        """This rank's optimizer-facing rows of parameter ``index`` in ``buffer``'s storage."""
+        piece = self.optim_layout.local_piece(index, self.optim_rank)
+        if buffer.sharded:
+            flat = self.sub_shard(buffer)[piece.shard_offset : piece.shard_offset + piece.numel]
+            return flat.view(piece.num_rows, *self.shapes[index][1:])
+        buffer.materialize()
+        return buffer.unsharded_view(index)[piece.row_start : piece.row_end]
+
+    def dtensor(self, local: torch.Tensor, index: int, *, sharded: bool) -> torch.Tensor:
+        """Parameter ``index``'s DTensor over ``local`` (this rank's rows of it, or all of it
+        when not ``sharded``): its original global shape, on the optimizer mesh, or with TP on
+        the ``(dp, tp)`` mesh."""
+        spec = self.tp_specs[index]
+        mesh = self.topology.optim_mesh
+        assert mesh is not None, "FSDPTopology without a shard mesh cannot build DTensors"
+        if spec is None:
+            if not sharded:
+                return replicated_dtensor(local, mesh)
+            return row_sharded(
+                sharded_dtensor(local, mesh, self.shapes[index]), self.row_ranges(index)
+            )
+        placements = [Shard(0) if sharded else Replicate(), *spec.placements]
+        dp_tp = self._dp_tp_meshes[id(spec.mesh)]
+        tensor = sharded_dtensor(local, dp_tp, spec.global_shape, placements)
+        return row_sharded(tensor, self.row_ranges(index)) if sharded else tensor
+
+    def row_ranges(self, index: int) -> tuple[tuple[int, int], ...]:
+        """The rows of parameter ``index`` that each rank of the optimizer mesh holds."""
+        topology = self.topology
+        pieces = [
+            self.optim_layout.local_piece(index, topology.optim_index_of(rank))
+            for rank in range(topology.optim_size)
+        ]
+        return tuple((piece.row_start, piece.row_end) for piece in pieces)
+
+    def dist_params(
+        self,
+        buffer: DataParallelBuffer,
+        strategy: ShardingStrategy,
+        *,
+        originals: Sequence[nn.Parameter],
+    ) -> list[nn.Parameter]:
+        """One parameter per original parameter: its DTensor over ``buffer`` (row-sharded;
+        replicated for ``no_shard``), sharing its storage, with the original's
+        ``requires_grad`` and public attributes."""
+        params = []
+        for index, original in enumerate(originals):
+            if strategy == ShardingStrategy.NO_SHARD:
+                buffer.materialize()
+                tensor = self.dtensor(buffer.unsharded_view(index), index, sharded=False)
+            else:
+                tensor = self.dtensor(self.local_rows(buffer, index), index, sharded=True)
+            param = nn.Parameter(tensor, requires_grad=original.requires_grad)
+            carry_attributes(original, param)
+            params.append(param)
+        return params
