@@ -115,7 +115,7 @@ class GradReducer:
         )
         self._in_place = in_place
         self._native_average = in_place or dist.get_backend(topology.shard_group) != "gloo"
-        self.collector = GradCollector(
+        self._collector = GradCollector(
             layout,
             reduce_dtype=reduce_dtype,
             device=grads.device,
@@ -137,7 +137,28 @@ class GradReducer:
         self._output_scale: float | None = None
         if self._in_place:  # kept as they arrive: a pre-scale becomes the same post-scale
             self._output_scale, self._input_scale = self._input_scale, None
-        self.collector.input_scale = self._input_scale
+        self._collector.input_scale = self._input_scale
+
+    # ----------------------------------------------------------------- collect
+    def accumulate(self, index: int, grad: torch.Tensor) -> bool:
+        """Take parameter ``index``'s unsharded gradient of this backward; True once every
+        gradient of the group arrived. No reduction of this group may be in flight (the
+        caller settles it first: the buffer may be reused)."""
+        return self._collector.accumulate(index, grad)
+
+    @property
+    def all_received(self) -> bool:
+        """Every gradient of the group arrived in this backward."""
+        return self._collector.all_received
+
+    @property
+    def has_grads(self) -> bool:
+        """Gradients were collected and not reduced yet (this backward's or ``no_sync``'s)."""
+        return self._collector.has_grads
+
+    def begin_backward(self) -> None:
+        """A new backward: count arrivals afresh (what ``no_sync`` kept stays)."""
+        self._collector.begin_backward()
 
     # ----------------------------------------------------------------- reduce
     @property
@@ -158,12 +179,12 @@ class GradReducer:
         if not accumulate:
             self._across_replicas = ReplicaSync.EMPTY
         group, outer = self._topology.shard_group, self._topology.outer_group
-        if outer is not None and not self.collector.has_grads and self.needs_outer_sync:
+        if outer is not None and not self._collector.has_grads and self.needs_outer_sync:
             handle = all_reduce_(target, outer, average=self._average, stream=streams)
             self._across_replicas = ReplicaSync.COMPLETE
             return PendingReduction(self, handle, no_shard_target=None, outer_only=True)
         if self._strategy == ShardingStrategy.NO_SHARD:  # never held: no transport all-reduce
-            buffer = self.collector.collected()
+            buffer = self._collector.collected()
             assert isinstance(buffer, torch.Tensor)
             handle = all_reduce_(
                 buffer,
@@ -173,7 +194,7 @@ class GradReducer:
                 outer_group=outer,
             )
             return PendingReduction(self, handle, no_shard_target=(target, accumulate))
-        grads = self.collector.collected()
+        grads = self._collector.collected()
         state = self._across_replicas
         defer = outer is not None and not ends_cycle and state is not ReplicaSync.COMPLETE
         handle = hsdp_reduce_scatter_into(
@@ -214,7 +235,7 @@ class GradReducer:
         kept = self._across_replicas is ReplicaSync.INNER_ONLY
         if not ends_cycle:
             handle = reduce_scatter_into(
-                self.collector.collected(),
+                self._collector.collected(),
                 self._partial_buffer(),
                 topology.shard_group,
                 average=self._average,
@@ -228,7 +249,7 @@ class GradReducer:
             return PendingReduction(self, handle, no_shard_target=None)
         target, accumulate = self.grads.prepare(self._dist_params)
         self._across_replicas = ReplicaSync.COMPLETE
-        if not self.collector.has_grads:  # finish_grad_sync: only what no_sync kept is left
+        if not self._collector.has_grads:  # finish_grad_sync: only what no_sync kept is left
             handle = reduce_scatter_into(
                 self._partial_buffer(),
                 target,
@@ -241,7 +262,7 @@ class GradReducer:
             )
             return PendingReduction(self, handle, None, outer_only=True, ends_partial=True)
         handle = hfsdp_reduce_scatter_into(
-            self.collector.collected(),
+            self._collector.collected(),
             target,
             topology.shard_group,
             outer,
@@ -263,4 +284,4 @@ class GradReducer:
             self.drop_partial()
         if pending.outer_only:
             return  # it reduced the shard in place and used no collected gradients
-        self.collector.clear(move_into=pending.no_shard_target)
+        self._collector.clear(move_into=pending.no_shard_target)

@@ -223,7 +223,7 @@ class FSDPRoot:
             reducer = group.reducer
             if reducer is None:
                 continue
-            if reducer.collector.has_grads and not self.reductions.in_flight(reducer):
+            if reducer.has_grads and not self.reductions.in_flight(reducer):
                 self._launch(group, ends_cycle=True)
         self._sync_across_replicas()
 

@@ -303,10 +303,10 @@ class FSDPUnit:
             raise _gradient_after_backward(self.name, group.names[index])
         self.root.reap_finished_reductions()
         self.root.settle_reduction(group)  # its buffer may still be in a reduction
-        complete = reducer.collector.accumulate(index, grad)
+        complete = reducer.accumulate(index, grad)
         param.grad = None
         self._prefetch.on_grad(grad.numel())
-        waiting = [g for g in self.groups if g.reducer and not g.reducer.collector.all_received]
+        waiting = [g for g in self.groups if g.reducer and not g.reducer.all_received]
         # Every gradient here: the backward may end now. Only where an input-grad trigger
         # would end it anyway right after, with nothing issued in between, so a rank whose
         # data skipped a parameter (no "every gradient" moment) issues the same collectives
@@ -336,7 +336,7 @@ class FSDPUnit:
             if reducer is None or not self.root.should_reduce(group):
                 continue
             # No forward, no gradient: grads stay None (as torch's), not zeros Adam steps.
-            if self._took_part or reducer.collector.has_grads:
+            if self._took_part or reducer.has_grads:
                 self.root.reduce(group)
 
     def reset_iteration(self) -> None:
@@ -352,6 +352,6 @@ class FSDPUnit:
         self._took_part = False
         for group in self.groups:
             if group.reducer is not None:
-                group.reducer.collector.begin_backward()
+                group.reducer.begin_backward()
         if self.options.reshard_after_backward:
             self.reshard()
