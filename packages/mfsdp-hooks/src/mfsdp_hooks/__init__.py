@@ -75,3 +75,10 @@ __all__ = [
     "parse_strategy",
     "resolve_unit_modules",
 ]
+
+# The root wrapper under the name that says what it is, and the options record it takes
+# (``MegatronFSDP`` above is its deprecated old name, kept for one release).
+from mfsdp_hooks.api.root_wrapper import FSDPRootWrapper
+from mfsdp_hooks.config.sharding_options import ShardingOptions
+
+__all__ += ["FSDPRootWrapper", "ShardingOptions"]

@@ -1,16 +1,29 @@
-"""``MegatronFSDP``: the root wrapper that shards every ``fsdp_unit_modules`` match at once."""
+"""``FSDPRootWrapper``: the root wrapper that shards every ``fsdp_unit_modules`` match at once.
+
+It takes the model's options as one ``ShardingOptions`` record and hands each unit the
+record's fields as explicit arguments of ``fully_shard``. ``MegatronFSDP`` is its deprecated
+old name (``fully_shard``'s keyword names instead of a record), kept for one release.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from mfsdp_buffers import Allocator
+from mfsdp_collectives import FSDPTopology
 from mfsdp_hooks.api.fully_shard import FSDPModule, fsdp_units, fully_shard, resolve_topology
+from mfsdp_hooks.config.codec import ParamClassCodec, ParamCodec
+from mfsdp_hooks.config.experts import ExpertSharding
 from mfsdp_hooks.config.grad_allocator import make_grad_allocator
+from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
+from mfsdp_hooks.config.sharding_options import ShardingOptions
 from mfsdp_hooks.config.strategy import ShardingStrategy, parse_strategy
 from mfsdp_hooks.runtime.unit import unit_of
 from mfsdp_hooks.weights.lookup import set_owning_model
@@ -59,25 +72,22 @@ def resolve_unit_modules(specs: Sequence[UnitSpec] | None) -> tuple[type[nn.Modu
     return tuple(classes)
 
 
-class MegatronFSDP(nn.Module):
+class FSDPRootWrapper(nn.Module):
     """Wraps a model: every submodule matching ``fsdp_unit_modules`` and the model itself
     become FSDP units (children first). The original model stays at ``self.module``.
 
-    Keyword arguments are those of ``mfsdp_hooks.fully_shard`` (``sharding_strategy``,
-    ``mp_policy``, ``mesh``, overlap and gradient options). ``sync_model_each_microbatch``
-    defaults to False here, as in the seed: reductions of ``no_sync`` micro-batches stay in
-    flight into the next one; a backward outside ``no_sync`` (the last micro-batch) waits for
-    all of them, so the gradients are final when it returns.
+    ``options`` (a ``ShardingOptions``; None: its defaults) carries every choice, under the
+    seed's names; each unit gets them as explicit arguments of the per-module ``fully_shard``.
+    With ``sync_model_each_microbatch=False`` the reductions of ``no_sync`` micro-batches stay
+    in flight into the next one; a backward outside ``no_sync`` (the last micro-batch) waits
+    for all of them, so the gradients are final when it returns.
     """
 
     def __init__(
         self,
         module: nn.Module,
         fsdp_unit_modules: Sequence[UnitSpec] | None = None,
-        *,
-        sync_model_each_microbatch: bool = False,
-        init_model_with_meta_device: bool = False,
-        **shard_options: Any,
+        options: ShardingOptions | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -86,24 +96,24 @@ class MegatronFSDP(nn.Module):
             raise ValueError(
                 "module: it is already fully sharded; wrap the original model only once"
             )
+        options = ShardingOptions() if options is None else options
         classes = resolve_unit_modules(fsdp_unit_modules)
         # One gradient-buffer allocator for the whole model, so pools are shared by its units.
-        shard_options["grad_buffer_allocator"] = make_grad_allocator(
-            shard_options.get("grad_buffer_allocator", "plain"),
-            shard_options.get("max_inflight_reductions", 1),
+        allocator = make_grad_allocator(
+            options.grad_buffer_allocator, options.max_inflight_reductions
         )
         targets = [m for m in module.modules() if classes and isinstance(m, classes)]
         if classes and not targets:
             _refuse_unmatched(classes, module)
         units = [sub for sub in reversed(targets) if sub is not module] + [module]
-        shard_options["sync_model_each_microbatch"] = sync_model_each_microbatch
-        if init_model_with_meta_device:
-            _init_from_meta_and_shard(module, units, shard_options)
+        if options.init_model_with_meta_device:
+            _init_from_meta_and_shard(module, units, options, allocator)
         else:
             for target in units:
-                fully_shard(target, **shard_options)
+                _shard_unit(target, options, options.device_mesh, allocator)
         self.module = module
         self.fsdp_unit_modules = classes
+        self.sharding_options = options
         for unit in fsdp_units(module):
             for group in unit.groups:
                 set_owning_model(group, self)
@@ -139,6 +149,104 @@ class MegatronFSDP(nn.Module):
         self.root_unit_module.install_optimized_model_weights()
 
 
+class MegatronFSDP(FSDPRootWrapper):
+    """Deprecated: ``FSDPRootWrapper``'s old name, taking ``fully_shard``'s keyword names
+    (``mesh``, ``mp_policy``, ``sharding_strategy``...) instead of a ``ShardingOptions``.
+    Kept for one release; ``sync_model_each_microbatch`` defaults to False here, as in the
+    seed's class. (``megatron_fsdp.MegatronFSDP`` is the reference's class, another thing.)"""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        fsdp_unit_modules: Sequence[UnitSpec] | None = None,
+        *,
+        sync_model_each_microbatch: bool = False,
+        init_model_with_meta_device: bool = False,
+        mesh: DeviceMesh | FSDPTopology | None = None,
+        reshard_after_forward: bool | None = None,
+        mp_policy: MixedPrecisionPolicy | None = None,
+        sharding_strategy: int | str | ShardingStrategy = ShardingStrategy.OPTIM_GRADS_PARAMS,
+        overlap_param_gather: bool = True,
+        overlap_grad_reduce: bool = True,
+        average_in_collective: bool = True,
+        gradient_scaling_factor: float | None = None,
+        calculate_per_token_loss: bool = False,
+        report_nan_in_param_grad: bool = False,
+        max_inflight_reductions: int = 1,
+        prefetch_depth: int = 1,
+        reduce_scatter_in_no_sync: bool = False,
+        backward_prefetch_grad_fraction: float = 0.5,
+        grad_buffer_allocator: str | Allocator = "plain",
+        host_transport: str = "auto",
+        param_codec: ParamCodec | None = None,
+        param_codecs: Sequence[ParamClassCodec] = (),
+        experts: ExpertSharding | None = None,
+    ) -> None:
+        warnings.warn(
+            "mfsdp_hooks.MegatronFSDP is deprecated: use mfsdp_hooks.FSDPRootWrapper(module, "
+            "fsdp_unit_modules, ShardingOptions(...)) (the seed's option names)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        options = ShardingOptions(
+            zero_dp_strategy=parse_strategy(sharding_strategy, "sharding_strategy"),
+            device_mesh=mesh,
+            mixed_precision_policy=mp_policy,
+            init_model_with_meta_device=init_model_with_meta_device,
+            overlap_grad_reduce=overlap_grad_reduce,
+            overlap_param_gather=overlap_param_gather,
+            sync_model_each_microbatch=sync_model_each_microbatch,
+            average_in_collective=average_in_collective,
+            gradient_scaling_factor=gradient_scaling_factor,
+            calculate_per_token_loss=calculate_per_token_loss,
+            report_nan_in_param_grad=report_nan_in_param_grad,
+            host_transport=host_transport,
+            backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
+            grad_buffer_allocator=grad_buffer_allocator,
+            experts=experts,
+            param_codecs=tuple(param_codecs),
+            param_codec=param_codec,
+            reshard_after_forward=reshard_after_forward,
+            max_inflight_reductions=max_inflight_reductions,
+            prefetch_depth=prefetch_depth,
+            reduce_scatter_in_no_sync=reduce_scatter_in_no_sync,
+        )
+        super().__init__(module, fsdp_unit_modules, options)
+
+
+def _shard_unit(
+    target: nn.Module,
+    options: ShardingOptions,
+    mesh: DeviceMesh | FSDPTopology | None,
+    allocator: Allocator,
+) -> None:
+    """``fully_shard`` on one unit, each of the record's fields an explicit argument (under
+    ``fully_shard``'s FSDP2 names: the one place a name changes on the way down)."""
+    fully_shard(
+        target,
+        mesh=mesh,
+        reshard_after_forward=options.reshard_after_forward,
+        mp_policy=options.mixed_precision_policy,
+        sharding_strategy=options.zero_dp_strategy,
+        overlap_param_gather=options.overlap_param_gather,
+        overlap_grad_reduce=options.overlap_grad_reduce,
+        sync_model_each_microbatch=options.sync_model_each_microbatch,
+        average_in_collective=options.average_in_collective,
+        gradient_scaling_factor=options.gradient_scaling_factor,
+        calculate_per_token_loss=options.calculate_per_token_loss,
+        report_nan_in_param_grad=options.report_nan_in_param_grad,
+        max_inflight_reductions=options.max_inflight_reductions,
+        prefetch_depth=options.prefetch_depth,
+        reduce_scatter_in_no_sync=options.reduce_scatter_in_no_sync,
+        backward_prefetch_grad_fraction=options.backward_prefetch_grad_fraction,
+        grad_buffer_allocator=allocator,
+        host_transport=options.host_transport,
+        param_codec=options.param_codec,
+        param_codecs=options.param_codecs,
+        experts=options.experts,
+    )
+
+
 def _refuse_unmatched(classes: tuple[type[nn.Module], ...], module: nn.Module) -> None:
     """A unit class that matches nothing would silently make the whole model one unit
     (every weight gathered at once): refuse it, as accelerate does."""
@@ -152,23 +260,22 @@ def _refuse_unmatched(classes: tuple[type[nn.Module], ...], module: nn.Module) -
 
 
 def _init_from_meta_and_shard(
-    module: nn.Module, units: list[nn.Module], shard_options: dict[str, Any]
+    module: nn.Module, units: list[nn.Module], options: ShardingOptions, allocator: Allocator
 ) -> None:
     """``init_model_with_meta_device=True``: initialise the whole model in module order (as
     building it on the device would, so the same seed gives the same weights) and shard each
     unit as soon as its last module is done (``meta_init``)."""
-    strategy = parse_strategy(shard_options.get("sharding_strategy", 3), "sharding_strategy")
-    if strategy == ShardingStrategy.NO_SHARD:
+    if options.zero_dp_strategy == ShardingStrategy.NO_SHARD:
         raise ValueError(
             "init_model_with_meta_device=True with sharding_strategy=0 (no_shard) would "
             "materialise the whole model on every rank: use sharding_strategy 1, 2 or 3"
         )
     modules = modules_in_scope(module, skip=lambda m: False)
     check_initialisable(modules, "init_model_with_meta_device")
-    topology = resolve_topology(shard_options.pop("mesh", None), module)
+    topology = resolve_topology(options.device_mesh, module)
     materializer = MetaMaterializer(topology.device)
 
     def wrap(unit: nn.Module) -> None:
-        fully_shard(unit, mesh=topology, **shard_options)
+        _shard_unit(unit, options, topology, allocator)
 
     materialize_in_order(modules, materializer, units, wrap=wrap)
