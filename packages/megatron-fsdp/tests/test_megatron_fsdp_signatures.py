@@ -1,6 +1,6 @@
 """The seed README's arguments are explicit parameters of both entry points (issue 26, item 6).
 
-``engine_options.engine_kwargs`` is the one list; ``fully_shard_model`` and ``fully_shard``
+``engine_options.sharding_options`` is the one list; ``fully_shard_model`` and ``fully_shard``
 repeat it so that ``help()``, IDEs and mypy see every argument. These tests keep the three in
 step (names, order, kinds, annotations, defaults) and check each argument is passed on.
 No process group is needed: nothing here reaches a collective.
@@ -18,7 +18,11 @@ from torch import nn
 
 import megatron_fsdp
 from megatron_fsdp import api
-from megatron_fsdp.engine_options import _NOT_YET, engine_kwargs
+from megatron_fsdp.engine_options import sharding_options
+from megatron_fsdp.unsupported import NOT_YET
+
+# The one table's fully_shard_model arguments: name -> (default, what it needs).
+_NOT_YET = {n: (e.default, e.feature) for n, e in NOT_YET.items() if e.where == "argument"}
 
 # Every argument of fully_shard_model that the seed README documents (its walkthrough call,
 # its "Advanced Features" list and the TransformerEngine example).
@@ -62,8 +66,10 @@ def _described(function: Any, drop: str | None = None) -> list[tuple[str, Any, A
     ]
 
 
-def test_fully_shard_model_repeats_engine_kwargs() -> None:
-    assert _described(megatron_fsdp.fully_shard_model, drop=MODEL_ONLY) == _described(engine_kwargs)
+def test_fully_shard_model_repeats_sharding_options() -> None:
+    assert _described(megatron_fsdp.fully_shard_model, drop=MODEL_ONLY) == _described(
+        sharding_options
+    )
 
 
 def test_fully_shard_repeats_fully_shard_model() -> None:
@@ -78,7 +84,7 @@ def test_fully_shard_repeats_fully_shard_model() -> None:
 
 
 def test_no_argument_hides_behind_var_keyword() -> None:
-    for function in (megatron_fsdp.fully_shard_model, megatron_fsdp.fully_shard, engine_kwargs):
+    for function in (megatron_fsdp.fully_shard_model, megatron_fsdp.fully_shard, sharding_options):
         kinds = {p.kind for p in inspect.signature(function).parameters.values()}
         assert inspect.Parameter.VAR_KEYWORD not in kinds, function
         assert inspect.Parameter.VAR_POSITIONAL not in kinds, function
@@ -110,7 +116,7 @@ def test_docstring_describes_every_parameter() -> None:
 
 
 def test_not_yet_arguments_are_parameters_with_their_defaults() -> None:
-    parameters = inspect.signature(engine_kwargs).parameters
+    parameters = inspect.signature(sharding_options).parameters
     for name, (default, _) in _NOT_YET.items():
         assert name in parameters, name
         assert parameters[name].default == default, name
@@ -148,12 +154,21 @@ def test_fully_shard_model_passes_every_argument_on(monkeypatch: pytest.MonkeyPa
     seen: dict[str, Any] = {}
     dcp: list[object] = []
 
-    def fake_engine_kwargs(module: object, units: object, **kwargs: Any) -> dict[str, Any]:
-        seen.update(kwargs, module=module, fsdp_unit_modules=units)
-        return {}
+    record = object()
 
-    monkeypatch.setattr(api, "engine_kwargs", fake_engine_kwargs)
-    monkeypatch.setattr(api.MegatronFSDP, "from_engine_kwargs", classmethod(lambda cls, kw: cls))
+    def fake_sharding_options(module: object, units: object, **kwargs: Any) -> object:
+        seen.update(kwargs, module=module, fsdp_unit_modules=units)
+        return record
+
+    class FakeWrapper:
+        """Stands in for the class: checks it gets the record, and "is" the wrapped model."""
+
+        def __new__(cls, module: object, *, fsdp_unit_modules: object, options: object) -> Any:
+            assert options is record
+            return cls
+
+    monkeypatch.setattr(api, "sharding_options", fake_sharding_options)
+    monkeypatch.setattr(api, "MegatronFSDP", FakeWrapper)
     monkeypatch.setattr(api, "enable_dcp", dcp.append)
     module, units = object(), object()
     given = _sentinels(megatron_fsdp.fully_shard_model, skip=(MODEL_ONLY,))

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from megatron_fsdp.engine_options import engine_kwargs
+from megatron_fsdp.engine_options import sharding_options
 from megatron_fsdp.wrapper import MegatronFSDP
 from mfsdp_checkpoint import enable_dcp
 from mfsdp_hooks import (
@@ -64,7 +64,8 @@ def fully_shard_model(
     """Shard ``module`` (every ``fsdp_unit_modules`` match, then the root) and wrap it.
 
     Returns a ``MegatronFSDP``; the original module is its ``.module``. The arguments are
-    checked by ``engine_options.engine_kwargs``, whose signature this one repeats. Those
+    checked by ``engine_options.sharding_options``, whose signature this one repeats, into
+    one ``mfsdp_hooks.ShardingOptions`` record (the seed's names) that the engine takes. Those
     whose feature is not built yet raise ``NotImplementedError`` naming the argument when
     set to anything but their default.
 
@@ -134,7 +135,7 @@ def fully_shard_model(
             weights once this fraction of its gradient elements arrived (0.0: at its
             pre-backward, as FSDP2).
     """
-    kwargs = engine_kwargs(
+    options = sharding_options(
         module,
         fsdp_unit_modules,
         device_mesh=device_mesh,
@@ -166,7 +167,7 @@ def fully_shard_model(
         host_transport=host_transport,
         backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
     )
-    wrapped = MegatronFSDP.from_engine_kwargs(kwargs)
+    wrapped = MegatronFSDP(module, fsdp_unit_modules=fsdp_unit_modules, options=options)
     if preproc_state_dict_for_dcp_ckpt:
         enable_dcp(wrapped)
     return wrapped

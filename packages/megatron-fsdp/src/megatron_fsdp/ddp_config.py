@@ -2,11 +2,11 @@
 
 Code written for NVIDIA's Megatron-FSDP builds one of these and passes it to
 ``MegatronFSDP(module, dist_index, ddp_config=...)``. Every field is read: the ones the engine
-has are mapped onto its options (:meth:`DistributedDataParallelConfig.engine_options`), the
-ones it does not have raise ``NotImplementedError`` naming the field when set to anything
-but their default, so no setting is dropped. (The reference ignores its own ``nccl_ub``,
-``fsdp_double_buffer`` and FP8 keywords when a config is passed; here a keyword that
-contradicts the config is an error.)
+has become ``fully_shard_model`` arguments, field by field (``reference_options``); the ones
+it does not have raise ``NotImplementedError`` naming the field when set to anything but
+their default (the one table, ``megatron_fsdp.unsupported``), so no setting is dropped. (The
+reference ignores its own ``nccl_ub``, ``fsdp_double_buffer`` and FP8 keywords when a config
+is passed; here a keyword that contradicts the config is an error.)
 """
 
 from __future__ import annotations
@@ -17,21 +17,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["DistributedDataParallelConfig"]
+from megatron_fsdp.unsupported import refuse_unsupported
+from mfsdp_hooks import MixedPrecisionPolicy
 
-# field -> (default, what it would need)
-_NOT_YET: dict[str, tuple[Any, str]] = {
-    "fp8_param_gather": (False, "FP8 parameters from the config (use torchao float8 models)"),
-    "bucket_size": (None, "a bucket-size cap (units are the buckets)"),
-    "suggested_communication_unit_size": (None, "a communication unit size (units are)"),
-    "fsdp_all_gather_in_start_param_sync": (True, "start_param_sync"),
-    "fsdp_db_use_persist_buf_on_alloc_fail": (False, "the double buffer's fallback"),
-    "megatron_fsdp_use_decoupled_grad": (False, "decoupled gradients"),
-    "megatron_fsdp_cuda_graph_mode": (False, "CUDA-graph mode"),
-    "megatron_fsdp_enable_fine_grained_param_gather": (False, "fine-grained all-gather"),
-    "megatron_fsdp_max_pool_double_buffer": (False, "the max-pool double buffer"),
-    "num_distributed_optimizer_instances": (1, "partial distributed optimizers"),
-}
+__all__ = ["DistributedDataParallelConfig"]
 
 
 @dataclass
@@ -103,16 +92,13 @@ class DistributedDataParallelConfig:
         return cls(**copied)
 
     def refuse_unsupported(self) -> None:
-        for name, (default, feature) in _NOT_YET.items():
-            value = getattr(self, name)
-            if value != default:
-                raise NotImplementedError(
-                    f"DistributedDataParallelConfig.{name}={value!r}: {feature} is not "
-                    f"supported yet by megatron-fsdp; leave it at {default!r}"
-                )
+        """Raise naming the first field set that megatron-fsdp does not support yet (the
+        table in ``megatron_fsdp.unsupported``; the fields that are also ``fully_shard_model``
+        arguments are refused there, under those names)."""
+        refuse_unsupported("ddp_config", self)
 
-    def precision_policy(self) -> dict[str, Any]:
-        """``fully_shard_model``'s precision arguments for these fields."""
+    def precision_policy(self) -> MixedPrecisionPolicy | None:
+        """The policy these fields ask for; None when they leave precision at its default."""
         legacy = self.grad_reduce_in_fp32 or not self.preserve_fp32_weights
         dtypes = (self.megatron_fsdp_main_grads_dtype, self.megatron_fsdp_grad_comm_dtype)
         if legacy and (self.megatron_fsdp_main_params_dtype != torch.float32 or any(dtypes)):
@@ -120,38 +106,17 @@ class DistributedDataParallelConfig:
                 "DistributedDataParallelConfig: set either grad_reduce_in_fp32/"
                 "preserve_fp32_weights or the megatron_fsdp_*_dtype fields, not both"
             )
-        if legacy:
-            return {
-                "grad_reduce_in_fp32": self.grad_reduce_in_fp32,
-                "preserve_fp32_weights": self.preserve_fp32_weights,
-            }
-        from mfsdp_hooks import MixedPrecisionPolicy
-
+        if legacy:  # as fully_shard_model reads its two legacy arguments
+            return MixedPrecisionPolicy(
+                reduce_dtype=torch.float32 if self.grad_reduce_in_fp32 else None,
+                main_params_dtype=torch.float32 if self.preserve_fp32_weights else None,
+            )
         policy = MixedPrecisionPolicy(
             main_params_dtype=self.megatron_fsdp_main_params_dtype,
             main_grads_dtype=self.megatron_fsdp_main_grads_dtype,
             reduce_dtype=self.megatron_fsdp_grad_comm_dtype,
         )
-        return {} if policy == MixedPrecisionPolicy() else {"mixed_precision_policy": policy}
-
-    def engine_options(self) -> dict[str, Any]:
-        """``fully_shard_model`` keyword arguments for this config (refusing what is not
-        supported yet)."""
-        self.refuse_unsupported()
-        return {
-            "zero_dp_strategy": self.data_parallel_sharding_strategy,
-            "outer_dp_sharding_strategy": self.outer_dp_sharding_strategy,
-            "overlap_grad_reduce": self.overlap_grad_reduce,
-            "overlap_param_gather": self.overlap_param_gather,
-            "report_nan_in_param_grad": self.check_for_nan_in_grad,
-            "average_in_collective": self.average_in_collective,
-            "keep_fp8_transpose_cache": self.keep_fp8_transpose_cache,
-            "nccl_ub": self.nccl_ub,
-            "fsdp_double_buffer": self.fsdp_double_buffer,
-            "disable_symmetric_registration": self.disable_symmetric_registration,
-            "fsdp_manual_registration": self.fsdp_manual_registration,
-            **self.precision_policy(),
-        }
+        return None if policy == MixedPrecisionPolicy() else policy
 
 
 def _default_of(field: dataclasses.Field[Any]) -> Any:

@@ -3,17 +3,16 @@
 ``MegatronFSDP(module, dist_index, ...)`` takes one. It names the ``device_mesh`` dims FSDP
 shards over (``dp_shard_dim``), replicates across (``dp_outer_dim``, HSDP with
 ``hybrid_fsdp_group``), and leaves to tensor parallelism (``tp_dim``), plus an expert mesh.
-The groups are looked up from the mesh as the reference does; ``engine_options`` hands the
+The groups are looked up from the mesh as the reference does; ``reference_options`` hands the
 same arguments to ``fully_shard_model``, which checks them against each other.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from megatron_fsdp.unsupported import refuse_unsupported
 from mfsdp_collectives import mesh_has_dim
 
 __all__ = ["FSDPDistributedIndex"]
@@ -43,17 +42,14 @@ class FSDPDistributedIndex:
     ) -> None:
         if not isinstance(device_mesh, DeviceMesh):
             raise TypeError(f"device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
-        extras = {
-            "hybrid_fsdp_expt_group": hybrid_fsdp_expt_group,
-            "fsdp_group_ag": fsdp_group_ag,
-            "expt_fsdp_group_ag": expt_fsdp_group_ag,
-        }
-        for name, value in extras.items():
-            if value is not None:
-                raise NotImplementedError(
-                    f"FSDPDistributedIndex({name}=...): separate all-gather or hybrid expert "
-                    "groups are not supported yet; leave it None"
-                )
+        refuse_unsupported(
+            "dist_index",
+            {
+                "hybrid_fsdp_expt_group": hybrid_fsdp_expt_group,
+                "fsdp_group_ag": fsdp_group_ag,
+                "expt_fsdp_group_ag": expt_fsdp_group_ag,
+            },
+        )
         self.device_mesh = device_mesh
         self.dp_shard_dim = dp_shard_dim
         self.dp_outer_dim = dp_outer_dim
@@ -93,14 +89,3 @@ class FSDPDistributedIndex:
 
     def get_root_mesh(self, is_expert_parallel: bool = False) -> DeviceMesh | None:
         return self.expt_device_mesh if is_expert_parallel else self.device_mesh
-
-    def engine_options(self) -> dict[str, Any]:
-        """``fully_shard_model`` keyword arguments for these dims and groups."""
-        return {
-            "device_mesh": self.device_mesh,
-            "dp_shard_dim": self.dp_shard_dim,
-            "dp_outer_dim": self.dp_outer_dim,
-            "tp_dim": self.tp_dim,
-            "hybrid_fsdp_group": self.hybrid_fsdp_group,
-            "expt_device_mesh": self.expt_device_mesh,
-        }

@@ -1,14 +1,15 @@
-"""``fully_shard_model``'s arguments, checked and turned into the engine's options.
+"""``fully_shard_model``'s arguments, checked and turned into the engine's one options record.
 
 One place for both entry points: ``fully_shard_model(module, ...)`` and the reference's class
 constructor ``MegatronFSDP(module, dist_index, ddp_config, ...)`` (``wrapper.py``), which
-maps its index and config onto the same arguments.
+reads its index and config into the same arguments. What comes out is an
+``mfsdp_hooks.ShardingOptions``: frozen, typed, with the seed's names, which the engine's
+root wrapper takes as it is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,31 +18,19 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from megatron_fsdp.expert_mesh import expert_sharding
 from megatron_fsdp.hybrid import hybrid_topology, parse_outer_strategy
+from megatron_fsdp.unsupported import refuse_unsupported
 from mfsdp_collectives import FSDPTopology
-from mfsdp_hooks import MixedPrecisionPolicy, UnitSpec, parse_strategy, resolve_unit_modules
+from mfsdp_hooks import (
+    MixedPrecisionPolicy,
+    ShardingOptions,
+    ShardingStrategy,
+    UnitSpec,
+    parse_strategy,
+    resolve_unit_modules,
+)
 from mfsdp_te import float8_codecs
 
-__all__ = ["engine_kwargs"]
-
-
-# argument -> (default, why it is not available yet)
-_NOT_YET: dict[str, tuple[Any, str]] = {
-    "nccl_ub": (False, "NCCL user buffers"),
-    "fsdp_manual_registration": (False, "NCCL user-buffer manual registration"),
-    "disable_symmetric_registration": (False, "NCCL user-buffer symmetric registration"),
-    "keep_fp8_transpose_cache": (False, "FP8 parameters"),
-    "enable_fine_grained_param_gather": (False, "per-module fine-grained all-gather"),
-}
-
-
-def _reject_not_yet(options: dict[str, Any]) -> None:
-    for name, value in options.items():
-        default, feature = _NOT_YET[name]
-        if value != default and not (default is None and value is None):
-            raise NotImplementedError(
-                f"{name}={value!r}: {feature} is not supported yet by megatron-fsdp; "
-                f"leave {name} at its default ({default!r})"
-            )
+__all__ = ["sharding_options"]
 
 
 def _topology(
@@ -84,6 +73,18 @@ def _check_module_and_units(module: object, fsdp_unit_modules: Sequence[UnitSpec
     resolve_unit_modules(fsdp_unit_modules)
 
 
+def _check_units_for(strategy: ShardingStrategy, units: Sequence[UnitSpec] | None) -> None:
+    if not units and strategy != ShardingStrategy.NO_SHARD:
+        # The seed README: required for strategies 1-3. Without units the whole model
+        # would be one unit, every weight gathered at once.
+        raise ValueError(
+            f"fsdp_unit_modules is required with zero_dp_strategy={int(strategy)} "
+            f"({strategy.name.lower()}): pass the class of the model's repeated blocks, "
+            "e.g. fsdp_unit_modules=[TransformerBlock] (or [type(model)] for one "
+            "whole-model unit), or use zero_dp_strategy=0 to replicate like DDP"
+        )
+
+
 def _policy(
     given: MixedPrecisionPolicy | None, grad_reduce_in_fp32: bool, preserve_fp32_weights: bool
 ) -> MixedPrecisionPolicy:
@@ -105,7 +106,7 @@ def _policy(
     )
 
 
-def engine_kwargs(
+def sharding_options(
     module: nn.Module,
     fsdp_unit_modules: Sequence[UnitSpec] | None = None,
     *,
@@ -137,29 +138,30 @@ def engine_kwargs(
     fsdp_double_buffer: bool = False,
     host_transport: str = "auto",
     backward_prefetch_grad_fraction: float = 0.5,
-) -> dict[str, Any]:
-    """Check ``fully_shard_model``'s arguments (locally, then the topology's collectives) and
-    return the engine's: ``mfsdp_hooks.MegatronFSDP`` keyword arguments (``module``, moved
-    to ``device`` when asked, included).
+) -> ShardingOptions:
+    """Check ``fully_shard_model``'s arguments (locally, then the topology's collectives),
+    move ``module`` to ``device`` when asked, and return the engine's options record.
 
     This signature is the one list of ``fully_shard_model``'s arguments: ``fully_shard_model``
     and ``fully_shard`` repeat it explicitly (so ``help()``, IDEs and mypy see every argument;
     ``megatron_fsdp.api`` documents each) and ``tests/test_megatron_fsdp_signatures.py`` keeps
     the three in step: the same names, order, annotations and defaults."""
-    _reject_not_yet(
+    refuse_unsupported(
+        "argument",
         {
             "nccl_ub": nccl_ub,
             "fsdp_manual_registration": fsdp_manual_registration,
             "disable_symmetric_registration": disable_symmetric_registration,
             "keep_fp8_transpose_cache": keep_fp8_transpose_cache,
             "enable_fine_grained_param_gather": enable_fine_grained_param_gather,
-        }
+        },
     )
     _check_module_and_units(module, fsdp_unit_modules)
     strategy = parse_strategy(zero_dp_strategy, "zero_dp_strategy")
+    _check_units_for(strategy, fsdp_unit_modules)
     policy = _policy(mixed_precision_policy, grad_reduce_in_fp32, preserve_fp32_weights)
     if device is not None and not init_model_with_meta_device:
-        module = module.to(device)
+        module.to(device)  # in place: an nn.Module's .to() returns the module itself
     outer_strategy = parse_outer_strategy(outer_dp_sharding_strategy, int(strategy))
     if dp_outer_dim is None and hybrid_fsdp_group is None:
         if outer_strategy == "optim":
@@ -180,25 +182,24 @@ def engine_kwargs(
     experts = expert_sharding(
         expt_device_mesh, dp_shard_dim=dp_shard_dim, tp_dim=tp_dim, dense=topology
     )
-    return dict(
-        module=module,
-        fsdp_unit_modules=fsdp_unit_modules,
-        experts=experts,
-        sync_model_each_microbatch=sync_model_each_microbatch,
+    return ShardingOptions(
+        zero_dp_strategy=strategy,
+        device_mesh=topology,
+        mixed_precision_policy=policy,
         init_model_with_meta_device=init_model_with_meta_device,
-        mesh=topology,
-        sharding_strategy=strategy,
-        mp_policy=policy,
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,
+        sync_model_each_microbatch=sync_model_each_microbatch,
         average_in_collective=average_in_collective,
         gradient_scaling_factor=gradient_scaling_factor,
         calculate_per_token_loss=calculate_per_token_loss,
         report_nan_in_param_grad=report_nan_in_param_grad,
+        host_transport=host_transport,
+        backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
         # Persistent double buffers for the reduce-scatter inputs; gathered weights keep one
         # storage per unit whose bytes are freed after use (autograd holds views of it).
         grad_buffer_allocator="double_buffer" if fsdp_double_buffer else "plain",
-        host_transport=host_transport,
-        backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
+        experts=experts,
+        reduce_scatter_in_no_sync=True,  # Megatron-FSDP's no_sync: ZeRO-2/3 still reduce-scatter
         param_codecs=float8_codecs(),  # torchao float8 weights travel as float8 bytes
     )

@@ -13,7 +13,8 @@ and its ``DistributedOptimizer`` call on a model chunk: ``no_sync``, ``start_gra
 Nothing here imports ``megatron.core``: the config is read by its public field names, and
 the data-parallel group comes from ``pg_collection.dp_cp`` (Megatron-Core's
 ``ProcessGroupCollection``) or is the whole world. Tensor, context and expert parallelism and
-partial distributed optimizers are refused at wrap time, naming the setting.
+partial distributed optimizers are refused at wrap time, naming the setting (the one table of
+``megatron_fsdp.unsupported``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from megatron_fsdp.ddp_config import DistributedDataParallelConfig
 from megatron_fsdp.dist_index import FSDPDistributedIndex
+from megatron_fsdp.unsupported import refuse_unsupported
 from megatron_fsdp.wrapper import MegatronFSDP
 from mfsdp_checkpoint import enable_dcp
 from mfsdp_hooks import UnitSpec
@@ -42,12 +44,6 @@ _MCORE_UNITS = (
     "megatron.core.transformer.moe.moe_layer.MoETransformerLayer",
     "megatron.core.ssm.mamba_layer.MambaLayer",
 )
-# TransformerConfig fields whose non-default value needs a parallelism this adapter lacks.
-_REFUSED_PARALLELISM = {
-    "tensor_model_parallel_size": 1,
-    "context_parallel_size": 1,
-    "expert_model_parallel_size": 1,
-}
 
 
 def FullyShardedDataParallel(
@@ -199,24 +195,10 @@ class ParamAndGradBuffer:
 
 
 def _refuse_unsupported_parallelism(config: Any, ddp_config: DistributedDataParallelConfig) -> None:
-    for field, default in _REFUSED_PARALLELISM.items():
-        value = getattr(config, field, default)
-        if value != default:
-            raise NotImplementedError(
-                f"config.{field}={value!r}: the Megatron-Core adapter shards over the data-"
-                f"parallel group only for now; use megatron_fsdp.fully_shard_model with a "
-                f"device_mesh for tensor/expert parallelism, or set {field}={default}"
-            )
-    if getattr(config, "num_moe_experts", None):
-        raise NotImplementedError(
-            "config.num_moe_experts: MoE models through the Megatron-Core adapter are not "
-            "supported yet; use megatron_fsdp.fully_shard_model with expt_device_mesh"
-        )
-    if ddp_config.num_distributed_optimizer_instances != 1:
-        raise NotImplementedError(
-            "ddp_config.num_distributed_optimizer_instances > 1 (HSDP in Megatron-Core) is not "
-            "supported through the adapter yet; use fully_shard_model with dp_outer_dim"
-        )
+    """The ``TransformerConfig`` fields this adapter lacks a parallelism for, then the config's
+    own (partial distributed optimizers among them), before any group is touched."""
+    refuse_unsupported("mcore_config", config)
+    ddp_config.refuse_unsupported()
 
 
 def _data_parallel_group(pg_collection: Any) -> dist.ProcessGroup:

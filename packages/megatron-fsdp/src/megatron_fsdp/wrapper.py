@@ -3,9 +3,10 @@
 ``MegatronFSDP(module, dist_index, ddp_config=..., mixed_precision_policy=...,
 fsdp_unit_modules=..., device=..., ...)`` as NVIDIA's Megatron-FSDP takes it: the index
 names the mesh dims, the config the strategy and options; both become ``fully_shard_model``
-arguments (``engine_options``), so the two entry points build the same thing, and
-``fully_shard_model`` returns an instance of this class. A keyword that contradicts the
-config raises instead of being dropped.
+arguments, field by field (``reference_options``), checked into the engine's one options
+record, ``mfsdp_hooks.ShardingOptions``, so the two entry points build the same thing.
+``fully_shard_model`` returns an instance of this class, built from its record
+(``options=``). A keyword that contradicts the config raises instead of being dropped.
 
 Beyond the engine wrapper's ``no_sync``/``finish_grad_sync``/``zero_grad_buffer``/
 ``install_optimized_model_weights``: ``broadcast_params``, ``scale_gradients``, ``sync``,
@@ -27,31 +28,28 @@ from torch import nn
 import mfsdp_hooks
 from megatron_fsdp.ddp_config import DistributedDataParallelConfig
 from megatron_fsdp.dist_index import FSDPDistributedIndex
-from megatron_fsdp.engine_options import engine_kwargs
-from mfsdp_hooks import MixedPrecisionPolicy, ShardingStrategy, UnitSpec, fsdp_units
+from megatron_fsdp.reference_options import ConfigKeywords, reference_options
+from mfsdp_hooks import MixedPrecisionPolicy, ShardingOptions, UnitSpec, fsdp_units
 
 __all__ = ["MegatronFSDP"]
 
-_CONFIG_KEYWORDS = (
-    "keep_fp8_transpose_cache",
-    "nccl_ub",
-    "fsdp_double_buffer",
-    "fsdp_db_use_persist_buf_on_alloc_fail",
-    "disable_symmetric_registration",
-)
 
+class MegatronFSDP(mfsdp_hooks.FSDPRootWrapper):
+    """The reference's constructor; see the module docstring.
 
-class MegatronFSDP(mfsdp_hooks.MegatronFSDP):
-    """The reference's constructor; see the module docstring."""
+    ``MegatronFSDP(module, fsdp_unit_modules=..., options=ShardingOptions(...))`` builds it
+    from an options record instead (what ``fully_shard_model`` does, after checking its
+    arguments into one); the reference's other arguments are then left out.
+    """
 
     ddp_config: DistributedDataParallelConfig | None
-    """The config it was built from (None when built by ``fully_shard_model``)."""
+    """The config it was built from (None when built from an options record)."""
     dist_index: FSDPDistributedIndex | None
 
     def __init__(
         self,
         module: nn.Module,
-        dist_index: FSDPDistributedIndex,
+        dist_index: FSDPDistributedIndex | None = None,
         ddp_config: DistributedDataParallelConfig | None = None,
         mixed_precision_policy: MixedPrecisionPolicy | None = None,
         fsdp_unit_modules: Sequence[UnitSpec] | None = None,
@@ -60,65 +58,55 @@ class MegatronFSDP(mfsdp_hooks.MegatronFSDP):
         init_model_with_meta_device: bool = False,
         sync_model_each_microbatch: bool = False,
         report_nan_in_param_grad: bool = False,
-        **keywords: Any,
+        *,
+        keep_fp8_transpose_cache: bool | None = None,
+        nccl_ub: bool | None = None,
+        fsdp_double_buffer: bool | None = None,
+        fsdp_db_use_persist_buf_on_alloc_fail: bool | None = None,
+        disable_symmetric_registration: bool | None = None,
+        options: ShardingOptions | None = None,
     ) -> None:
-        if not isinstance(dist_index, FSDPDistributedIndex):
-            raise TypeError(
-                f"dist_index must be a megatron_fsdp.FSDPDistributedIndex, got "
-                f"{type(dist_index).__name__}"
-            )
-        config = _config(ddp_config, keywords)
-        options = {**dist_index.engine_options(), **config.engine_options()}
-        if mixed_precision_policy is not None:
-            if "mixed_precision_policy" in options or "grad_reduce_in_fp32" in options:
-                raise ValueError(
-                    "mixed_precision_policy was given and ddp_config sets precision fields too: "
-                    "set the dtypes in one of them"
-                )
-            options["mixed_precision_policy"] = mixed_precision_policy
-        outer_sharded = config.outer_dp_sharding_strategy in ("optim", 1)
-        if dist_index.hsdp_outer_dp_shard != outer_sharded:
-            raise ValueError(
-                f"FSDPDistributedIndex(hsdp_outer_dp_shard={dist_index.hsdp_outer_dp_shard}) "
-                f"contradicts ddp_config.outer_dp_sharding_strategy="
-                f"{config.outer_dp_sharding_strategy!r}: set both for HFSDP, neither for HSDP"
-            )
-        kwargs = engine_kwargs(
-            module,
-            fsdp_unit_modules,
-            device=device,
-            calculate_per_token_loss=calculate_per_token_loss,
-            init_model_with_meta_device=init_model_with_meta_device,
-            sync_model_each_microbatch=sync_model_each_microbatch,
-            report_nan_in_param_grad=report_nan_in_param_grad or config.check_for_nan_in_grad,
-            **{k: v for k, v in options.items() if k != "report_nan_in_param_grad"},
+        keywords = ConfigKeywords(
+            keep_fp8_transpose_cache=keep_fp8_transpose_cache,
+            nccl_ub=nccl_ub,
+            fsdp_double_buffer=fsdp_double_buffer,
+            fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
+            disable_symmetric_registration=disable_symmetric_registration,
         )
-        self._setup(kwargs)
-        self.ddp_config, self.dist_index = config, dist_index
-
-    @classmethod
-    def from_engine_kwargs(cls, kwargs: dict[str, Any]) -> MegatronFSDP:
-        """``fully_shard_model``'s way in: the arguments ``engine_kwargs`` checked."""
-        wrapped = cls.__new__(cls)
-        wrapped._setup(kwargs)
-        return wrapped
-
-    def _setup(self, kwargs: dict[str, Any]) -> None:
-        kwargs = dict(kwargs)
-        module, units = kwargs.pop("module"), kwargs.pop("fsdp_unit_modules")
-        strategy = kwargs["sharding_strategy"]
-        if not units and strategy != ShardingStrategy.NO_SHARD:
-            # The seed README: required for strategies 1-3. Without units the whole model
-            # would be one unit, every weight gathered at once.
-            raise ValueError(
-                f"fsdp_unit_modules is required with zero_dp_strategy={int(strategy)} "
-                f"({strategy.name.lower()}): pass the class of the model's repeated blocks, "
-                "e.g. fsdp_unit_modules=[TransformerBlock] (or [type(model)] for one "
-                "whole-model unit), or use zero_dp_strategy=0 to replicate like DDP"
+        config = None
+        if options is None:
+            if not isinstance(dist_index, FSDPDistributedIndex):
+                raise TypeError(
+                    f"dist_index must be a megatron_fsdp.FSDPDistributedIndex, got "
+                    f"{type(dist_index).__name__}"
+                )
+            config = keywords.config(ddp_config)
+            options = reference_options(
+                module,
+                fsdp_unit_modules,
+                dist_index,
+                config,
+                mixed_precision_policy,
+                device=device,
+                calculate_per_token_loss=calculate_per_token_loss,
+                init_model_with_meta_device=init_model_with_meta_device,
+                sync_model_each_microbatch=sync_model_each_microbatch,
+                report_nan_in_param_grad=report_nan_in_param_grad,
             )
-        mfsdp_hooks.MegatronFSDP.__init__(self, module, units, **kwargs)
-        self.ddp_config = None
-        self.dist_index = None
+        else:
+            given = (dist_index, ddp_config, mixed_precision_policy, device, *keywords.given())
+            flags = (
+                calculate_per_token_loss,
+                init_model_with_meta_device,
+                report_nan_in_param_grad,
+            )
+            if any(v is not None for v in given) or any(flags) or sync_model_each_microbatch:
+                raise TypeError(
+                    "MegatronFSDP(options=...): the options record carries every choice; leave "
+                    "dist_index, ddp_config and the other reference arguments out"
+                )
+        super().__init__(module, fsdp_unit_modules, options)
+        self.ddp_config, self.dist_index = config, dist_index
 
     # ------------------------------------------------------------ the reference's methods
     def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
@@ -204,26 +192,3 @@ class MegatronFSDP(mfsdp_hooks.MegatronFSDP):
             for group in unit.groups:
                 if group.grads is not None and group.grads.storage is not None:
                     group.grads.storage.mul_(scaling_factor)
-
-
-def _config(
-    ddp_config: DistributedDataParallelConfig | None, keywords: dict[str, Any]
-) -> DistributedDataParallelConfig:
-    unknown = sorted(set(keywords) - set(_CONFIG_KEYWORDS))
-    if unknown:
-        raise TypeError(f"MegatronFSDP() got unexpected keyword argument(s) {unknown}")
-    if ddp_config is None:  # the reference's default config, with these keywords
-        return DistributedDataParallelConfig(
-            data_parallel_sharding_strategy="optim_grads_params",
-            overlap_grad_reduce=True,
-            overlap_param_gather=True,
-            **keywords,
-        )
-    ddp_config = DistributedDataParallelConfig.from_any(ddp_config)
-    clashing = [k for k, v in keywords.items() if v != getattr(ddp_config, k)]
-    if clashing:
-        raise ValueError(
-            f"MegatronFSDP keyword(s) {clashing} contradict ddp_config (the reference silently "
-            "drops them when a config is given): set them in the config"
-        )
-    return ddp_config

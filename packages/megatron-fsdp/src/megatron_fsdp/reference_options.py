@@ -1,0 +1,132 @@
+"""The reference's class arguments, ``MegatronFSDP(module, dist_index, ddp_config, ...)``, read
+into ``fully_shard_model``'s, field by field, and so into the engine's ``ShardingOptions``.
+
+The index gives the mesh arguments, the config the strategy, overlap, precision and buffer
+choices. Each is passed on by name (mypy checks every one); nothing travels as a dict. A
+keyword that contradicts the config raises instead of being dropped, as the reference drops it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megatron_fsdp.ddp_config import DistributedDataParallelConfig
+from megatron_fsdp.dist_index import FSDPDistributedIndex
+from megatron_fsdp.engine_options import sharding_options
+from mfsdp_hooks import MixedPrecisionPolicy, ShardingOptions, UnitSpec
+
+__all__ = ["ConfigKeywords", "reference_options"]
+
+
+@dataclass(frozen=True)
+class ConfigKeywords:
+    """The config fields the reference's constructor also takes as keywords (None: not
+    given)."""
+
+    keep_fp8_transpose_cache: bool | None = None
+    nccl_ub: bool | None = None
+    fsdp_double_buffer: bool | None = None
+    fsdp_db_use_persist_buf_on_alloc_fail: bool | None = None
+    disable_symmetric_registration: bool | None = None
+
+    def given(self) -> tuple[bool | None, ...]:
+        return dataclasses.astuple(self)
+
+    def config(self, ddp_config: object | None) -> DistributedDataParallelConfig:
+        """``ddp_config`` (checked against these keywords), or the reference's default config
+        with them."""
+        if ddp_config is None:
+            return DistributedDataParallelConfig(
+                data_parallel_sharding_strategy="optim_grads_params",
+                overlap_grad_reduce=True,
+                overlap_param_gather=True,
+                keep_fp8_transpose_cache=_given_or(self.keep_fp8_transpose_cache, False),
+                nccl_ub=_given_or(self.nccl_ub, False),
+                fsdp_double_buffer=_given_or(self.fsdp_double_buffer, False),
+                fsdp_db_use_persist_buf_on_alloc_fail=_given_or(
+                    self.fsdp_db_use_persist_buf_on_alloc_fail, False
+                ),
+                disable_symmetric_registration=_given_or(
+                    self.disable_symmetric_registration, False
+                ),
+            )
+        config = DistributedDataParallelConfig.from_any(ddp_config)
+        clashing = [
+            field.name
+            for field in dataclasses.fields(self)
+            if getattr(self, field.name) is not None
+            and getattr(self, field.name) != getattr(config, field.name)
+        ]
+        if clashing:
+            raise ValueError(
+                f"MegatronFSDP keyword(s) {clashing} contradict ddp_config (the reference "
+                "silently drops them when a config is given): set them in the config"
+            )
+        return config
+
+
+def _given_or(value: bool | None, default: bool) -> bool:
+    return default if value is None else value
+
+
+def reference_options(
+    module: nn.Module,
+    fsdp_unit_modules: Sequence[UnitSpec] | None,
+    dist_index: FSDPDistributedIndex,
+    config: DistributedDataParallelConfig,
+    mixed_precision_policy: MixedPrecisionPolicy | None,
+    *,
+    device: torch.device | str | None,
+    calculate_per_token_loss: bool,
+    init_model_with_meta_device: bool,
+    sync_model_each_microbatch: bool,
+    report_nan_in_param_grad: bool,
+) -> ShardingOptions:
+    """The engine's options for the reference's constructor arguments."""
+    config.refuse_unsupported()
+    policy = config.precision_policy()
+    if mixed_precision_policy is not None:
+        if policy is not None:
+            raise ValueError(
+                "mixed_precision_policy was given and ddp_config sets precision fields too: "
+                "set the dtypes in one of them"
+            )
+        policy = mixed_precision_policy
+    outer_sharded = config.outer_dp_sharding_strategy in ("optim", 1)
+    if dist_index.hsdp_outer_dp_shard != outer_sharded:
+        raise ValueError(
+            f"FSDPDistributedIndex(hsdp_outer_dp_shard={dist_index.hsdp_outer_dp_shard}) "
+            f"contradicts ddp_config.outer_dp_sharding_strategy="
+            f"{config.outer_dp_sharding_strategy!r}: set both for HFSDP, neither for HSDP"
+        )
+    return sharding_options(
+        module,
+        fsdp_unit_modules,
+        device_mesh=dist_index.device_mesh,
+        dp_shard_dim=dist_index.dp_shard_dim,
+        dp_outer_dim=dist_index.dp_outer_dim,
+        tp_dim=dist_index.tp_dim,
+        hybrid_fsdp_group=dist_index.hybrid_fsdp_group,
+        expt_device_mesh=dist_index.expt_device_mesh,
+        device=device,
+        mixed_precision_policy=policy,
+        zero_dp_strategy=config.data_parallel_sharding_strategy,
+        outer_dp_sharding_strategy=config.outer_dp_sharding_strategy,
+        init_model_with_meta_device=init_model_with_meta_device,
+        overlap_grad_reduce=config.overlap_grad_reduce,
+        overlap_param_gather=config.overlap_param_gather,
+        sync_model_each_microbatch=sync_model_each_microbatch,
+        average_in_collective=config.average_in_collective,
+        calculate_per_token_loss=calculate_per_token_loss,
+        report_nan_in_param_grad=report_nan_in_param_grad or config.check_for_nan_in_grad,
+        keep_fp8_transpose_cache=config.keep_fp8_transpose_cache,
+        nccl_ub=config.nccl_ub,
+        fsdp_manual_registration=config.fsdp_manual_registration,
+        disable_symmetric_registration=config.disable_symmetric_registration,
+        fsdp_double_buffer=config.fsdp_double_buffer,
+    )

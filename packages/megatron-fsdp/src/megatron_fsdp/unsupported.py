@@ -1,0 +1,140 @@
+"""The one table of what megatron-fsdp does not support yet, keyed by the reference's names.
+
+Every entry point reads it for the names it takes: ``fully_shard_model``'s (and the
+``MegatronFSDP`` class's) keyword arguments, ``DistributedDataParallelConfig``'s fields,
+``FSDPDistributedIndex``'s arguments and the Megatron-Core ``TransformerConfig`` fields the
+adapter reads. A name set to anything but its default raises ``NotImplementedError`` naming
+it, before any collective, so no setting is dropped without a word. A config field that is
+also a ``fully_shard_model`` argument (``nccl_ub``...) travels on as the argument and is
+refused there, under the argument's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["NOT_YET", "NotYet", "refuse_unsupported"]
+
+Where = Literal["argument", "ddp_config", "dist_index", "mcore_config"]
+
+# How a refusal names where the setting came from.
+_PREFIX: dict[Where, str] = {
+    "argument": "",
+    "ddp_config": "DistributedDataParallelConfig.",
+    "dist_index": "FSDPDistributedIndex.",
+    "mcore_config": "config.",
+}
+
+
+@dataclass(frozen=True)
+class NotYet:
+    """One unsupported setting: where the reference takes it, its default, what it needs."""
+
+    where: Where
+    default: object
+    feature: str
+    """What it would need, as the error says it ("... is not supported yet")."""
+    fix: str = ""
+    """What to do instead; empty: leave it at its default."""
+    also_default: tuple[object, ...] = ()
+    """Other values that mean the same as the default (``num_moe_experts=0``)."""
+
+    def accepts(self, value: object) -> bool:
+        return value == self.default or value in self.also_default
+
+    def refusal(self, name: str, value: object) -> NotImplementedError:
+        fix = self.fix or f"leave it at its default ({self.default!r})"
+        return NotImplementedError(
+            f"{_PREFIX[self.where]}{name}={value!r}: {self.feature} is not supported yet by "
+            f"megatron-fsdp; {fix}"
+        )
+
+
+_MCORE_PARALLELISM = (
+    "use megatron_fsdp.fully_shard_model with a device_mesh for tensor/expert parallelism"
+)
+
+NOT_YET: dict[str, NotYet] = {
+    # fully_shard_model / fully_shard / MegatronFSDP keyword arguments
+    "nccl_ub": NotYet("argument", False, "NCCL user buffers"),
+    "fsdp_manual_registration": NotYet("argument", False, "NCCL user-buffer manual registration"),
+    "disable_symmetric_registration": NotYet(
+        "argument", False, "NCCL user-buffer symmetric registration"
+    ),
+    "keep_fp8_transpose_cache": NotYet("argument", False, "FP8 parameters"),
+    "enable_fine_grained_param_gather": NotYet(
+        "argument", False, "per-module fine-grained all-gather"
+    ),
+    # DistributedDataParallelConfig fields
+    "fp8_param_gather": NotYet(
+        "ddp_config", False, "FP8 parameters from the config (use torchao float8 models)"
+    ),
+    "bucket_size": NotYet("ddp_config", None, "a bucket-size cap (units are the buckets)"),
+    "suggested_communication_unit_size": NotYet(
+        "ddp_config", None, "a communication unit size (units are)"
+    ),
+    "fsdp_all_gather_in_start_param_sync": NotYet("ddp_config", True, "start_param_sync"),
+    "fsdp_db_use_persist_buf_on_alloc_fail": NotYet(
+        "ddp_config", False, "the double buffer's fallback"
+    ),
+    "megatron_fsdp_use_decoupled_grad": NotYet("ddp_config", False, "decoupled gradients"),
+    "megatron_fsdp_cuda_graph_mode": NotYet("ddp_config", False, "CUDA-graph mode"),
+    "megatron_fsdp_enable_fine_grained_param_gather": NotYet(
+        "ddp_config", False, "fine-grained all-gather"
+    ),
+    "megatron_fsdp_max_pool_double_buffer": NotYet(
+        "ddp_config", False, "the max-pool double buffer"
+    ),
+    "num_distributed_optimizer_instances": NotYet(
+        "ddp_config",
+        1,
+        "partial distributed optimizers (HSDP in Megatron-Core)",
+        fix="leave it at 1, or use fully_shard_model with dp_outer_dim for HSDP",
+    ),
+    # FSDPDistributedIndex arguments
+    "hybrid_fsdp_expt_group": NotYet("dist_index", None, "a hybrid expert group"),
+    "fsdp_group_ag": NotYet("dist_index", None, "a separate all-gather group"),
+    "expt_fsdp_group_ag": NotYet("dist_index", None, "a separate expert all-gather group"),
+    # Megatron-Core TransformerConfig fields, read by FullyShardedDataParallel
+    "tensor_model_parallel_size": NotYet(
+        "mcore_config",
+        1,
+        "tensor parallelism through the Megatron-Core adapter",
+        fix=f"{_MCORE_PARALLELISM}, or set tensor_model_parallel_size=1",
+    ),
+    "context_parallel_size": NotYet(
+        "mcore_config",
+        1,
+        "context parallelism through the Megatron-Core adapter",
+        fix=f"{_MCORE_PARALLELISM}, or set context_parallel_size=1",
+    ),
+    "expert_model_parallel_size": NotYet(
+        "mcore_config",
+        1,
+        "expert parallelism through the Megatron-Core adapter",
+        fix=f"{_MCORE_PARALLELISM}, or set expert_model_parallel_size=1",
+    ),
+    "num_moe_experts": NotYet(
+        "mcore_config",
+        None,
+        "a MoE model through the Megatron-Core adapter",
+        fix="use megatron_fsdp.fully_shard_model with expt_device_mesh",
+        also_default=(0,),
+    ),
+}
+
+
+def refuse_unsupported(where: Where, given: Mapping[str, object] | object) -> None:
+    """Raise for the first of ``where``'s names in ``NOT_YET`` that ``given`` (a mapping, or
+    an object read by attribute; a name it lacks is at its default) sets otherwise."""
+    for name, entry in NOT_YET.items():
+        if entry.where != where:
+            continue
+        if isinstance(given, Mapping):
+            value = given.get(name, entry.default)
+        else:
+            value = getattr(given, name, entry.default)
+        if not entry.accepts(value):
+            raise entry.refusal(name, value)
