@@ -9,6 +9,7 @@ import torch.distributed as dist
 from mfsdp_collectives import (
     CommStreams,
     FSDPTopology,
+    ReduceSpec,
     all_gather_into,
     all_reduce_,
     hsdp_reduce_scatter_into,
@@ -37,7 +38,9 @@ def _cuda_world(rank: int, ws: int) -> bool:
     assert torch.equal(full, expected)
     grads = torch.ones(n * ws, device=device, dtype=torch.bfloat16) * (rank + 1)
     out = torch.zeros(n, device=device, dtype=torch.bfloat16)
-    h = reduce_scatter_into(grads, out, group, reduce_dtype=torch.float32, stream=streams)
+    h = reduce_scatter_into(
+        grads, out, group, spec=ReduceSpec(reduce_dtype=torch.float32), stream=streams
+    )
     h.wait()
     mean = sum(range(1, ws + 1)) / ws
     assert torch.allclose(out.float(), torch.full_like(out.float(), mean))
@@ -45,7 +48,7 @@ def _cuda_world(rank: int, ws: int) -> bool:
     hsdp_reduce_scatter_into(grads, out32, group, None, stream=streams, accumulate=True).wait()
     assert torch.allclose(out32, torch.full_like(out32, mean))
     t = torch.full((n,), float(rank), device=device)
-    all_reduce_(t, group, average=False, stream=streams).wait()
+    all_reduce_(t, group, spec=ReduceSpec(average=False), stream=streams).wait()
     assert torch.allclose(t, torch.full_like(t, float(sum(range(ws)))))
     torch.accelerator.synchronize()
     return True

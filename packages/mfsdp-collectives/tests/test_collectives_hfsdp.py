@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from mfsdp_collectives import (
     CommTracer,
     FSDPTopology,
+    ReduceSpec,
     enable_host_transport,
     hfsdp_reduce_scatter_into,
 )
@@ -63,7 +64,7 @@ def _two_level_worker(rank: int, world: int, transport: bool) -> None:
             topo.outer_group,
             partial=kept.clone(),
             partial_accumulate=True,
-            average=False,
+            spec=ReduceSpec(average=False),
             accumulate=True,
             transport=route,
             outer_transport=outer_route,

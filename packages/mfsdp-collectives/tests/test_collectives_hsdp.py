@@ -11,6 +11,7 @@ from mfsdp_collectives import (
     CommStreams,
     CommTracer,
     FSDPTopology,
+    ReduceSpec,
     all_gather_into,
     group_name,
     hsdp_reduce_scatter_into,
@@ -46,7 +47,12 @@ def _hsdp_world(rank: int, ws: int) -> dict[str, object]:
         for average in (True, False):
             out = torch.empty(n)
             h = hsdp_reduce_scatter_into(
-                x, out, topo.shard_group, topo.outer_group, average=average, stream=streams
+                x,
+                out,
+                topo.shard_group,
+                topo.outer_group,
+                spec=ReduceSpec(average=average),
+                stream=streams,
             )
             h.wait()
             torch.testing.assert_close(out, _flat_reference(x, average)[mine])
@@ -61,13 +67,18 @@ def _hsdp_world(rank: int, ws: int) -> dict[str, object]:
     # scaling, accumulation and an fp32 reduction of bf16 gradients
     out = torch.ones(n)
     hsdp_reduce_scatter_into(
-        x, out, topo.shard_group, topo.outer_group, pre_scale=0.5, post_scale=4.0, accumulate=True
+        x,
+        out,
+        topo.shard_group,
+        topo.outer_group,
+        spec=ReduceSpec(pre_scale=0.5, post_scale=4.0),
+        accumulate=True,
     ).wait()
     torch.testing.assert_close(out, 1.0 + 2.0 * _flat_reference(x, True)[mine])
     xb = x.to(torch.bfloat16)
     outb = torch.empty(n, dtype=torch.bfloat16)
     hsdp_reduce_scatter_into(
-        xb, outb, topo.shard_group, topo.outer_group, reduce_dtype=torch.float32
+        xb, outb, topo.shard_group, topo.outer_group, spec=ReduceSpec(reduce_dtype=torch.float32)
     ).wait()
     ref = _flat_reference(xb.float(), True)[mine].to(torch.bfloat16)
     torch.testing.assert_close(outb, ref)
@@ -84,7 +95,7 @@ def _hsdp_world(rank: int, ws: int) -> dict[str, object]:
 
     # outer_group=None is plain FSDP over the shard group
     out = torch.empty(n)
-    hsdp_reduce_scatter_into(x, out, topo.shard_group, None, average=False).wait()
+    hsdp_reduce_scatter_into(x, out, topo.shard_group, None, spec=ReduceSpec(average=False)).wait()
     expected = x.clone()
     dist.all_reduce(expected, group=topo.shard_group)
     torch.testing.assert_close(out, expected[mine])

@@ -19,6 +19,7 @@ import mfsdp_collectives._reduce as reduce_mod
 from mfsdp_collectives import (
     CommStreams,
     CommTracer,
+    ReduceSpec,
     all_gather_into,
     all_reduce_,
     broadcast_,
@@ -91,34 +92,42 @@ def check_reduce_scatter(rank: int, ws: int) -> None:
     mine = slice(rank * n, (rank + 1) * n)
     for average in (False, True):
         out = torch.empty(n)
-        reduce_scatter_into(xs[rank], out, group, average=average).wait()
+        reduce_scatter_into(xs[rank], out, group, spec=ReduceSpec(average=average)).wait()
         close(out, expected_reduce(xs, average=average)[mine])
     # pre/post scaling
     out = torch.empty(n)
-    reduce_scatter_into(xs[rank], out, group, average=True, pre_scale=0.5, post_scale=3.0).wait()
+    reduce_scatter_into(
+        xs[rank], out, group, spec=ReduceSpec(average=True, pre_scale=0.5, post_scale=3.0)
+    ).wait()
     close(out, expected_reduce(xs, average=True, pre=0.5, post=3.0)[mine])
     # input left untouched by pre-scaling
     assert torch.equal(xs[rank], inputs(ws, n * ws, torch.float32, seed=3)[rank])
     # accumulate into an existing shard
     base = torch.arange(n, dtype=torch.float32)
     out = base.clone()
-    reduce_scatter_into(xs[rank], out, group, average=False, accumulate=True).wait()
+    reduce_scatter_into(
+        xs[rank], out, group, spec=ReduceSpec(average=False), accumulate=True
+    ).wait()
     close(out, base + expected_reduce(xs, average=False)[mine])
     # bf16 gradients reduced in fp32, cast back on the way out
     xb = inputs(ws, n * ws, torch.bfloat16, seed=4)
     outb = torch.empty(n, dtype=torch.bfloat16)
-    h = reduce_scatter_into(xb[rank], outb, group, reduce_dtype=torch.float32, post_scale=2.0)
+    h = reduce_scatter_into(
+        xb[rank], outb, group, spec=ReduceSpec(reduce_dtype=torch.float32, post_scale=2.0)
+    )
     h.wait()
     ref = expected_reduce(xb, average=True, post=2.0, reduce_dtype=torch.float32)[mine]
     torch.testing.assert_close(outb, ref.to(torch.bfloat16))
     # bf16 accumulate with fp32 reduction
     accb = torch.ones(n, dtype=torch.bfloat16)
-    reduce_scatter_into(xb[rank], accb, group, reduce_dtype=torch.float32, accumulate=True).wait()
+    reduce_scatter_into(
+        xb[rank], accb, group, spec=ReduceSpec(reduce_dtype=torch.float32), accumulate=True
+    ).wait()
     ref = expected_reduce(xb, average=True, reduce_dtype=torch.float32)[mine] + 1.0
     torch.testing.assert_close(accb, ref.to(torch.bfloat16))
     # fp32 shard of bf16 grads (main grads in fp32)
     out32 = torch.empty(n)
-    reduce_scatter_into(xb[rank], out32, group, reduce_dtype=torch.float32).wait()
+    reduce_scatter_into(xb[rank], out32, group, spec=ReduceSpec(reduce_dtype=torch.float32)).wait()
     close(out32, expected_reduce(xb, average=True, reduce_dtype=torch.float32)[mine])
     # uneven logical content: 10 real elements padded with zeros to a multiple of ws
     logical = 10
@@ -129,7 +138,7 @@ def check_reduce_scatter(rank: int, ws: int) -> None:
         p[:logical] = x
         padded.append(p)
     out = torch.full((per,), float("nan"))
-    reduce_scatter_into(padded[rank], out, group, average=True).wait()
+    reduce_scatter_into(padded[rank], out, group, spec=ReduceSpec(average=True)).wait()
     exp = expected_reduce(padded, average=True)[rank * per : (rank + 1) * per]
     close(out, exp)
     if (rank + 1) * per > logical:
@@ -137,12 +146,13 @@ def check_reduce_scatter(rank: int, ws: int) -> None:
     # out_shard aliasing its own slot of the input
     buf = xs[rank].clone()
     slot = buf[mine]
-    reduce_scatter_into(buf, slot, group, average=False).wait()
+    reduce_scatter_into(buf, slot, group, spec=ReduceSpec(average=False)).wait()
     close(slot, expected_reduce(xs, average=False)[mine])
     # several in flight at once, completed out of order
     outs = [torch.empty(n) for _ in range(3)]
     hs = [
-        reduce_scatter_into(xs[rank], o, group, post_scale=float(i + 1)) for i, o in enumerate(outs)
+        reduce_scatter_into(xs[rank], o, group, spec=ReduceSpec(post_scale=float(i + 1)))
+        for i, o in enumerate(outs)
     ]
     for i in (2, 0, 1):
         hs[i].wait()
@@ -157,11 +167,13 @@ def check_all_reduce_and_broadcast(rank: int, ws: int) -> None:
     all_reduce_(t, group).wait()
     close(t, expected_reduce(xs, average=True))
     t = xs[rank].clone()
-    all_reduce_(t, group, average=False, pre_scale=0.25, post_scale=2.0, async_op=False)
+    all_reduce_(
+        t, group, spec=ReduceSpec(average=False, pre_scale=0.25, post_scale=2.0), async_op=False
+    )
     close(t, expected_reduce(xs, average=False, pre=0.25, post=2.0))
     xb = inputs(ws, 7, torch.bfloat16, seed=7)
     tb = xb[rank].clone()
-    all_reduce_(tb, group, reduce_dtype=torch.float32).wait()
+    all_reduce_(tb, group, spec=ReduceSpec(reduce_dtype=torch.float32)).wait()
     ref = expected_reduce(xb, average=True, reduce_dtype=torch.float32)
     torch.testing.assert_close(tb, ref.to(torch.bfloat16))
     src = ws - 1
@@ -180,7 +192,7 @@ def check_without_avg_backend(rank: int, ws: int) -> None:
         n = 3
         xs = inputs(ws, n * ws, torch.float32, seed=8)
         out = torch.empty(n)
-        reduce_scatter_into(xs[rank], out, group, post_scale=2.0).wait()
+        reduce_scatter_into(xs[rank], out, group, spec=ReduceSpec(post_scale=2.0)).wait()
         close(out, expected_reduce(xs, average=True, post=2.0)[rank * n : (rank + 1) * n])
         t = xs[rank].clone()
         all_reduce_(t, group).wait()
@@ -206,7 +218,7 @@ def check_legacy_collectives(rank: int, ws: int) -> None:
             all_gather_into(xs[rank], out, group).wait()
             assert torch.equal(out, torch.cat(xs))
             shard = torch.empty(2)
-            reduce_scatter_into(xs[rank], shard, group, average=False).wait()
+            reduce_scatter_into(xs[rank], shard, group, spec=ReduceSpec(average=False)).wait()
             close(shard, expected_reduce(xs, average=False)[rank * 2 : (rank + 1) * 2])
     finally:
         compat._NEW_ALL_GATHER, compat._NEW_REDUCE_SCATTER = saved
@@ -232,7 +244,7 @@ def check_tracer(rank: int, ws: int) -> None:
                 torch.zeros(3 * ws, dtype=torch.bfloat16),
                 torch.zeros(3, dtype=torch.bfloat16),
                 group,
-                reduce_dtype=torch.float32,
+                spec=ReduceSpec(reduce_dtype=torch.float32),
             ).wait()
         all_reduce_(torch.zeros(5), group).wait()
         broadcast_(torch.zeros(2, dtype=torch.int64), 0, group)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from mfsdp_buffers import FlatPieces, LiveTensorTracker
 from mfsdp_collectives import (
     CommTracer,
+    ReduceSpec,
     all_gather_into,
     disable_host_transport,
     enable_host_transport,
@@ -81,7 +82,7 @@ def _same_as_gloo(rank: int, world: int) -> int:
                         group,
                         transport=host_transport_of(group),
                         accumulate=True,
-                        **kwargs,
+                        spec=ReduceSpec(**kwargs),
                     ).wait()
                     outs.append(out)
                 expected = torch.stack([g.float() for g in grads]).sum(0)
@@ -145,7 +146,7 @@ def _pieces_same_as_dense(rank: int, world: int) -> int:
                                 group,
                                 transport=host_transport_of(group),
                                 accumulate=True,
-                                **kwargs,
+                                spec=ReduceSpec(**kwargs),
                             ).wait()
                         added.append(mem.phase_peak - before)
                         outs.append(out)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mfsdp_collectives import CommStreams, all_gather_into, reduce_scatter_into
+from mfsdp_collectives import CommStreams, ReduceSpec, all_gather_into, reduce_scatter_into
 from mfsdp_collectives.stream_sim import StreamOrderError, simulated_streams
 from mfsdp_collectives.testing import run_distributed
 
@@ -49,7 +49,9 @@ def _collective(rank: int, world: int, bug: str) -> list[object]:
         shard.add_(1.0)  # compute writes the input right before the gather
         try:
             gather = all_gather_into(shard, full, group, stream=streams)
-            scatter = reduce_scatter_into(grads, reduced, group, average=False, stream=streams)
+            scatter = reduce_scatter_into(
+                grads, reduced, group, spec=ReduceSpec(average=False), stream=streams
+            )
             if bug == "read_before_wait":
                 full.sum()
             if bug == "reuse_input":

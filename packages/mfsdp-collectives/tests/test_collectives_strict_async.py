@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from mfsdp_buffers import PlainAllocator, poisoning_enabled, release_to
 from mfsdp_collectives import (
+    ReduceSpec,
     all_gather_into,
     all_reduce_,
     enable_host_transport,
@@ -39,7 +40,7 @@ def _reads_before_wait(rank: int, world: int, transport: str) -> None:
             grads,
             reduced,
             group,
-            average=False,
+            spec=ReduceSpec(average=False),
             accumulate=True,
             transport=shm,  # type: ignore[arg-type]
         )
@@ -70,7 +71,7 @@ def _in_place_and_nan_inputs(rank: int, world: int) -> None:
     summed = torch.tensor([1.0, float(rank)])
     with strict_async():
         gather = all_gather_into(mine, full, group)
-        reduce = all_reduce_(summed, group, average=False)
+        reduce = all_reduce_(summed, group, spec=ReduceSpec(average=False))
         gather.wait()
         reduce.wait()
     assert full[0::2].tolist() == [float(r) for r in range(world)]

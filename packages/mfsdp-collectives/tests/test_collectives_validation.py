@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from mfsdp_collectives import (
     CommStreams,
+    ReduceSpec,
     all_gather_into,
     all_reduce_,
     broadcast_,
@@ -30,6 +31,7 @@ RS: Any = reduce_scatter_into
 HSDP: Any = hsdp_reduce_scatter_into
 AR: Any = all_reduce_
 BC: Any = broadcast_
+SPEC: Any = ReduceSpec
 
 
 def _cases(ws: int, rank: int) -> list[tuple[type[Exception], str, Callable[[], object]]]:
@@ -59,24 +61,33 @@ def _cases(ws: int, rank: int) -> list[tuple[type[Exception], str, Callable[[], 
         (
             TypeError,
             "reduce_dtype must be a torch.dtype",
-            lambda: RS(z(full), z(shard), g, reduce_dtype="fp32"),
+            lambda: RS(z(full), z(shard), g, spec=SPEC(reduce_dtype="fp32")),
         ),
         (
             ValueError,
             "pre_scale must be finite",
-            lambda: RS(z(full), z(shard), g, pre_scale=float("inf")),
+            lambda: RS(z(full), z(shard), g, spec=SPEC(pre_scale=float("inf"))),
         ),
         (
             ValueError,
             "post_scale must be finite and non-zero",
-            lambda: RS(z(full), z(shard), g, post_scale=0.0),
+            lambda: RS(z(full), z(shard), g, spec=SPEC(post_scale=0.0)),
         ),
         (
             TypeError,
             "post_scale must be a float",
-            lambda: RS(z(full), z(shard), g, post_scale=True),
+            lambda: RS(z(full), z(shard), g, spec=SPEC(post_scale=True)),
         ),
-        (TypeError, "average must be a bool", lambda: RS(z(full), z(shard), g, average=1)),
+        (
+            TypeError,
+            "average must be a bool",
+            lambda: RS(z(full), z(shard), g, spec=SPEC(average=1)),
+        ),
+        (
+            TypeError,
+            "spec must be a mfsdp_collectives.ReduceSpec",
+            lambda: RS(z(full), z(shard), g, spec=True),
+        ),
         (TypeError, "floating-point", lambda: RS(z(full, dtype=i64), z(shard, dtype=i64), g)),
         (ValueError, "out_shard must be a 1-D", lambda: RS(z(full), z(1, shard), g)),
         (ValueError, "unsharded_grad has 5 elements", lambda: HSDP(z(5), z(shard), g, None)),

@@ -12,6 +12,7 @@ of FSDP units or parameters.
 
 from __future__ import annotations
 
+from ._reduce import ReduceSpec
 from .agreement import RankMismatchError, check_ranks_agree
 from .handle import CommHandle
 from .host_transport import (
@@ -51,6 +52,7 @@ __all__ = [
     "OptimizerSharding",
     "PeerDiedError",
     "RankMismatchError",
+    "ReduceSpec",
     "SharedMemoryTransport",
     "UserBufferPool",
     "__version__",

@@ -9,15 +9,8 @@ import torch.distributed as dist
 
 from mfsdp_buffers import FlatPieces
 
-from ._checks import (
-    check_dtype,
-    check_flat,
-    check_floating,
-    check_group,
-    check_same_device,
-    check_scale,
-)
-from ._reduce import ReduceSpec, reduce_op
+from ._checks import check_flat, check_group, check_same_device
+from ._reduce import ReduceSpec, Reduction, reduce_op
 from .naming import group_name
 from .shm import SharedMemoryTransport
 from .streams import CommStreams
@@ -51,28 +44,14 @@ def side_stream(stream: object, role: str, device: torch.device) -> torch.Stream
     return side
 
 
-def reduce_spec(
-    x: torch.Tensor | FlatPieces,
-    x_arg: str,
-    *,
-    average: object,
-    pre_scale: object,
-    post_scale: object,
-    reduce_dtype: object,
-) -> ReduceSpec:
-    if not isinstance(average, bool):
-        raise TypeError(f"average must be a bool, got {type(average).__name__}")
-    pre = check_scale(pre_scale, "pre_scale")
-    post = check_scale(post_scale, "post_scale")
-    rdt = check_dtype(reduce_dtype, "reduce_dtype")
-    spec = ReduceSpec(average=average, pre_scale=pre, post_scale=post, reduce_dtype=rdt or x.dtype)
-    if average or pre is not None or post is not None:
-        check_floating(
-            spec.reduce_dtype,
-            "reduce_dtype" if rdt is not None else x_arg,
-            "averaging or scaling",
+def reduce_spec(x: torch.Tensor | FlatPieces, x_arg: str, spec: object) -> Reduction:
+    """``spec`` resolved for the input ``x`` (a ``ReduceSpec`` checked its own fields)."""
+    if not isinstance(spec, ReduceSpec):
+        raise TypeError(
+            f"spec must be a mfsdp_collectives.ReduceSpec, got {type(spec).__name__}; pass "
+            "spec=ReduceSpec(average=..., reduce_dtype=...)"
         )
-    return spec
+    return spec.resolve(x.dtype, x_arg)
 
 
 def check_shard_sizes(
@@ -129,7 +108,7 @@ class ReduceScatterArgs:
     inp: torch.Tensor | FlatPieces
     out: torch.Tensor
     group: dist.ProcessGroup
-    spec: ReduceSpec
+    spec: Reduction
     numel: int  # elements of the (padded) input
 
 
@@ -138,11 +117,8 @@ def check_reduce_scatter(
     out_shard: object,
     group: object,
     group_arg: str,
+    spec: object,
     *,
-    average: object,
-    pre_scale: object,
-    post_scale: object,
-    reduce_dtype: object,
     out_arg: str = "out_shard",
 ) -> ReduceScatterArgs:
     """Check a reduce-scatter's arguments on this rank, raising before anything is issued."""
@@ -154,14 +130,7 @@ def check_reduce_scatter(
         inp = check_flat(unsharded_grad, "unsharded_grad")
         check_same_device(inp, "unsharded_grad", out, out_arg)
     pg, _, size = membership(group, group_arg)
-    spec = reduce_spec(
-        inp,
-        "unsharded_grad",
-        average=average,
-        pre_scale=pre_scale,
-        post_scale=post_scale,
-        reduce_dtype=reduce_dtype,
-    )
+    reduction = reduce_spec(inp, "unsharded_grad", spec)
     numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
     check_shard_sizes(numel, "unsharded_grad", out, out_arg, size)
-    return ReduceScatterArgs(inp, out, pg, spec, numel)
+    return ReduceScatterArgs(inp, out, pg, reduction, numel)

@@ -18,14 +18,49 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ._checks import check_dtype, check_floating, check_scale
 from ._compat import supports_avg
 
-__all__ = ["ReduceSpec", "finish_into", "prepare_input", "reduce_op"]
+__all__ = ["Reduction", "ReduceSpec", "finish_into", "prepare_input", "reduce_op"]
 
 
 @dataclass(frozen=True)
 class ReduceSpec:
-    """The validated reduction options of one call."""
+    """How a reduction combines the ranks' values, as the callers of the reductions say it:
+    ``post_scale * reduce(pre_scale * x.to(reduce_dtype))``, where ``reduce`` is the mean
+    over the ranks when ``average`` else the sum, and ``reduce_dtype`` None is the input's
+    dtype. Checked when built, so a bad option raises on the calling rank before any
+    collective; one spec serves every call that reduces alike."""
+
+    average: bool = True
+    pre_scale: float | None = None
+    post_scale: float | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.average, bool):
+            raise TypeError(f"average must be a bool, got {type(self.average).__name__}")
+        object.__setattr__(self, "pre_scale", check_scale(self.pre_scale, "pre_scale"))
+        object.__setattr__(self, "post_scale", check_scale(self.post_scale, "post_scale"))
+        check_dtype(self.reduce_dtype, "reduce_dtype")
+
+    def resolve(self, dtype: torch.dtype, arg: str) -> Reduction:
+        """This spec for an input of ``dtype`` (named ``arg`` in errors)."""
+        reduction = Reduction(
+            self.average, self.pre_scale, self.post_scale, self.reduce_dtype or dtype
+        )
+        if self.average or self.pre_scale is not None or self.post_scale is not None:
+            check_floating(
+                reduction.reduce_dtype,
+                "reduce_dtype" if self.reduce_dtype is not None else arg,
+                "averaging or scaling",
+            )
+        return reduction
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """A ``ReduceSpec`` resolved for one call's input: the dtype that travels is known."""
 
     average: bool
     pre_scale: float | None
@@ -45,7 +80,7 @@ def reduce_op(group: dist.ProcessGroup, average: bool) -> tuple[dist.ReduceOp.Re
     return dist.ReduceOp.SUM, 1.0 / dist.get_world_size(group)
 
 
-def prepare_input(x: torch.Tensor, spec: ReduceSpec) -> torch.Tensor:
+def prepare_input(x: torch.Tensor, spec: Reduction) -> torch.Tensor:
     """The tensor to send: ``x`` itself when possible, else one scaled/cast copy."""
     if x.dtype != spec.reduce_dtype:
         y = x.to(spec.reduce_dtype)

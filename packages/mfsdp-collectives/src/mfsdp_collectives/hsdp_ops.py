@@ -24,10 +24,10 @@ from ._op_args import (
     routed_reduce_op,
     side_stream,
 )
-from ._reduce import ReduceSpec, finish_into, reduce_op
+from ._reduce import ReduceSpec, Reduction, finish_into, reduce_op
 from .handle import CommHandle
 from .naming import group_name
-from .ops import ReduceScatterStage, reduce_scatter_into
+from .ops import MEAN, ReduceScatterStage, reduce_scatter_into
 from .shm import SharedMemoryTransport
 from .streams import CommStreams
 from .tracer import record_comm
@@ -41,10 +41,7 @@ def hsdp_reduce_scatter_into(
     shard_group: dist.ProcessGroup,
     outer_group: dist.ProcessGroup | None,
     *,
-    average: bool = True,
-    pre_scale: float | None = None,
-    post_scale: float | None = None,
-    reduce_dtype: torch.dtype | None = None,
+    spec: ReduceSpec = MEAN,
     accumulate: bool = False,
     async_op: bool = True,
     stream: CommStreams | None = None,
@@ -54,7 +51,7 @@ def hsdp_reduce_scatter_into(
     """Two-level gradient reduction for HSDP.
 
     Reduce-scatter inside ``shard_group``, then all-reduce the (small) shard across
-    ``outer_group``: the inter-node hop carries 1/shard_size of the bytes. With ``average``
+    ``outer_group``: the inter-node hop carries 1/shard_size of the bytes. With ``spec.average``
     the result is the mean over all ``shard_size * outer_size`` ranks; no outer is FSDP.
     ``outer_reduces_output``: the outer all-reduce takes the whole ``out_shard`` after this
     call's part was added to it, i.e. also earlier parts reduced only inside the shard group
@@ -65,26 +62,15 @@ def hsdp_reduce_scatter_into(
             unsharded_grad,
             out_shard,
             shard_group,
-            average=average,
-            pre_scale=pre_scale,
-            post_scale=post_scale,
-            reduce_dtype=reduce_dtype,
+            spec=spec,
             accumulate=accumulate,
             async_op=async_op,
             stream=stream,
             transport=transport,
         )
-    args = check_reduce_scatter(
-        unsharded_grad,
-        out_shard,
-        shard_group,
-        "shard_group",
-        average=average,
-        pre_scale=pre_scale,
-        post_scale=post_scale,
-        reduce_dtype=reduce_dtype,
-    )
-    inp, out, shard_group, spec, numel = args.inp, args.out, args.group, args.spec, args.numel
+    args = check_reduce_scatter(unsharded_grad, out_shard, shard_group, "shard_group", spec)
+    inp, out, shard_group, numel = args.inp, args.out, args.group, args.numel
+    reduction = args.spec
     outer_group, _, _ = membership(outer_group, "outer_group")
     if outer_group is shard_group:
         raise ValueError("outer_group must differ from shard_group; pass outer_group=None")
@@ -92,12 +78,12 @@ def hsdp_reduce_scatter_into(
     outer_side = side_stream(stream, "outer", out.device)
     if out.numel() == 0:
         return CommHandle.completed()
-    rs_op, rs_factor = reduce_op(shard_group, spec.average)
-    record_comm("reduce_scatter", group_name(shard_group), numel, spec.reduce_dtype)
-    record_comm("all_reduce", group_name(outer_group), out.numel(), spec.reduce_dtype)
+    rs_op, rs_factor = reduce_op(shard_group, reduction.average)
+    record_comm("reduce_scatter", group_name(shard_group), numel, reduction.reduce_dtype)
+    record_comm("all_reduce", group_name(outer_group), out.numel(), reduction.reduce_dtype)
     route = host_route(transport, shard_group, out)
-    stage = ReduceScatterStage(inp, out, spec, shard_group, rs_op, bool(accumulate), route)
-    outer = _OuterStage(stage, out, outer_group, spec, rs_factor, bool(accumulate))
+    stage = ReduceScatterStage(inp, out, reduction, shard_group, rs_op, bool(accumulate), route)
+    outer = _OuterStage(stage, out, outer_group, reduction, rs_factor, bool(accumulate))
     run_outer, finish = outer.of_output if outer_reduces_output else outer.of_part
     return launch(
         [(rs_side, stage), (outer_side, run_outer)],
@@ -119,7 +105,7 @@ class _OuterStage:
         inner: ReduceScatterStage,
         out: torch.Tensor,
         group: dist.ProcessGroup,
-        spec: ReduceSpec,
+        spec: Reduction,
         inner_factor: float,
         accumulate: bool,
     ) -> None:
@@ -170,9 +156,7 @@ def hfsdp_reduce_scatter_into(
     *,
     partial: torch.Tensor,
     partial_accumulate: bool = False,
-    average: bool = True,
-    post_scale: float | None = None,
-    reduce_dtype: torch.dtype | None = None,
+    spec: ReduceSpec = MEAN,
     accumulate: bool = False,
     async_op: bool = True,
     stream: CommStreams | None = None,
@@ -185,23 +169,17 @@ def hfsdp_reduce_scatter_into(
     1/shard_size slice; with ``partial_accumulate`` added to what it holds: the micro-batches
     a ``no_sync`` kept inside the shard group), then reduce-scatter ``partial`` across
     ``outer_group`` into ``out_sub_shard`` (its 1/outer_size slice, stored or added with
-    ``accumulate``). With ``average`` the result is the mean over all ranks of both groups;
-    ``post_scale`` applies to the inner result. ``transport`` carries the inner level and
-    ``outer_transport`` the outer one (the shared-memory transports of the two groups).
+    ``accumulate``). With ``spec.average`` the result is the mean over all ranks of both
+    groups; ``spec``'s scales apply to the inner level (``pre_scale`` to what is sent,
+    ``post_scale`` to its result) and ``reduce_dtype`` to both levels. ``transport`` carries
+    the inner level and ``outer_transport`` the outer one (the shared-memory transports of
+    the two groups).
     """
     args = check_reduce_scatter(
-        unsharded_grad,
-        partial,
-        shard_group,
-        "shard_group",
-        average=average,
-        pre_scale=None,
-        post_scale=post_scale,
-        reduce_dtype=reduce_dtype,
-        out_arg="partial",
+        unsharded_grad, partial, shard_group, "shard_group", spec, out_arg="partial"
     )
     partial = args.out
-    inp, shard_group, spec, numel = args.inp, args.group, args.spec, args.numel
+    inp, shard_group, reduction, numel = args.inp, args.group, args.spec, args.numel
     out = check_flat(out_sub_shard, "out_sub_shard")
     check_same_device(out, "out_sub_shard", partial, "partial")
     outer_group, _, outer_size = membership(outer_group, "outer_group")
@@ -215,16 +193,16 @@ def hfsdp_reduce_scatter_into(
     if out.numel() == 0:
         return CommHandle.completed()
     route = host_route(transport, shard_group, partial)
-    inner_op, inner_factor = routed_reduce_op(route, shard_group, spec.average)
-    inner_factor *= spec.post_scale if spec.post_scale is not None else 1.0
+    inner_op, inner_factor = routed_reduce_op(route, shard_group, reduction.average)
+    inner_factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
     outer_route = host_route(outer_transport, outer_group, out)
-    outer_op, outer_factor = routed_reduce_op(outer_route, outer_group, spec.average)
-    record_comm("reduce_scatter", group_name(shard_group), numel, spec.reduce_dtype)
-    record_comm("reduce_scatter", group_name(outer_group), partial.numel(), spec.reduce_dtype)
+    outer_op, outer_factor = routed_reduce_op(outer_route, outer_group, reduction.average)
+    record_comm("reduce_scatter", group_name(shard_group), numel, reduction.reduce_dtype)
+    record_comm("reduce_scatter", group_name(outer_group), partial.numel(), reduction.reduce_dtype)
     inner = ReduceScatterStage(
-        inp, partial, spec, shard_group, inner_op, bool(partial_accumulate), route
+        inp, partial, reduction, shard_group, inner_op, bool(partial_accumulate), route
     )
-    outer_spec = ReduceSpec(spec.average, None, None, spec.reduce_dtype)
+    outer_spec = Reduction(reduction.average, None, None, reduction.reduce_dtype)
     outer = ReduceScatterStage(
         partial, out, outer_spec, outer_group, outer_op, bool(accumulate), outer_route
     )

@@ -37,7 +37,7 @@ from ._op_args import (
     routed_reduce_op,
     side_stream,
 )
-from ._reduce import ReduceSpec, finish_into, prepare_input, reduce_op
+from ._reduce import ReduceSpec, Reduction, finish_into, prepare_input, reduce_op
 from .handle import CommHandle
 from .liveness import naming_dead_peers
 from .naming import group_name
@@ -51,6 +51,9 @@ __all__ = [
     "broadcast_",
     "reduce_scatter_into",
 ]
+
+MEAN = ReduceSpec()
+"""The default reduction: the mean over the group, in the input's dtype, unscaled."""
 
 
 def all_gather_into(
@@ -118,7 +121,7 @@ class ReduceScatterStage:
         self,
         inp: torch.Tensor | FlatPieces,
         out: torch.Tensor,
-        spec: ReduceSpec,
+        spec: Reduction,
         group: dist.ProcessGroup,
         op: dist.ReduceOp.RedOpType,
         accumulate: bool,
@@ -169,10 +172,7 @@ def reduce_scatter_into(
     out_shard: torch.Tensor,
     group: dist.ProcessGroup,
     *,
-    average: bool = True,
-    pre_scale: float | None = None,
-    post_scale: float | None = None,
-    reduce_dtype: torch.dtype | None = None,
+    spec: ReduceSpec = MEAN,
     accumulate: bool = False,
     async_op: bool = True,
     stream: CommStreams | None = None,
@@ -181,30 +181,21 @@ def reduce_scatter_into(
     """Reduce ``unsharded_grad`` over ``group`` and store (or add) this rank's chunk.
 
     ``out_shard (+)= post_scale * reduce(pre_scale * unsharded_grad.to(reduce_dtype))``
-    where reduce is a mean over the group when ``average`` else a sum.
+    where reduce is a mean over the group when ``spec.average`` else a sum.
     ``unsharded_grad`` may be ``FlatPieces`` (e.g. per-parameter gradients at their layout
     offsets): the shared-memory transport reads it in place; elsewhere it is copied into one
     flat tensor first.
     """
-    args = check_reduce_scatter(
-        unsharded_grad,
-        out_shard,
-        group,
-        "group",
-        average=average,
-        pre_scale=pre_scale,
-        post_scale=post_scale,
-        reduce_dtype=reduce_dtype,
-    )
-    inp, out, group, spec, numel = args.inp, args.out, args.group, args.spec, args.numel
+    args = check_reduce_scatter(unsharded_grad, out_shard, group, "group", spec)
+    inp, out, group, reduction, numel = args.inp, args.out, args.group, args.spec, args.numel
     side = side_stream(stream, "reduce_scatter", out.device)
     if out.numel() == 0:
         return CommHandle.completed()
     route = host_route(transport, group, out)
-    op, factor = routed_reduce_op(route, group, spec.average)
-    factor *= spec.post_scale if spec.post_scale is not None else 1.0
-    record_comm("reduce_scatter", group_name(group), numel, spec.reduce_dtype)
-    stage = ReduceScatterStage(inp, out, spec, group, op, bool(accumulate), route)
+    op, factor = routed_reduce_op(route, group, reduction.average)
+    factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
+    record_comm("reduce_scatter", group_name(group), numel, reduction.reduce_dtype)
+    stage = ReduceScatterStage(inp, out, reduction, group, op, bool(accumulate), route)
 
     def finish() -> None:
         finish_into(stage.result(), out, factor=factor, accumulate=bool(accumulate))
@@ -225,10 +216,7 @@ def all_reduce_(
     tensor: torch.Tensor,
     group: dist.ProcessGroup,
     *,
-    average: bool = True,
-    pre_scale: float | None = None,
-    post_scale: float | None = None,
-    reduce_dtype: torch.dtype | None = None,
+    spec: ReduceSpec = MEAN,
     async_op: bool = True,
     stream: CommStreams | None = None,
     outer_group: dist.ProcessGroup | None = None,
@@ -249,32 +237,25 @@ def all_reduce_(
         outer_group, _, _ = membership(outer_group, "outer_group")
         if outer_group is group:
             raise ValueError("outer_group must differ from group; pass outer_group=None")
-    spec = reduce_spec(
-        tensor,
-        "tensor",
-        average=average,
-        pre_scale=pre_scale,
-        post_scale=post_scale,
-        reduce_dtype=reduce_dtype,
-    )
+    reduction = reduce_spec(tensor, "tensor", spec)
     side = side_stream(stream, "reduce_scatter", tensor.device)
     outer_side = side_stream(stream, "outer", tensor.device)
     if tensor.numel() == 0:
         return CommHandle.completed()
-    op, factor = reduce_op(group, spec.average)
-    factor *= spec.post_scale if spec.post_scale is not None else 1.0
-    record_comm("all_reduce", group_name(group), tensor.numel(), spec.reduce_dtype)
+    op, factor = reduce_op(group, reduction.average)
+    factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
+    record_comm("all_reduce", group_name(group), tensor.numel(), reduction.reduce_dtype)
     sent: list[torch.Tensor] = []
 
     def issue() -> Work | None:
-        sent.append(prepare_input(tensor, spec))
+        sent.append(prepare_input(tensor, reduction))
         return all_reduce_async(sent[0], op, group)
 
     stages: list[Stage] = [(side, issue)]
     if outer_group is not None:
-        outer_op, outer_factor = reduce_op(outer_group, spec.average)
+        outer_op, outer_factor = reduce_op(outer_group, reduction.average)
         factor *= outer_factor
-        record_comm("all_reduce", group_name(outer_group), tensor.numel(), spec.reduce_dtype)
+        record_comm("all_reduce", group_name(outer_group), tensor.numel(), reduction.reduce_dtype)
         stages.append((outer_side, lambda: all_reduce_async(sent[0], outer_op, outer_group)))
 
     def finish() -> None:

@@ -1,0 +1,309 @@
+"""How one parameter group's gradients travel: one reduce plan per topology, chosen once.
+
+A ``GradReducer`` hands what its collector gathered to its plan, which issues the
+collective and says what to free once it landed (a ``Launched``). The plans:
+
+* ``FlatPlan``: a reduce-scatter in the shard group (plain FSDP; an expert group is the
+  same plan over its expert-data-parallel topology);
+* ``NoShardPlan``: an all-reduce of the whole buffer (``no_shard``; with HSDP across
+  ``dp_outer`` too), whose result is moved into the gradients once it landed;
+* ``HSDPPlan``: a reduce-scatter in the shard group, then the shard all-reduced across
+  the replicas once per optimisation cycle;
+* ``HFSDPPlan``: optimizer state sharded across ``dp_outer`` too: a ``no_sync``
+  micro-batch's reduction stays in the shard group, summed into a ``partial``
+  compute-shard buffer; the reduction that ends the cycle reduce-scatters the partial
+  across ``dp_outer`` into the sub-shard the optimizer reads.
+
+The two plans that cross the replicas keep how far their shard got (``ReplicaSync``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from mfsdp_collectives import (
+    CommHandle,
+    CommStreams,
+    FSDPTopology,
+    ReduceSpec,
+    all_reduce_,
+    hfsdp_reduce_scatter_into,
+    hsdp_reduce_scatter_into,
+    reduce_scatter_into,
+)
+from mfsdp_hooks.config.strategy import ShardingStrategy
+from mfsdp_hooks.grads.grad_collector import GradCollector
+from mfsdp_hooks.grads.grad_shard import GradShard
+
+__all__ = [
+    "FlatPlan",
+    "HFSDPPlan",
+    "HSDPPlan",
+    "Launched",
+    "NoShardPlan",
+    "ReduceInputs",
+    "ReducePlan",
+    "ReplicaSync",
+    "choose_plan",
+]
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A reduction a plan issued, and what to do once it landed (free what it read)."""
+
+    handle: CommHandle
+    release: Callable[[], None]
+
+
+class ReducePlan(Protocol):
+    """One way of reducing a group's collected gradients into its ``GradShard``."""
+
+    @property
+    def needs_outer_sync(self) -> bool:
+        """The shard holds parts not yet reduced across the HSDP replicas."""
+        ...
+
+    def launch(
+        self, spec: ReduceSpec, streams: CommStreams | None, *, ends_cycle: bool
+    ) -> Launched: ...
+
+    def drop_partial(self) -> None:
+        """Forget the parts kept inside the shard group (the gradients were zeroed)."""
+        ...
+
+
+class ReplicaSync(enum.Enum):
+    """How far a gradient shard is reduced across the HSDP replicas in this cycle.
+
+    ``EMPTY`` (nothing in it) -> ``INNER_ONLY`` (a ``no_sync`` micro-batch's reduction stayed
+    in the shard group) -> ``COMPLETE`` (the reduction that ends the cycle took the whole
+    shard across the replicas). A reduction from ``EMPTY`` or ``COMPLETE`` that ends the cycle
+    reduces only its own part across them; a fresh shard (``zero_grad``) starts ``EMPTY``.
+    Under HFSDP the parts kept inside the shard group live in the plan's partial buffer, not
+    in the shard: ``INNER_ONLY`` means the partial holds them, and ``zero_main_grads`` drops
+    them with the gradients.
+    """
+
+    EMPTY = "empty"
+    INNER_ONLY = "inner_only"
+    COMPLETE = "complete"
+
+
+@dataclass(frozen=True)
+class ReduceInputs:
+    """What every plan reads: the collector, the shard it reduces into (and the parameters
+    whose ``.grad`` views it), the topology."""
+
+    collector: GradCollector
+    grads: GradShard
+    params: tuple[nn.Parameter, ...]
+    topology: FSDPTopology
+
+    def target(self) -> tuple[torch.Tensor, bool]:
+        """The flat gradients the reduction writes, and whether it adds to them."""
+        return self.grads.prepare(self.params)
+
+
+class _Plan:
+    def __init__(self, inputs: ReduceInputs) -> None:
+        self._in = inputs
+        self._collector = inputs.collector
+        self._topology = inputs.topology
+
+    @property
+    def needs_outer_sync(self) -> bool:
+        return False
+
+    def drop_partial(self) -> None:
+        pass
+
+
+class FlatPlan(_Plan):
+    """A reduce-scatter in the shard group into this rank's shard."""
+
+    def launch(
+        self, spec: ReduceSpec, streams: CommStreams | None, *, ends_cycle: bool
+    ) -> Launched:
+        target, accumulate = self._in.target()
+        handle = reduce_scatter_into(
+            self._collector.collected(),
+            target,
+            self._topology.shard_group,
+            spec=spec,
+            accumulate=accumulate,
+            stream=streams,
+            transport=self._topology.host_transport,
+        )
+        return Launched(handle, self._collector.clear)
+
+
+class NoShardPlan(_Plan):
+    """``no_shard``: an all-reduce of the whole buffer (never held: no transport reads it in
+    place), moved into the gradients once it landed."""
+
+    def launch(
+        self, spec: ReduceSpec, streams: CommStreams | None, *, ends_cycle: bool
+    ) -> Launched:
+        target, accumulate = self._in.target()
+        buffer = self._collector.collected()
+        assert isinstance(buffer, torch.Tensor)
+        handle = all_reduce_(
+            buffer,
+            self._topology.shard_group,
+            spec=spec,
+            stream=streams,
+            outer_group=self._topology.outer_group,
+        )
+        return Launched(handle, lambda: self._collector.clear(move_into=(target, accumulate)))
+
+
+class _AcrossReplicas(_Plan):
+    """A plan whose shard crosses the replicas once per cycle (``ReplicaSync``)."""
+
+    def __init__(self, inputs: ReduceInputs) -> None:
+        super().__init__(inputs)
+        outer = inputs.topology.outer_group
+        assert outer is not None, f"{type(self).__name__} without an outer group"
+        self._outer = outer
+        self._state = ReplicaSync.EMPTY
+
+    @property
+    def needs_outer_sync(self) -> bool:
+        return self._state is ReplicaSync.INNER_ONLY
+
+    def drop_partial(self) -> None:
+        if self._state is ReplicaSync.INNER_ONLY:
+            self._state = ReplicaSync.EMPTY
+
+
+class HSDPPlan(_AcrossReplicas):
+    """A reduction that does not end the optimisation cycle (a ``no_sync`` micro-batch) stays
+    inside the shard group; the one that ends it reduces the whole shard across the
+    replicas, so each replica's accumulated gradient crosses them once per cycle."""
+
+    def launch(
+        self, spec: ReduceSpec, streams: CommStreams | None, *, ends_cycle: bool
+    ) -> Launched:
+        target, accumulate = self._in.target()
+        if not accumulate:
+            self._state = ReplicaSync.EMPTY
+        if not self._collector.has_grads and self._state is ReplicaSync.INNER_ONLY:
+            # finish_grad_sync: only what no_sync kept is left, already in the shard
+            handle = all_reduce_(
+                target, self._outer, spec=ReduceSpec(average=spec.average), stream=streams
+            )
+            self._state = ReplicaSync.COMPLETE
+            return Launched(handle, _nothing)
+        state = self._state
+        defer = not ends_cycle and state is not ReplicaSync.COMPLETE
+        handle = hsdp_reduce_scatter_into(
+            self._collector.collected(),
+            target,
+            self._topology.shard_group,
+            None if defer else self._outer,
+            spec=spec,
+            accumulate=accumulate,
+            stream=streams,
+            transport=self._topology.host_transport,
+            outer_reduces_output=state is ReplicaSync.INNER_ONLY,
+        )
+        self._state = ReplicaSync.INNER_ONLY if defer else ReplicaSync.COMPLETE
+        return Launched(handle, self._collector.clear)
+
+
+class HFSDPPlan(_AcrossReplicas):
+    """Reduce-scatter in the shard group into the partial; the reduction that ends the
+    cycle reduce-scatters the partial across ``dp_outer`` into the sub-shard."""
+
+    def __init__(self, inputs: ReduceInputs, *, partial_numel: int) -> None:
+        super().__init__(inputs)
+        self._partial_numel = partial_numel
+        self._partial: torch.Tensor | None = None
+
+    def _partial_buffer(self) -> torch.Tensor:
+        """The cycle's compute-shard gradient, in the gradients' dtype (micro-batches add
+        into it); not from the allocator, whose buffers live for one reduction."""
+        if self._partial is None:
+            self._partial = self._in.grads.new_flat(self._partial_numel)
+        return self._partial
+
+    def drop_partial(self) -> None:
+        self._partial = None
+        super().drop_partial()
+
+    def _release_all(self) -> None:
+        self.drop_partial()
+        self._collector.clear()
+
+    def launch(
+        self, spec: ReduceSpec, streams: CommStreams | None, *, ends_cycle: bool
+    ) -> Launched:
+        topology = self._topology
+        kept = self._state is ReplicaSync.INNER_ONLY
+        if not ends_cycle:
+            handle = reduce_scatter_into(
+                self._collector.collected(),
+                self._partial_buffer(),
+                topology.shard_group,
+                spec=spec,
+                accumulate=kept,
+                stream=streams,
+                transport=topology.host_transport,
+            )
+            self._state = ReplicaSync.INNER_ONLY
+            return Launched(handle, self._collector.clear)
+        target, accumulate = self._in.target()
+        self._state = ReplicaSync.COMPLETE
+        if not self._collector.has_grads:  # finish_grad_sync: only what no_sync kept is left
+            handle = reduce_scatter_into(
+                self._partial_buffer(),
+                target,
+                self._outer,
+                spec=dataclasses.replace(spec, post_scale=None),
+                accumulate=accumulate,
+                stream=streams,
+                transport=topology.outer_transport,
+            )
+            return Launched(handle, self.drop_partial)
+        handle = hfsdp_reduce_scatter_into(
+            self._collector.collected(),
+            target,
+            topology.shard_group,
+            self._outer,
+            partial=self._partial_buffer(),
+            partial_accumulate=kept,
+            spec=spec,
+            accumulate=accumulate,
+            stream=streams,
+            transport=topology.host_transport,
+            outer_transport=topology.outer_transport,
+        )
+        return Launched(handle, self._release_all)
+
+
+def _nothing() -> None:
+    """The release of a reduction that read no collected gradients (it reduced the shard
+    in place)."""
+
+
+def choose_plan(
+    inputs: ReduceInputs, *, strategy: ShardingStrategy, partial_numel: int
+) -> ReducePlan:
+    """The plan for ``inputs.topology`` and ``strategy`` (``partial_numel``: the compute
+    shard's size, HFSDP's partial buffer)."""
+    topology = inputs.topology
+    if topology.shards_optimizer_across_outer:
+        return HFSDPPlan(inputs, partial_numel=partial_numel)
+    if strategy == ShardingStrategy.NO_SHARD:
+        return NoShardPlan(inputs)
+    if topology.outer_group is not None:
+        return HSDPPlan(inputs)
+    return FlatPlan(inputs)
