@@ -52,7 +52,7 @@ from mfsdp_hooks.weights.group_storage import (
     weight_buffers,
 )
 from mfsdp_hooks.weights.shard_cuts import ShardCuts
-from mfsdp_hooks.weights.weight_freshness import WeightFreshness
+from mfsdp_hooks.weights.weight_freshness import WeightFreshness, WeightPath, weight_path
 
 DEFAULT_ALIGNMENT = 16
 
@@ -191,16 +191,56 @@ class ParameterGroup:
 
     def unshard(self, streams: CommStreams | None = None) -> Waitable | None:
         """Start making the unsharded weights current; wait on the returned handle before use."""
-        if self.model.sharded:
-            if self.model.is_materialized and not self.freshness.dirty:
-                return None
-            if self.freshness.dirty:
-                self._refresh_compute_shard(streams)
-            self.freshness.dirty = False
+        return self._make_current(self._path(stale=self.freshness.dirty, unsharding=True), streams)
+
+    def _path(self, *, stale: bool, unsharding: bool) -> WeightPath:
+        whole_main = self.strategy == ShardingStrategy.NO_SHARD or self.topology.shard_size == 1
+        return weight_path(
+            sharded=self.model.sharded,
+            gathered=self.model.is_materialized,
+            stale=stale,
+            unsharding=unsharding,
+            whole_main=whole_main,
+        )
+
+    def _make_current(self, path: WeightPath, streams: CommStreams | None) -> Waitable | None:
+        """Follow ``path``; the compute weights are current once the returned handle is."""
+        if path is WeightPath.CURRENT:
+            return None
+        self.freshness.installed()
+        if path is WeightPath.GATHER:
             return self._gather(streams)
-        if self.freshness.dirty:
-            return self.install_weights(streams)
-        return None
+        if path is WeightPath.REFRESH:
+            self._refresh_compute_shard(streams)
+            return None
+        if path is WeightPath.REFRESH_AND_GATHER:
+            self._refresh_compute_shard(streams)
+            return self._gather(streams)
+        return self._install_whole(streams, gather=path is WeightPath.ENCODE_AND_GATHER)
+
+    def _install_whole(self, streams: CommStreams | None, *, gather: bool) -> Waitable | None:
+        """Rebuild whole (never sharded) compute weights from the main weights: encoded here
+        from the whole main weights, or (``gather``) from this rank's main shard into its
+        slot, the other slots all-gathered."""
+        full = self.model.materialize()
+        if not gather:
+            if self.main is not None:
+                with torch.no_grad():
+                    self.codec.encode(self.main.materialize(), full)
+                    self.codec.decode(full)
+            return None
+        slot = self.model.shard
+        if self.main is not None:
+            with torch.no_grad():
+                self.codec.encode(self.main.shard, slot)
+        handle = all_gather_into(
+            slot,
+            full,
+            self.topology.shard_group,
+            stream=streams,
+            transport=self.topology.host_transport,
+        )
+        return self._decoded(handle, full)
 
     def _refresh_compute_shard(self, streams: CommStreams | None) -> None:
         """HFSDP: rebuild the compute shard from the ``dp_outer`` peers' updated sub-shards
@@ -246,29 +286,7 @@ class ParameterGroup:
 
     def install_weights(self, streams: CommStreams | None = None) -> Waitable | None:
         """Bring the compute weights up to date with optimizer-updated weights."""
-        self.freshness.dirty = False
-        if self.model.sharded:
-            self._refresh_compute_shard(streams)
-            return self._gather(streams) if self.model.is_materialized else None
-        full = self.model.materialize()
-        if self.strategy == ShardingStrategy.NO_SHARD or self.topology.shard_size == 1:
-            if self.main is not None:
-                with torch.no_grad():
-                    self.codec.encode(self.main.materialize(), full)
-                    self.codec.decode(full)
-            return None
-        slot = self.model.shard
-        if self.main is not None:
-            with torch.no_grad():
-                self.codec.encode(self.main.shard, slot)
-        handle = all_gather_into(
-            slot,
-            full,
-            self.topology.shard_group,
-            stream=streams,
-            transport=self.topology.host_transport,
-        )
-        return self._decoded(handle, full)
+        return self._make_current(self._path(stale=True, unsharding=False), streams)
 
     # ----------------------------------------------------------------- gradients
     def mark_weights_dirty(self) -> None:

@@ -16,14 +16,25 @@ rebuilt from the first:
   install is an all-gather across ``dp_outer``). A bare optimizer stepping a group that an
   attached one also steps must be followed by ``install_optimized_model_weights()``.
 
-Transitions, all here: ``open_step_window`` (synced backward ends, or ``finish_grad_sync``)
--> ``recheck_step_window`` (forward or user unshard: dirty if open) -> ``close_step_window``
-(a backward begins, ``stepped=False``; an attached step or explicit install, ``stepped=True``).
+Transitions, all here (the flags are read-only outside), as ``method (when): effect``:
+
+* ``mark_dirty`` (a load, ``mark_weights_dirty``): dirty;
+* ``installed`` (an install, or a gather that encodes the main shard, rebuilt the compute
+  weights): clean;
+* ``open_step_window`` (a synced backward ends, or ``finish_grad_sync``): the window opens
+  for a steppable group no attached optimizer steps;
+* ``recheck_step_window`` (a forward, or an unshard a user asks for): dirty if open;
+* ``close_step_window(stepped=False)`` (a backward begins): the window closes;
+* ``close_step_window(stepped=True)`` (an attached step, or an explicit install): the
+  window closes, dirty;
+* ``attach_stepper`` (an attached optimizer takes the group): no window opens from then on.
 """
 
 from __future__ import annotations
 
-__all__ = ["WeightFreshness"]
+import enum
+
+__all__ = ["WeightFreshness", "WeightPath", "weight_path"]
 
 
 class WeightFreshness:
@@ -32,29 +43,81 @@ class WeightFreshness:
     def __init__(self, *, steppable: bool) -> None:
         self._steppable = steppable
         self._attached = False
-        self.dirty = False
-        self.step_window_open = False
+        self._dirty = False
+        self._window_open = False
+
+    @property
+    def dirty(self) -> bool:
+        """The compute weights must be rebuilt from the optimizer-facing ones."""
+        return self._dirty
+
+    @property
+    def step_window_open(self) -> bool:
+        """An optimizer the engine does not see may step before the next backward."""
+        return self._window_open
 
     def attach_stepper(self) -> None:
         """An attached optimizer steps this group and marks the weights dirty itself."""
         self._attached = True
 
     def mark_dirty(self) -> None:
-        self.dirty = True
+        self._dirty = True
+
+    def installed(self) -> None:
+        """The compute weights were rebuilt from the optimizer-facing ones (an install, or
+        the gather that encodes the main shard): current until the next step or load."""
+        self._dirty = False
 
     def open_step_window(self) -> None:
         """Its gradients are synced: an optimizer the engine does not see may step next."""
-        self.step_window_open = self._steppable and not self._attached
+        self._window_open = self._steppable and not self._attached
 
     def close_step_window(self, *, stepped: bool) -> None:
         """A backward began (no step comes between a forward and its backward), or an
         attached optimizer ``stepped``: then re-install once and trust the weights after."""
-        self.step_window_open = False
+        self._window_open = False
         if stepped:
-            self.dirty = True
+            self._dirty = True
 
     def recheck_step_window(self) -> None:
         """Before a forward, or an unshard asked for outside one: inside a step window the
         weights may have been stepped since they were installed, so install them again."""
-        if self.step_window_open:
-            self.dirty = True
+        if self._window_open:
+            self._dirty = True
+
+
+class WeightPath(enum.Enum):
+    """What making a group's compute weights current takes, in the order it is done.
+
+    ``REFRESH`` rebuilds the persistent compute shard from the optimizer-facing weights
+    (under HFSDP an all-gather across ``dp_outer``; nothing to do otherwise), ``GATHER``
+    all-gathers the compute shards into the unsharded buffer, ``ENCODE_WHOLE`` encodes the
+    whole main weights into the whole compute weights on this rank, ``ENCODE_AND_GATHER``
+    encodes this rank's main shard into its slot of the whole compute weights and
+    all-gathers the others'.
+    """
+
+    CURRENT = "current"
+    GATHER = "gather"
+    REFRESH = "refresh"
+    REFRESH_AND_GATHER = "refresh_and_gather"
+    ENCODE_WHOLE = "encode_whole"
+    ENCODE_AND_GATHER = "encode_and_gather"
+
+
+def weight_path(
+    *, sharded: bool, gathered: bool, stale: bool, unsharding: bool, whole_main: bool
+) -> WeightPath:
+    """The ``WeightPath`` of a group.
+
+    ``sharded``: its compute weights are sharded between uses (ZeRO-3); ``gathered``: they
+    are unsharded now; ``stale``: they must be rebuilt from the optimizer-facing weights
+    (``WeightFreshness.dirty``, or an explicit install); ``unsharding``: the caller needs the
+    unsharded weights (an unshard), not only current ones (an install); ``whole_main``:
+    each rank holds the whole optimizer-facing weights (``no_shard``, or one rank).
+    """
+    if not stale:
+        return WeightPath.GATHER if sharded and unsharding and not gathered else WeightPath.CURRENT
+    if sharded:
+        return WeightPath.REFRESH_AND_GATHER if gathered or unsharding else WeightPath.REFRESH
+    return WeightPath.ENCODE_WHOLE if whole_main else WeightPath.ENCODE_AND_GATHER
