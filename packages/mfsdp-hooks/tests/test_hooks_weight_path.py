@@ -31,7 +31,7 @@ def _ladders(sharded: bool, gathered: bool, stale: bool, unsharding: bool, whole
 
 
 @pytest.mark.parametrize(
-    ("sharded", "gathered", "stale", "whole"), itertools.product((0, 1), repeat=4)
+    ("sharded", "gathered", "stale", "whole"), list(itertools.product((0, 1), repeat=4))
 )
 def test_the_decision_takes_the_steps_the_ladders_took(
     sharded: int, gathered: int, stale: int, whole: int
