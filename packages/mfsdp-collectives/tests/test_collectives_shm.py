@@ -19,6 +19,7 @@ import torch.distributed as dist
 from mfsdp_buffers import FlatPieces, LiveTensorTracker
 from mfsdp_collectives import (
     CommTracer,
+    FSDPTopology,
     ReduceSpec,
     all_gather_into,
     disable_host_transport,
@@ -222,6 +223,23 @@ def _mailboxes_leave_no_files(rank: int, world: int) -> int:
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 def test_auto_takes_shared_memory_on_one_host_and_unlinks_the_mailboxes() -> None:
     run_distributed(_mailboxes_leave_no_files, 2, timeout=60)
+
+
+def _topology_with_transport(rank: int, world: int) -> str:
+    built = FSDPTopology.default("cpu")
+    chosen = built.with_host_transport("auto")
+    assert built.host_transport is None, "the built topology is left as it is"
+    assert chosen.host_transport is host_transport_of(built.shard_group) is not None
+    assert chosen.shard_group is built.shard_group and chosen.device == built.device
+    assert built.with_host_transport("shm").host_transport is chosen.host_transport
+    with pytest.raises(ValueError, match="already put this shard group's collectives"):
+        built.with_host_transport("gloo")
+    return "ok"
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_a_topology_with_its_transport_chosen_is_a_new_topology() -> None:
+    assert run_distributed(_topology_with_transport, 2, timeout=60) == ["ok", "ok"]
 
 
 def _peer_stops_issuing(rank: int, world: int) -> str:

@@ -8,6 +8,7 @@ points here means every layer agrees on what "the shard group" is.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -156,7 +157,7 @@ class FSDPTopology:
     shard_mesh: DeviceMesh | None = None
     mesh: DeviceMesh | None = None
     # How the shard group's CPU all-gathers and reduce-scatters travel, chosen once by
-    # ``choose_host_transport``: the shared-memory transport, or None for c10d.
+    # ``with_host_transport``: the shared-memory transport, or None for c10d.
     host_transport: SharedMemoryTransport | None = None
     tp_mesh: DeviceMesh | None = None
     """The ``tp_dim`` submesh (``from_mesh``): Megatron-style TP parameters are cut over it."""
@@ -164,13 +165,14 @@ class FSDPTopology:
     # HFSDP: how the reduce-scatter and all-gather across dp_outer travel (chosen likewise).
     outer_transport: SharedMemoryTransport | None = None
 
-    def choose_host_transport(self, choice: str) -> None:
-        """Pick the shard group's CPU transport (``"auto"``, ``"shm"``, ``"gloo"``; see
-        ``enable_host_transport``), and under HFSDP the outer group's. Collective over the
-        groups unless ``"gloo"``; nothing to choose on accelerators."""
+    def with_host_transport(self, choice: str) -> FSDPTopology:
+        """This topology with its CPU transports chosen (``"auto"``, ``"shm"``, ``"gloo"``; see
+        ``enable_host_transport``): the shard group's, and under HFSDP the outer group's.
+        A new topology; this one is left as it is. Collective over the groups unless
+        ``"gloo"``; on accelerators there is nothing to choose and this topology is returned."""
         check_host_transport(choice)
         if self.device.type != "cpu":
-            return
+            return self
         outer = self.outer_group if self.shards_optimizer_across_outer else None
         groups = [g for g in (self.shard_group, outer) if g is not None]
         if choice == "gloo" and any(host_transport_of(g) is not None for g in groups):
@@ -179,9 +181,18 @@ class FSDPTopology:
                 "group's collectives on shared memory; pass a mesh over a separate process "
                 "group for this model, or the same host_transport as before"
             )
-        self.host_transport = enable_host_transport(self.shard_group, choice)
-        if outer is not None:
-            self.outer_transport = enable_host_transport(outer, choice)
+        return dataclasses.replace(
+            self,
+            host_transport=enable_host_transport(self.shard_group, choice),
+            outer_transport=None if outer is None else enable_host_transport(outer, choice),
+        )
+
+    def choose_host_transport(self, choice: str) -> None:
+        """Deprecated: chooses as ``with_host_transport`` but writes the choice into this
+        topology. Kept only until ``fully_shard`` builds its options from
+        ``with_host_transport``'s topology instead (issue #27)."""
+        chosen = self.with_host_transport(choice)
+        self.host_transport, self.outer_transport = chosen.host_transport, chosen.outer_transport
 
     @property
     def shard_rank(self) -> int:
@@ -356,6 +367,4 @@ class FSDPTopology:
         dev = _as_device(device)
         init_default_group(dev)
         mesh = init_device_mesh(dev.type, (dist.get_world_size(),), mesh_dim_names=(DP_SHARD,))
-        topo = cls.from_mesh(mesh, dp_shard_dim=DP_SHARD)
-        topo.device = dev
-        return topo
+        return dataclasses.replace(cls.from_mesh(mesh, dp_shard_dim=DP_SHARD), device=dev)
