@@ -152,8 +152,10 @@ class FSDPRootWrapper(nn.Module):
 class MegatronFSDP(FSDPRootWrapper):
     """Deprecated: ``FSDPRootWrapper``'s old name, taking ``fully_shard``'s keyword names
     (``mesh``, ``mp_policy``, ``sharding_strategy``...) instead of a ``ShardingOptions``.
-    Kept for one release; ``sync_model_each_microbatch`` defaults to False here, as in the
-    seed's class. (``megatron_fsdp.MegatronFSDP`` is the reference's class, another thing.)"""
+    Kept for one release. ``sync_model_each_microbatch`` defaults to False here, as in the
+    seed's class, and ``reduce_scatter_in_no_sync`` to True: ZeRO-2/3 reduce-scatter every
+    micro-batch under ``no_sync``, as Megatron-FSDP does and this wrapper always did.
+    (``megatron_fsdp.MegatronFSDP`` is the reference's class, another thing.)"""
 
     def __init__(
         self,
@@ -174,7 +176,7 @@ class MegatronFSDP(FSDPRootWrapper):
         report_nan_in_param_grad: bool = False,
         max_inflight_reductions: int = 1,
         prefetch_depth: int = 1,
-        reduce_scatter_in_no_sync: bool = False,
+        reduce_scatter_in_no_sync: bool = True,
         backward_prefetch_grad_fraction: float = 0.5,
         grad_buffer_allocator: str | Allocator = "plain",
         host_transport: str = "auto",
