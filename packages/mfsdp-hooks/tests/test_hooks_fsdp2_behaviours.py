@@ -3,17 +3,31 @@
 Each failed before (issue: seams, item 10): a ``DeviceMesh`` without dim names (FSDP2's
 canonical ``init_device_mesh("cpu", (world,))``) was refused; ``set_requires_gradient_sync``
 had no ``recurse``; there was no ``reset_iter_state`` and an exception mid-forward left the
-units in FORWARD, so the next iteration raised "illegal state change".
+units in FORWARD, so the next iteration raised "illegal state change". Issue #27: a
+non-root block's gradient-sync flag was ignored.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import pytest
 import torch
-from hooks_models import make_batches, make_model, shard_blocks_then_root, train_data_parallel
+from hooks_models import (
+    assert_close_rel,
+    local_slice,
+    loss_fn,
+    make_batches,
+    make_model,
+    shard_blocks_then_root,
+    train_data_parallel,
+)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
 
+from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import fully_shard
 
@@ -146,3 +160,84 @@ def test_a_grouped_member_called_alone_after_forward_as_a_chunked_loss_does() ->
     theirs = run_distributed(_chunked_loss_worker, 2, "fsdp2", timeout=120)
     for rank in range(2):  # each rank's own loss: its data differ
         assert ours[rank] == pytest.approx(theirs[rank], rel=1e-5)
+
+
+def _reduce_scatters(impl: str, run: Callable[[], None]) -> int:
+    """Reduce-scatters ``run`` issues: our tracer for ours, torch's CommDebugMode for FSDP2."""
+    if impl == "fsdp2":
+        with CommDebugMode() as mode:
+            run()
+        counts = {str(op): n for op, n in mode.get_comm_counts().items()}
+        return sum(n for op, n in counts.items() if "reduce_scatter" in op)
+    with CommTracer() as tracer:
+        run()
+    return tracer.calls("reduce_scatter")
+
+
+def _one_block_unsynced_worker(
+    rank: int, world: int, impl: str
+) -> tuple[list[float], list[int], list[list[float]]]:
+    """Two micro-batches per step; only ``blocks[1]`` (not the root) skips the first one's
+    sync. Returns the losses, the reduce-scatters of each micro-batch and the last step's
+    accumulated full gradients."""
+    model = make_model()
+    shard_blocks_then_root(model, impl)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    batches = make_batches(2 * STEPS)
+    losses: list[float] = []
+    counts: list[int] = []
+    grads: list[list[float]] = []
+
+    def micro_batch(index: int) -> None:
+        tokens, targets = batches[index]
+        loss = loss_fn(model(local_slice(tokens, rank, world)), local_slice(targets, rank, world))
+        (loss / 2).backward()
+        losses.append(loss.item())
+
+    for step in range(STEPS):
+        model.blocks[1].set_requires_gradient_sync(False)  # type: ignore[index,operator]
+        counts.append(_reduce_scatters(impl, functools.partial(micro_batch, 2 * step)))
+        model.blocks[1].set_requires_gradient_sync(True)  # type: ignore[index,operator]
+        counts.append(_reduce_scatters(impl, functools.partial(micro_batch, 2 * step + 1)))
+        # Plain lists: tensors do not travel back from the worker processes.
+        grads = [
+            p.grad.full_tensor().reshape(-1).tolist()
+            for p in model.parameters()
+            if p.grad is not None
+        ]
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, counts, grads
+
+
+def test_gradient_sync_off_on_one_non_root_block_skips_its_reduce_scatter_as_fsdp2() -> None:
+    """A non-root block's ``set_requires_gradient_sync(False)`` used to do nothing (only the
+    root's flag was read): the block reduce-scattered every micro-batch."""
+    ours = run_distributed(_one_block_unsynced_worker, 2, "ours", timeout=120)
+    theirs = run_distributed(_one_block_unsynced_worker, 2, "fsdp2", timeout=120)
+    for (losses, counts, grads), (ref_losses, ref_counts, ref_grads) in zip(
+        ours, theirs, strict=True
+    ):
+        # Three blocks and the root: the unsynced micro-batch skips blocks[1]'s only.
+        assert counts == ref_counts == [3, 4] * STEPS
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        assert len(grads) == len(ref_grads) > 0
+        for got, want in zip(grads, ref_grads, strict=True):
+            assert_close_rel(torch.tensor(got), torch.tensor(want), 1e-5, "accumulated grad")
+
+
+def _root_level_setters_worker(rank: int, world: int) -> None:
+    model = make_model()
+    shard_blocks_then_root(model, "ours")
+    tokens, targets = make_batches(1)[0]
+    loss_fn(model(tokens), targets).backward()  # builds the root
+    model.set_is_last_backward(True)  # type: ignore[operator]
+    model.set_sync_model_each_microbatch(False)  # type: ignore[operator]
+    setters = [("set_is_last_backward", False), ("set_sync_model_each_microbatch", True)]
+    for setter, value in setters:
+        with pytest.raises(ValueError, match=f"{setter} on FSDPBlock, which is not the FSDP root"):
+            getattr(model.blocks[0], setter)(value)  # type: ignore[index]
+
+
+def test_root_level_setters_on_a_non_root_block_raise_instead_of_doing_nothing() -> None:
+    run_distributed(_root_level_setters_worker, 2, timeout=60)

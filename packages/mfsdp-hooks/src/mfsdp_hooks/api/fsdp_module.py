@@ -59,19 +59,23 @@ class FSDPModule:
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
-        """Skip gradient reduction while False (ZeRO-0/1 accumulate locally; 2/3 still reduce).
-        ``recurse`` (FSDP2's): this module's unit only, or every unit under it."""
+        """While False, the units' backwards keep their unsharded gradients local, and the
+        next backward with True (or ``finish_grad_sync``) reduces them with its own, as
+        FSDP2's do (under ``reduce_scatter_in_no_sync`` ZeRO-2/3 units still reduce-scatter
+        inside ``dp_shard``). ``recurse`` (FSDP2's): this module's unit only, or every
+        unit under it; each unit follows its own flag."""
+        _check_bool(requires_gradient_sync, "requires_gradient_sync")
         for unit in self._units(recurse=recurse):
-            unit.requires_gradient_sync = requires_gradient_sync
+            unit.sync_flags.requires_gradient_sync = requires_gradient_sync
 
     @property
     def requires_gradient_sync(self) -> bool:
         """Whether this unit's next backward reduces its gradients (False inside ``no_sync``)."""
-        return self._mfsdp_unit().requires_gradient_sync
+        return self._mfsdp_unit().sync_flags.requires_gradient_sync
 
     @property
     def sync_model_each_microbatch(self) -> bool:
-        return self._mfsdp_unit().options.sync_model_each_microbatch
+        return self._mfsdp_unit().options.root.sync_model_each_microbatch
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -90,13 +94,13 @@ class FSDPModule:
     def start_grad_sync(self) -> None:
         """Launch the reductions of what ``no_sync`` kept local, without waiting for them
         (``finish_grad_sync`` waits)."""
-        root = self._mfsdp_unit().root
+        root = root_of(self)  # type: ignore[arg-type]
         if root is not None:
             root.start_grad_sync()
 
     def finish_grad_sync(self) -> None:
         """Wait for every gradient reduction and reduce what ``no_sync`` kept local."""
-        root = self._mfsdp_unit().root
+        root = root_of(self)  # type: ignore[arg-type]
         if root is not None:
             root.finish_grad_sync()
 
@@ -162,20 +166,26 @@ class FSDPModule:
         """Finish every micro-batch's reductions in its own backward (True) or let ``no_sync``
         micro-batches' reductions overlap the next one (False). A root-level option: call it
         on the root; it applies to the whole tree, from the next backward on."""
-        if not isinstance(sync_model_each_microbatch, bool):
-            raise ValueError(
-                f"sync_model_each_microbatch must be a bool, got {sync_model_each_microbatch!r}"
-            )
-        root = self._mfsdp_unit().root
+        _check_bool(sync_model_each_microbatch, "sync_model_each_microbatch")
+        root = self._root_only("set_sync_model_each_microbatch")
+        options = dataclasses.replace(
+            self._mfsdp_unit().options.root, sync_model_each_microbatch=sync_model_each_microbatch
+        )
+        if root is not None:
+            root.set_root_options(options)
+            return
+        for unit in self._units(recurse=True):  # before the first forward built the root
+            unit.options = dataclasses.replace(unit.options, root=options)
+
+    def _root_only(self, setter: str) -> FSDPRoot | None:
+        """The root, for a root-level setter: raises when called on a non-root unit."""
+        root = root_of(self)  # type: ignore[arg-type]
         if root is not None and root.root_unit is not self._mfsdp_unit():
             raise ValueError(
-                f"set_sync_model_each_microbatch on {type(self).__name__}, which is not the "
-                "FSDP root: call it on the root module (it applies to the whole tree)"
+                f"{setter} on {type(self).__name__}, which is not the FSDP root: call it on "
+                "the root module (it applies to the whole tree)"
             )
-        for unit in self._units(recurse=True):
-            unit.options = dataclasses.replace(
-                unit.options, sync_model_each_microbatch=sync_model_each_microbatch
-            )
+        return root
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Gradients are summed over the ranks and divided by ``factor`` (instead of the
@@ -192,21 +202,21 @@ class FSDPModule:
         self.set_gradient_divide_factor(factor)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted for FSDP2 code. Ours always finishes a backward's reductions at its end
-        (outside ``no_sync``), which is what True asks; False only lets FSDP2 skip that wait,
-        so the gradients are the same either way."""
-        if not isinstance(is_last_backward, bool):
-            raise ValueError(f"is_last_backward must be a bool, got {is_last_backward!r}")
+        """Accepted for FSDP2 code, on the root (a root-level flag; a non-root unit raises).
+        Ours always finishes a synced backward's reductions at its end, which is what True
+        asks; False only lets FSDP2 skip that wait, so the gradients are the same."""
+        _check_bool(is_last_backward, "is_last_backward")
+        self._root_only("set_is_last_backward")
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters inside ``dp_shard`` only and accumulates the partial
         shards; the next backward with True (or ``finish_grad_sync``, which the attached
         optimizer's step calls) all-reduces the accumulated shard across ``dp_outer`` once.
-        ZeRO-0/1 keep such gradients local, as under ``no_sync``. Read from the root."""
-        if not isinstance(requires_all_reduce, bool):
-            raise ValueError(f"requires_all_reduce must be a bool, got {requires_all_reduce!r}")
+        ZeRO-0/1 keep such gradients local, as under ``no_sync``. Each unit follows its own
+        flag (``recurse``: every unit under this module, or its own only)."""
+        _check_bool(requires_all_reduce, "requires_all_reduce")
         for unit in self._units(recurse):
-            unit.requires_all_reduce = requires_all_reduce
+            unit.sync_flags.requires_all_reduce = requires_all_reduce
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Not supported yet: the all-gather after a step waits on the current stream."""
@@ -214,6 +224,11 @@ class FSDPModule:
             "set_post_optim_event: waiting the all-gather stream on a user event is not "
             "supported yet; the next all-gather already waits for the optimizer step"
         )
+
+
+def _check_bool(value: object, name: str) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
 def _require_unit(module: nn.Module, argument: str) -> FSDPUnit:

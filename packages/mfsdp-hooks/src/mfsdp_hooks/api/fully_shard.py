@@ -31,7 +31,7 @@ from mfsdp_hooks.config.grad_allocator import make_grad_allocator
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy, from_fsdp2_policy
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.strategy import ShardingStrategy, parse_strategy
-from mfsdp_hooks.config.unit_options import UnitOptions
+from mfsdp_hooks.config.unit_options import RootOptions, UnitOptions
 from mfsdp_hooks.dtensor.tensor_parallel import check_tp_parameters
 from mfsdp_hooks.runtime.member_forwards import ModuleGroup, unit_members
 from mfsdp_hooks.runtime.root import FSDPRoot
@@ -264,6 +264,7 @@ def fully_shard(
     report_nan_in_param_grad: bool = False,
     max_inflight_reductions: int = 1,
     prefetch_depth: int = 1,
+    reduce_scatter_in_no_sync: bool = False,
     backward_prefetch_grad_fraction: float = 0.5,
     grad_buffer_allocator: str | Allocator = "plain",
     host_transport: str = "auto",
@@ -287,7 +288,10 @@ def fully_shard(
     its prefetch once ``backward_prefetch_grad_fraction`` of its gradient elements arrived:
     0.0 gathers at the unit's pre-backward as FSDP2 does; the default 0.5 lets the unit's
     widest backward activations die first, so the next unit's weights do not add to the
-    backward peak. ``grad_buffer_allocator``
+    backward peak. ``reduce_scatter_in_no_sync`` (root-level): under ``no_sync`` ZeRO-2/3
+    units keep their unsharded gradients local until a synced backward, as FSDP2's do
+    (False), or still reduce-scatter each micro-batch inside ``dp_shard``, keeping gradient
+    memory sharded, as Megatron-FSDP does (True). ``grad_buffer_allocator``
     serves the temporary reduce buffers: ``"plain"``, ``"double_buffer"`` or ``"trace_pool"``.
     ``host_transport`` picks how CPU all-gathers and reduce-scatters travel: ``"auto"``
     (shared memory when every rank of the shard group is on this host, else gloo),
@@ -346,11 +350,14 @@ def fully_shard(
         ),
         reshard_after_forward=_reshard_after_forward(reshard_after_forward),
         overlap_param_gather=overlap_param_gather,
-        overlap_grad_reduce=overlap_grad_reduce,
-        sync_model_each_microbatch=sync_model_each_microbatch,
-        report_nan_in_param_grad=report_nan_in_param_grad,
-        max_inflight_reductions=max_inflight_reductions,
-        prefetch_depth=prefetch_depth,
+        root=RootOptions(
+            overlap_grad_reduce=overlap_grad_reduce,
+            sync_model_each_microbatch=sync_model_each_microbatch,
+            report_nan_in_param_grad=report_nan_in_param_grad,
+            max_inflight_reductions=max_inflight_reductions,
+            prefetch_depth=prefetch_depth,
+            reduce_scatter_in_no_sync=bool(reduce_scatter_in_no_sync),
+        ),
         backward_prefetch_grad_fraction=float(backward_prefetch_grad_fraction),
         grad_allocator=grad_allocator,
         codec=param_codec or IDENTITY,
@@ -358,11 +365,19 @@ def fully_shard(
         experts=experts,
     )
     _agree_on_wrap(label, target, slots, options, host_transport)
-    options.topology.choose_host_transport(host_transport)
-    if experts is not None:
-        experts.topology.choose_host_transport(host_transport)
-    _make_unit(target, members, options, slots)
+    _make_unit(target, members, _with_transports(options, host_transport), slots)
     return module
+
+
+def _with_transports(options: UnitOptions, host_transport: str) -> UnitOptions:
+    """The options over topologies with their CPU transports chosen (collective over the
+    groups unless ``"gloo"``, so only after the ranks agreed on every option)."""
+    experts = options.experts
+    return dataclasses.replace(
+        options,
+        topology=options.topology.with_host_transport(host_transport),
+        experts=None if experts is None else experts.adopted(host_transport),
+    )
 
 
 def _make_unit(

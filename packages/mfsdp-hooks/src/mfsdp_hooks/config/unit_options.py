@@ -1,8 +1,14 @@
-"""The choices ``fully_shard`` makes for one FSDP unit, and which of them the root owns."""
+"""The choices ``fully_shard`` makes for one FSDP unit, and the root-level ones among them.
+
+``RootOptions`` are read for the whole tree by its root (the reduction queue, when a
+backward waits, the NaN check, prefetch depth). Every unit carries the ones its
+``fully_shard`` call was given; when the root is built, a non-root unit given other values
+than the root's is refused (they would be ignored without a word).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -14,7 +20,32 @@ from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.strategy import ShardingStrategy
 
-__all__ = ["ROOT_LEVEL_OPTIONS", "UnitOptions"]
+__all__ = ["RootOptions", "UnitOptions"]
+
+
+@dataclass(frozen=True)
+class RootOptions:
+    """Choices the root makes for every unit under it."""
+
+    overlap_grad_reduce: bool = True
+    sync_model_each_microbatch: bool = True
+    report_nan_in_param_grad: bool = False
+    max_inflight_reductions: int = 1
+    prefetch_depth: int = 1
+    reduce_scatter_in_no_sync: bool = False
+    """Under ``no_sync`` / ``set_requires_gradient_sync(False)``: False (FSDP2's) keeps a
+    unit's unsharded gradients local until a synced backward reduces them with its own;
+    True (Megatron-FSDP's, which its root wrapper sets) still reduce-scatters each
+    micro-batch of ZeRO-2/3 units inside ``dp_shard``, so gradient memory stays sharded,
+    and only the hop across HSDP replicas waits for the synced backward."""
+
+    def differences(self, other: RootOptions) -> list[tuple[str, object, object]]:
+        """(name, mine, other's) for each field where the two differ."""
+        return [
+            (f.name, getattr(self, f.name), getattr(other, f.name))
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
 
 
 @dataclass(frozen=True)
@@ -30,11 +61,7 @@ class UnitOptions:
     at once); True or False: as given, the root included."""
     reshard_after_backward: bool = True
     overlap_param_gather: bool = True
-    overlap_grad_reduce: bool = True
-    sync_model_each_microbatch: bool = True
-    report_nan_in_param_grad: bool = False
-    max_inflight_reductions: int = 1
-    prefetch_depth: int = 1
+    root: RootOptions = RootOptions()
     backward_prefetch_grad_fraction: float = 0.5
     grad_allocator: Allocator | None = None
     codec: ParamCodec = IDENTITY
@@ -42,18 +69,6 @@ class UnitOptions:
     """Codecs that claim tensor-subclass parameters (FP8): their own groups, bound codecs."""
     experts: ExpertSharding | None = None
     """Expert parallelism: the unit's expert parameters go to groups over the EDP group."""
-
-
-# Options the root reads for the whole tree (the reduction queue, gradient sync, prefetch
-# order). A non-root unit given another value than its root's would see it silently ignored,
-# so the root refuses that when it is built (``FSDPRoot.__init__``).
-ROOT_LEVEL_OPTIONS = (
-    "overlap_grad_reduce",
-    "sync_model_each_microbatch",
-    "report_nan_in_param_grad",
-    "max_inflight_reductions",
-    "prefetch_depth",
-)
 
 
 def claiming_codec(options: UnitOptions, param: torch.Tensor) -> ParamClassCodec | None:

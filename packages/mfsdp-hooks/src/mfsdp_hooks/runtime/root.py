@@ -1,6 +1,9 @@
-"""State shared by all units under one root module: order, prefetch, pending reductions."""
+"""The root of a tree of units: discovery, streams, the final callback, step windows."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -8,8 +11,10 @@ from torch import nn
 
 from mfsdp_collectives import CommStreams, naming_dead_peers
 from mfsdp_hooks.config.grad_allocator import end_iteration, pools_memory
-from mfsdp_hooks.config.unit_options import ROOT_LEVEL_OPTIONS, UnitOptions
-from mfsdp_hooks.grads.reduction_queue import ReductionQueue
+from mfsdp_hooks.config.unit_options import RootOptions, UnitOptions
+from mfsdp_hooks.grads.grad_reducer import GradReducer
+from mfsdp_hooks.grads.grad_sync import GradSync
+from mfsdp_hooks.runtime.execution_order import ExecutionOrder
 from mfsdp_hooks.runtime.observe import log_units
 from mfsdp_hooks.runtime.stale_optimizers import guard_optimizers_on_replaced_params
 from mfsdp_hooks.runtime.unit import FSDPUnit, unit_of
@@ -19,6 +24,9 @@ from mfsdp_hooks.weights.param_group import ParameterGroup
 class FSDPRoot:
     """Coordinates the units of one model: created lazily by the first forward.
 
+    It keeps discovery (its units, their paths), the streams, the final callback of each
+    backward and the step windows; the forward order and prefetch targets live in its
+    ``order`` (``ExecutionOrder``), the gradient side in its ``grad_sync`` (``GradSync``).
     Every decision that issues a collective iterates ``self.units`` (module order) or the
     recorded execution order, both identical on every rank.
     """
@@ -40,21 +48,14 @@ class FSDPRoot:
         paths = [self._unit_path[id(unit)] for unit in self.units]
         log_units(root_unit.name, self.units, paths)  # INFO on rank 0; names DEBUG events
         self.streams = CommStreams(self.options.topology.device)
-        self.forward_order: list[FSDPUnit] = []
-        self.order_final = False
-        self._next: dict[int, list[FSDPUnit]] = {}
-        self._previous: dict[int, list[FSDPUnit]] = {}
+        self.order = ExecutionOrder(root_unit, self.options.root.prefetch_depth)
         # The root's own state: True from the first pre-backward hook of an iteration until
         # its final callback has ended every unit's backward (a forward in between raises).
         self.in_backward = False
-        # The reference's ``microbatch_count``: backward passes since ``finish_grad_sync``
-        # (which the optimizer step calls); always 0 when every micro-batch syncs.
-        self.microbatch_count = 0
         # Finishing reductions as soon as they land would make a pool's free order vary,
         # and frees nothing from a pool.
-        self.reductions = ReductionQueue(
-            self.options.max_inflight_reductions,
-            overlap=self.options.overlap_grad_reduce,
+        self.grad_sync = GradSync(
+            self.options.root,
             reap_early=not any(pools_memory(u.options.grad_allocator) for u in self.units),
         )
 
@@ -62,19 +63,28 @@ class FSDPRoot:
         """A root-level option given to a non-root unit must equal the root's, or it would be
         ignored without a word (local and identical on every rank: no collective)."""
         for unit in self.units:
-            for name in ROOT_LEVEL_OPTIONS:
-                mine, roots = getattr(unit.options, name), getattr(self.options, name)
-                if mine != roots:
-                    raise ValueError(
-                        f"{name}={mine!r} was given to fully_shard({unit.name}), but {name} is a "
-                        f"root-level option and the root fully_shard({self.root_unit.name}) has "
-                        f"{name}={roots!r}: pass it to the root call (or the same value to both)"
-                    )
+            for name, mine, roots in unit.options.root.differences(self.options.root):
+                raise ValueError(
+                    f"{name}={mine!r} was given to fully_shard({unit.name}), but {name} is a "
+                    f"root-level option and the root fully_shard({self.root_unit.name}) has "
+                    f"{name}={roots!r}: pass it to the root call (or the same value to both)"
+                )
 
     @property
     def options(self) -> UnitOptions:
-        """The root unit's options, read afresh: runtime setters replace them."""
+        """The root unit's options."""
         return self.root_unit.options
+
+    def set_root_options(self, options: RootOptions) -> None:
+        """A root-level setter (``set_sync_model_each_microbatch``): from the next backward."""
+        for unit in self.units:
+            unit.options = dataclasses.replace(unit.options, root=options)
+        self.grad_sync.options = options
+
+    @property
+    def microbatch_count(self) -> int:
+        """Backward passes since the gradients were last synced (the reference's)."""
+        return self.grad_sync.microbatch_count
 
     @staticmethod
     def lazy_init(first: FSDPUnit) -> FSDPRoot:
@@ -86,7 +96,15 @@ class FSDPRoot:
     def groups(self) -> list[ParameterGroup]:
         return [g for unit in self.units for g in unit.groups]
 
-    # ----------------------------------------------------------------- forward order
+    def _reducers(self, units: Sequence[FSDPUnit] | None = None) -> list[GradReducer]:
+        return [
+            g.reducer
+            for u in (self.units if units is None else units)
+            for g in u.groups
+            if g.reducer is not None
+        ]
+
+    # ----------------------------------------------------------------- forward
     def pre_root_forward(self) -> None:
         if self.in_backward:
             raise RuntimeError(
@@ -94,30 +112,6 @@ class FSDPRoot:
             )
         for group in self.groups:
             group.freshness.recheck_step_window()
-
-    def record_forward(self, unit: FSDPUnit) -> None:
-        if not self.order_final and all(u is not unit for u in self.forward_order):
-            self.forward_order.append(unit)
-
-    def _finalize_order(self) -> None:
-        """Fix the prefetch targets once, from the order the first iteration ran in."""
-        order, depth = self.forward_order, self.options.prefetch_depth
-        self._next = {id(u): order[i + 1 : i + 1 + depth] for i, u in enumerate(order)}
-        self._previous = {
-            id(u): [p for p in reversed(order[max(i - depth, 0) : i]) if p is not self.root_unit]
-            for i, u in enumerate(order)
-        }
-        self.order_final = True
-
-    def forward_prefetch_targets(self, unit: FSDPUnit) -> list[FSDPUnit]:
-        if unit.forward_prefetch is not None:
-            return unit.forward_prefetch
-        return self._next.get(id(unit), []) if self.order_final else []
-
-    def backward_prefetch_targets(self, unit: FSDPUnit) -> list[FSDPUnit]:
-        if unit.backward_prefetch is not None:
-            return unit.backward_prefetch
-        return self._previous.get(id(unit), []) if self.order_final else []
 
     # ----------------------------------------------------------------- backward
     def begin_backward(self) -> None:
@@ -128,57 +122,23 @@ class FSDPRoot:
             group.freshness.close_step_window(stepped=False)
         torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
 
-    @property
-    def syncs_fully(self) -> bool:
-        """This backward's gradients are to be reduced everywhere, replicas included
-        (outside ``no_sync`` and not under ``set_requires_all_reduce(False)``)."""
-        return self.root_unit.requires_gradient_sync and self.root_unit.requires_all_reduce
-
-    def should_reduce(self, group: ParameterGroup) -> bool:
-        return group.strategy.shards_grads or self.syncs_fully
-
-    def settle_reduction(self, group: ParameterGroup) -> None:
-        if group.reducer is not None:
-            self.reductions.settle(group.reducer)
-
-    def reduce(self, group: ParameterGroup) -> None:
-        """Reduce what a unit's backward collected; outside ``no_sync`` (or when every
-        micro-batch syncs) this ends the optimisation cycle."""
-        ends = self.syncs_fully or (
-            self.options.sync_model_each_microbatch and self.root_unit.requires_all_reduce
-        )
-        self._launch(group, ends_cycle=ends)
-
-    def _launch(self, group: ParameterGroup, *, ends_cycle: bool) -> None:
-        assert group.reducer is not None, "frozen parameter groups have no gradients to reduce"
-        self.reductions.launch(group.reducer, self.streams, ends_cycle=ends_cycle)
-
-    def reap_finished_reductions(self) -> None:
-        self.reductions.reap_landed()
-
-    def wait_reductions(self) -> None:
-        self.reductions.drain()
-
     def _final_callback(self) -> None:
         try:
             for unit in self.units:
                 if not unit.post_backward_done:
                     unit.post_backward()
-            # A backward outside ``no_sync`` ends an optimisation cycle: an optimizer the
+            # A backward in which a unit synced ends an optimisation cycle: an optimizer the
             # engine never sees may read the gradients next, so they must be final. Only
             # ``no_sync`` micro-batches leave reductions in flight (unless every micro-batch
             # syncs), overlapping them with the next micro-batch.
-            synced = self.syncs_fully
-            if synced:
-                self._sync_across_replicas()
-            if synced or self.options.sync_model_each_microbatch:
-                self.wait_reductions()
-                if self.options.report_nan_in_param_grad:
-                    self.check_grads_finite()
-            if synced:
+            synced_units = [u for u in self.units if u.sync_flags.syncs_fully]
+            waited = self.grad_sync.end_backward(
+                self._reducers(synced_units), any_synced=bool(synced_units), streams=self.streams
+            )
+            if waited and self.options.root.report_nan_in_param_grad:
+                self.check_grads_finite()
+            if synced_units:
                 self._open_step_windows()
-            each = self.options.sync_model_each_microbatch
-            self.microbatch_count = 0 if each else self.microbatch_count + 1
             for unit in self.units:
                 unit.end_backward()
             left = [
@@ -186,8 +146,7 @@ class FSDPRoot:
             ]
             if left:
                 raise RuntimeError(f"FSDP units left unsharded after backward: {left}")
-            if not self.order_final:
-                self._finalize_order()
+            self.order.finalize()
             for allocator in self._grad_allocators():
                 end_iteration(allocator)
         finally:
@@ -195,17 +154,10 @@ class FSDPRoot:
 
     def reset_iteration(self) -> None:
         """``reset_iter_state`` after an exception: in-flight work done, units IDLE."""
-        self.wait_reductions()
+        self.grad_sync.drain()
         for unit in self.units:
             unit.reset_iteration()
         self.in_backward = False
-
-    def _sync_across_replicas(self) -> None:
-        """HSDP: shards that still hold ``no_sync`` parts (their unit reduced nothing in this
-        last micro-batch) are all-reduced across the replicas now."""
-        for group in self.groups:
-            if group.reducer is not None and group.reducer.needs_outer_sync:
-                self._launch(group, ends_cycle=True)
 
     def _grad_allocators(self) -> list[object]:
         """Each distinct gradient-buffer allocator of the tree once (units may share one)."""
@@ -218,23 +170,15 @@ class FSDPRoot:
 
     def start_grad_sync(self) -> None:
         """Launch the reductions of whatever is still local (``no_sync`` windows, HSDP's
-        replica all-reduce) without waiting for them."""
-        for group in self.groups:
-            reducer = group.reducer
-            if reducer is None:
-                continue
-            if reducer.has_grads and not self.reductions.in_flight(reducer):
-                self._launch(group, ends_cycle=True)
-        self._sync_across_replicas()
+        replica hop) without waiting for them."""
+        self.grad_sync.start(self._reducers(), self.streams)
 
     def finish_grad_sync(self) -> None:
         """Reduce whatever is still local (``no_sync`` windows) and wait for every reduction."""
-        self.start_grad_sync()
-        self.wait_reductions()
-        if self.options.report_nan_in_param_grad:
+        self.grad_sync.finish(self._reducers(), self.streams)
+        if self.options.root.report_nan_in_param_grad:
             self.check_grads_finite()
         self._open_step_windows()
-        self.microbatch_count = 0
 
     def _open_step_windows(self) -> None:
         """Gradients are synced: until the next backward, any optimizer may step them."""

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.config.unit_options import UnitOptions
 from mfsdp_hooks.dtensor.tensor_parallel import grad_local
+from mfsdp_hooks.grads.grad_sync import SyncFlags
 from mfsdp_hooks.runtime.backward_prefetch import BackwardPrefetch
 from mfsdp_hooks.runtime.input_grad_trigger import route_inputs_through_trigger
 from mfsdp_hooks.runtime.member_forwards import MemberForwards
@@ -126,17 +127,16 @@ class FSDPUnit:
         self.options = options
         self.name = type(module).__name__
         self.state = TrainingState.IDLE
-        self.root: UnitRoot[FSDPUnit, ParameterGroup] | None = None
+        self.root: UnitRoot[FSDPUnit] | None = None
         self.forward_prefetch: list[FSDPUnit] | None = None
         self.backward_prefetch: list[FSDPUnit] | None = None
         self._pending_unshard: list[Waitable] = []
         # This iteration's forward routed the unit's inputs through an input-grad trigger
         # (input_grad_trigger.py): its backward then ends at the same point on every rank.
         self._inputs_trigger_armed = False
-        self.requires_gradient_sync = True
+        # FSDP2's per-unit setters (set_requires_gradient_sync, set_requires_all_reduce).
+        self.sync_flags = SyncFlags()
         self._took_part = False  # its forward ran (with grad) since its backward ended
-        # FSDP2's set_requires_all_reduce: False keeps HSDP's reduced shards off dp_outer.
-        self.requires_all_reduce = True
         _refuse_params_of_other_units(self.name, slots)
         self.groups, self._group_slots = build_groups(self.name, slots, options)
         self._prefetch = BackwardPrefetch(
@@ -230,12 +230,12 @@ class FSDPUnit:
         elif self.state is not TrainingState.POST_BACKWARD:  # done units stay done
             self._move_to(TrainingState.PRE_BACKWARD)
         if not recomputing:
-            self.root.record_forward(self)
+            self.root.order.record(self)
             self._took_part |= torch.is_grad_enabled()
         self.unshard_async()
         self.wait_unshard()
         if not recomputing and self.options.overlap_param_gather:
-            for target in self.root.forward_prefetch_targets(self):
+            for target in self.root.order.forward_targets(self, self.forward_prefetch):
                 target.unshard_async()
         args, kwargs = _cast_inputs(self.options.policy, args, kwargs)
         if not self._inputs_trigger_armed:  # a recompute of an armed forward needs none
@@ -286,7 +286,7 @@ class FSDPUnit:
         log_event(self, "pre_backward")
         self.unshard_async()
         self.wait_unshard()
-        targets = self.root.backward_prefetch_targets(self)
+        targets = self.root.order.backward_targets(self, self.backward_prefetch)
         if self.options.overlap_param_gather:
             self._prefetch.begin(targets, self.options.backward_prefetch_grad_fraction)
             # The root's own parameters get most of their gradients at the very end of
@@ -301,9 +301,7 @@ class FSDPUnit:
         assert self.root is not None and reducer is not None
         if self.post_backward_done:
             raise _gradient_after_backward(self.name, group.names[index])
-        self.root.reap_finished_reductions()
-        self.root.settle_reduction(group)  # its buffer may still be in a reduction
-        complete = reducer.accumulate(index, grad)
+        complete = self.root.grad_sync.accumulate(reducer, index, grad)
         param.grad = None
         self._prefetch.on_grad(grad.numel())
         waiting = [g for g in self.groups if g.reducer and not g.reducer.all_received]
@@ -331,13 +329,12 @@ class FSDPUnit:
         log_event(self, "post_backward")
         if self.options.strategy.shards_params and self.options.reshard_after_backward:
             self.reshard()
+        sync, streams = self.root.grad_sync, self.root.streams
         for group in self.groups:
             reducer = group.reducer
-            if reducer is None or not self.root.should_reduce(group):
-                continue
             # No forward, no gradient: grads stay None (as torch's), not zeros Adam steps.
-            if self._took_part or reducer.has_grads:
-                self.root.reduce(group)
+            if reducer is not None and (self._took_part or reducer.has_grads):
+                sync.reduce_after_backward(reducer, group.strategy, self.sync_flags, streams)
 
     def reset_iteration(self) -> None:
         """FSDP2's ``reset_iter_state``: an exception ended the iteration midway."""

@@ -1,0 +1,60 @@
+"""The order the units ran forward in, and the prefetch targets it implies.
+
+The first iteration records the order (the same on every rank: collectives follow it); its
+backward fixes it, and from then on each unit's forward prefetches the next
+``prefetch_depth`` units and its backward the previous ones (never the root, whose weights
+backward keeps). Lists a user set with ``set_modules_to_forward_prefetch`` /
+``set_modules_to_backward_prefetch`` win over the recorded order.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, TypeVar
+
+__all__ = ["ExecutionOrder"]
+
+
+U = TypeVar("U")
+
+
+class ExecutionOrder(Generic[U]):
+    """Records the first iteration's forward order; afterwards answers prefetch targets.
+
+    ``U`` is the unit type (kept generic so this module does not import the unit)."""
+
+    def __init__(self, root_unit: U, depth: int) -> None:
+        self._root_unit = root_unit
+        self._depth = depth
+        self._order: list[U] = []
+        self.final = False
+        self._next: dict[int, list[U]] = {}
+        self._previous: dict[int, list[U]] = {}
+
+    def record(self, unit: U) -> None:
+        """A unit's forward began (recorded once, until the order is final)."""
+        if not self.final and all(u is not unit for u in self._order):
+            self._order.append(unit)
+
+    def finalize(self) -> None:
+        """The first backward ended: fix the prefetch targets from the recorded order."""
+        if self.final:
+            return
+        order, depth = self._order, self._depth
+        self._next = {id(u): order[i + 1 : i + 1 + depth] for i, u in enumerate(order)}
+        self._previous = {
+            id(u): [p for p in reversed(order[max(i - depth, 0) : i]) if p is not self._root_unit]
+            for i, u in enumerate(order)
+        }
+        self.final = True
+
+    def forward_targets(self, unit: U, override: list[U] | None) -> list[U]:
+        """Units to gather while ``unit`` computes forward."""
+        if override is not None:
+            return override
+        return self._next.get(id(unit), []) if self.final else []
+
+    def backward_targets(self, unit: U, override: list[U] | None) -> list[U]:
+        """Units to gather while ``unit`` computes backward."""
+        if override is not None:
+            return override
+        return self._previous.get(id(unit), []) if self.final else []
