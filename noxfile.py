@@ -45,6 +45,8 @@ TEST_TOOLS = [
     "numpy",
     "safetensors>=0.4",
     "transformers>=4.40",
+    # test_megatron_fsdp_options_typing runs mypy on snippets with misspelt options.
+    "mypy>=1.10",
     # Float8 training whose tensor-subclass parameters the engine must refuse (and, later,
     # shard); it runs on CPU with torch's own _scaled_mm.
     "torchao==0.18.0",  # pinned: each torchao release targets particular torch versions

@@ -3,7 +3,7 @@
 The options travel as explicit, typed arguments from the public functions to one frozen
 record (``mfsdp_hooks.ShardingOptions``) and from it to the root wrapper: no ``**kwargs`` and
 no ``dict[str, Any]`` on the way, so a typo is a type error, not a silent default. Runs
-mypy on snippets (skipped where mypy is not installed, as in the nox test sessions).
+mypy on snippets (the nox test sessions install mypy; skipped where it is not installed).
 """
 
 from __future__ import annotations
