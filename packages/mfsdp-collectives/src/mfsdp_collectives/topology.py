@@ -187,13 +187,6 @@ class FSDPTopology:
             outer_transport=None if outer is None else enable_host_transport(outer, choice),
         )
 
-    def choose_host_transport(self, choice: str) -> None:
-        """Deprecated: chooses as ``with_host_transport`` but writes the choice into this
-        topology. Kept only until ``fully_shard`` builds its options from
-        ``with_host_transport``'s topology instead (issue #27)."""
-        chosen = self.with_host_transport(choice)
-        self.host_transport, self.outer_transport = chosen.host_transport, chosen.outer_transport
-
     @property
     def shard_rank(self) -> int:
         return dist.get_rank(self.shard_group)

@@ -55,17 +55,13 @@ class ExpertSharding:
                 f"mean_over={self.mean_over} must be the data-parallel size, a multiple of the "
                 f"expert-data-parallel size {self.topology.shard_size}"
             )
-        # Transitional (issue #27): ``adopted`` names the EDP group once ``fully_shard``
-        # calls it; until then this frozen record still writes the name registry here.
-        register_group_name(self.topology.shard_group, EXPERT_DP)
 
     def adopted(self, host_transport: str) -> ExpertSharding:
         """What ``fully_shard`` makes of this sharding at wrap time: the EDP group takes the
         role name ``expert_dp`` (so the comm tracer and error messages tell the EDP hop from
         the dense one), and a copy over the topology with its CPU transport chosen is
         returned (``FSDPTopology.with_host_transport``: collective over the EDP group unless
-        ``"gloo"``). Meant as the only place that names it: ``__post_init__`` still does
-        until ``fully_shard`` calls this (issue #27)."""
+        ``"gloo"``). The only place that names it."""
         register_group_name(self.topology.shard_group, EXPERT_DP)
         return dataclasses.replace(self, topology=self.topology.with_host_transport(host_transport))
 
