@@ -168,7 +168,7 @@ def _memory_worker(
     gathered = 2 * sizes.max_unit_unsharded if strategy == 3 else 0  # current + prefetched
     # The reductions allowed in flight + one unit filling, the root's buffer, and the
     # gradients autograd holds around one AccumulateGrad (incoming, its copy, the next one's).
-    in_flight = fsdp_units(model.module)[0].options.max_inflight_reductions
+    in_flight = fsdp_units(model.module)[0].options.root.max_inflight_reductions
     in_flight_grads = (
         (in_flight + 1) * sizes.max_unit_grad + sizes.root_grad + 3 * sizes.max_param_grad
     )
