@@ -162,30 +162,38 @@ def test_a_grouped_member_called_alone_after_forward_as_a_chunked_loss_does() ->
         assert ours[rank] == pytest.approx(theirs[rank], rel=1e-5)
 
 
-def _reduce_scatters(impl: str, run: Callable[[], None]) -> int:
-    """Reduce-scatters ``run`` issues: our tracer for ours, torch's CommDebugMode for FSDP2."""
+def _reductions(impl: str, run: Callable[[], None]) -> tuple[int, int]:
+    """(reduce-scatters, all-reduces) ``run`` issues: our tracer for ours, torch's
+    CommDebugMode for FSDP2."""
     if impl == "fsdp2":
         with CommDebugMode() as mode:
             run()
         counts = {str(op): n for op, n in mode.get_comm_counts().items()}
-        return sum(n for op, n in counts.items() if "reduce_scatter" in op)
+        return (
+            sum(n for op, n in counts.items() if "reduce_scatter" in op),
+            sum(n for op, n in counts.items() if "allreduce" in op),
+        )
     with CommTracer() as tracer:
         run()
-    return tracer.calls("reduce_scatter")
+    return tracer.calls("reduce_scatter"), tracer.calls("all_reduce")
 
 
 def _one_block_unsynced_worker(
-    rank: int, world: int, impl: str
-) -> tuple[list[float], list[int], list[list[float]]]:
-    """Two micro-batches per step; only ``blocks[1]`` (not the root) skips the first one's
-    sync. Returns the losses, the reduce-scatters of each micro-batch and the last step's
-    accumulated full gradients."""
+    rank: int, world: int, impl: str, setter: str
+) -> tuple[list[float], list[tuple[int, int]], list[list[float]]]:
+    """Two micro-batches per step; only ``blocks[1]`` (not the root) is switched off by
+    ``setter`` for the first one. Returns the losses, the reductions of each micro-batch and
+    the last step's accumulated full gradients. 4 ranks: HSDP on a 2x2 mesh."""
+    mesh = None
+    if world == 4:
+        names = ("dp_outer", "dp_shard")
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
     model = make_model()
-    shard_blocks_then_root(model, impl)
+    shard_blocks_then_root(model, impl, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     batches = make_batches(2 * STEPS)
     losses: list[float] = []
-    counts: list[int] = []
+    counts: list[tuple[int, int]] = []
     grads: list[list[float]] = []
 
     def micro_batch(index: int) -> None:
@@ -195,10 +203,10 @@ def _one_block_unsynced_worker(
         losses.append(loss.item())
 
     for step in range(STEPS):
-        model.blocks[1].set_requires_gradient_sync(False)  # type: ignore[index,operator]
-        counts.append(_reduce_scatters(impl, functools.partial(micro_batch, 2 * step)))
-        model.blocks[1].set_requires_gradient_sync(True)  # type: ignore[index,operator]
-        counts.append(_reduce_scatters(impl, functools.partial(micro_batch, 2 * step + 1)))
+        getattr(model.blocks[1], setter)(False)  # type: ignore[index]
+        counts.append(_reductions(impl, functools.partial(micro_batch, 2 * step)))
+        getattr(model.blocks[1], setter)(True)  # type: ignore[index]
+        counts.append(_reductions(impl, functools.partial(micro_batch, 2 * step + 1)))
         # Plain lists: tensors do not travel back from the worker processes.
         grads = [
             p.grad.full_tensor().reshape(-1).tolist()
@@ -210,16 +218,26 @@ def _one_block_unsynced_worker(
     return losses, counts, grads
 
 
-def test_gradient_sync_off_on_one_non_root_block_skips_its_reduce_scatter_as_fsdp2() -> None:
-    """A non-root block's ``set_requires_gradient_sync(False)`` used to do nothing (only the
-    root's flag was read): the block reduce-scattered every micro-batch."""
-    ours = run_distributed(_one_block_unsynced_worker, 2, "ours", timeout=120)
-    theirs = run_distributed(_one_block_unsynced_worker, 2, "fsdp2", timeout=120)
+@pytest.mark.parametrize(
+    ("setter", "world", "unsynced", "synced"),
+    [
+        # Three blocks and the root: the unsynced micro-batch skips blocks[1]'s only.
+        ("set_requires_gradient_sync", 2, (3, 0), (4, 0)),
+        # HSDP: blocks[1] reduce-scatters inside dp_shard but skips the replica all-reduce.
+        ("set_requires_all_reduce", 4, (4, 3), (4, 4)),
+    ],
+)
+def test_a_sync_flag_off_on_one_non_root_block_skips_its_reduction_as_fsdp2(
+    setter: str, world: int, unsynced: tuple[int, int], synced: tuple[int, int]
+) -> None:
+    """A non-root block's flag used to do nothing (only the root's was read): the block
+    reduced every micro-batch (4 reduce-scatters where FSDP2 makes 3)."""
+    ours = run_distributed(_one_block_unsynced_worker, world, "ours", setter, timeout=180)
+    theirs = run_distributed(_one_block_unsynced_worker, world, "fsdp2", setter, timeout=180)
     for (losses, counts, grads), (ref_losses, ref_counts, ref_grads) in zip(
         ours, theirs, strict=True
     ):
-        # Three blocks and the root: the unsynced micro-batch skips blocks[1]'s only.
-        assert counts == ref_counts == [3, 4] * STEPS
+        assert counts == ref_counts == [unsynced, synced] * STEPS
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         assert len(grads) == len(ref_grads) > 0
         for got, want in zip(grads, ref_grads, strict=True):
