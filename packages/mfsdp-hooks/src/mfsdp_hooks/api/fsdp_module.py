@@ -1,6 +1,9 @@
 """The methods every fully-sharded module gains: FSDP2's ``FSDPModule`` API, on our units.
 
-``fully_shard`` swaps a module's class for a subclass that also derives from ``FSDPModule``.
+``fully_shard`` swaps a module's class for a subclass that also derives from ``FSDPModule``,
+which derives from torch's ``torch.distributed.fsdp.FSDPModule`` (so torch's pipelining and
+tools see a fully-sharded module); every public method of torch's is ours, implemented here
+or refused in ``fsdp2_refusals``.
 The setters that change how units behave from now on (``set_reshard_after_forward``,
 ``set_reshard_after_backward``, ``set_gradient_divide_factor``) apply to every unit in the
 module's subtree unless ``recurse=False``, as FSDP2's do.
@@ -15,7 +18,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
+from mfsdp_hooks.api.fsdp2_refusals import FSDP2Refusals
 from mfsdp_hooks.api.module_conversion import managed_params_hidden
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.runtime.root import FSDPRoot, root_of
@@ -24,7 +30,7 @@ from mfsdp_hooks.runtime.unit import FSDPUnit, unit_of, units_under
 __all__ = ["FSDPModule", "UnshardHandle"]
 
 
-class UnshardHandle:
+class UnshardHandle(TorchUnshardHandle):
     """Returned by ``unshard(async_op=True)``, as in FSDP2: ``wait()`` before using the weights."""
 
     def __init__(self, unit: FSDPUnit) -> None:
@@ -36,7 +42,7 @@ class UnshardHandle:
             self._unit = None
 
 
-class FSDPModule:
+class FSDPModule(FSDP2Refusals, TorchFSDPModule):
     """Methods every fully-sharded module gains (mixed into its class)."""
 
     def _mfsdp_unit(self) -> FSDPUnit:
@@ -85,10 +91,14 @@ class FSDPModule:
         finally:
             self.set_requires_gradient_sync(True)
 
-    def set_modules_to_forward_prefetch(self, modules: Sequence[nn.Module]) -> None:
+    def set_modules_to_forward_prefetch(
+        self, modules: Sequence[nn.Module | TorchFSDPModule]
+    ) -> None:
         self._mfsdp_unit().forward_prefetch = [_require_unit(m, "modules") for m in modules]
 
-    def set_modules_to_backward_prefetch(self, modules: Sequence[nn.Module]) -> None:
+    def set_modules_to_backward_prefetch(
+        self, modules: Sequence[nn.Module | TorchFSDPModule]
+    ) -> None:
         self._mfsdp_unit().backward_prefetch = [_require_unit(m, "modules") for m in modules]
 
     def start_grad_sync(self) -> None:
@@ -135,7 +145,8 @@ class FSDPModule:
         """``model.to(...)`` and friends after sharding: see ``module_conversion``."""
         module: nn.Module = self  # type: ignore[assignment]
         with managed_params_hidden(module, fn):
-            return super()._apply(fn, recurse)  # type: ignore[misc]
+            # Past torch's FSDPModule._apply, which re-reads FSDP2's private state.
+            return super(TorchFSDPModule, self)._apply(fn, recurse)  # type: ignore[misc]
 
     # ------------------------------------------------------------ FSDP2's runtime setters
     def _units(self, recurse: bool) -> list[FSDPUnit]:
@@ -231,8 +242,8 @@ def _check_bool(value: object, name: str) -> None:
         raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
-def _require_unit(module: nn.Module, argument: str) -> FSDPUnit:
-    unit = unit_of(module)
+def _require_unit(module: object, argument: str) -> FSDPUnit:
+    unit = unit_of(module) if isinstance(module, nn.Module) else None
     if unit is None:
         raise ValueError(
             f"{argument}: {type(module).__name__} is not fully sharded; "

@@ -394,6 +394,8 @@ def _make_unit(
 
 
 _FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+# FSDP<cls>'s MRO: itself, FSDPModule's classes but ``object``, then ``cls``.
+_MRO_INDEX = len(FSDPModule.__mro__)
 
 
 def _refuse_deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
@@ -409,8 +411,11 @@ def fsdp_class_of(cls: type[nn.Module]) -> type[nn.Module]:
     wrapped ``Block`` has the same class, as with FSDP2)."""
     found = _FSDP_CLASSES.get(cls)
     if found is None:
-        namespace = {"__deepcopy__": _refuse_deepcopy}
+        # Torch's FSDPModule.__new__ builds an instance of the original class (container
+        # slicing, ``type(m)(...)``) from this index in the MRO: after FSDPModule's own.
+        namespace = {"__deepcopy__": _refuse_deepcopy, "_orig_cls_mro_index": _MRO_INDEX}
         found = type(f"FSDP{cls.__name__}", (FSDPModule, cls), namespace)
+        assert found.__mro__[_MRO_INDEX] is cls, found.__mro__
         _FSDP_CLASSES[cls] = found
     return found
 

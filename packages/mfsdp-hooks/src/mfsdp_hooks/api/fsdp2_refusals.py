@@ -1,0 +1,86 @@
+"""FSDP2's ``FSDPModule`` methods whose machinery ours does not have: each raises, naming
+itself and what to do, instead of reaching FSDP2's private state (which our units lack).
+
+Our ``FSDPModule`` derives from torch's, so torch's pipelining and tools that check
+``isinstance(m, torch.distributed.fsdp.FSDPModule)`` see our units; every public method they
+could call is then ours: implemented in ``fsdp_module``, or refused here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+
+__all__ = ["FSDP2Refusals"]
+
+
+def _not_yet(method: str, why: str) -> NoReturn:
+    raise NotImplementedError(f"{method} is not supported yet by megatron-fsdp: {why}")
+
+
+class FSDP2Refusals:
+    """Mixed in before torch's ``FSDPModule``: its methods we do not implement."""
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        _not_yet("set_custom_all_gather", "all-gathers run through mfsdp_collectives")
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        _not_yet("set_custom_reduce_scatter", "reduce-scatters run through mfsdp_collectives")
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
+    ) -> None:
+        _not_yet("set_all_reduce_hook", "HSDP's replica all-reduce takes no user hook")
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        _not_yet(
+            "set_force_sum_reduction_for_comms",
+            "use set_gradient_divide_factor(f) (sum in the collective, divide by f)",
+        )
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        _not_yet(
+            "set_reduce_scatter_unused_params",
+            "a unit that ran reduces every parameter (missing gradients as zeros)",
+        )
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        _not_yet(
+            "set_reduce_scatter_max_input_buffers",
+            "pass max_inflight_reductions to the root's fully_shard",
+        )
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        _not_yet("set_separate_reduce_scatter_group", "one group per mesh dim carries both")
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        if unshard_in_backward is not True:
+            _not_yet("set_unshard_in_backward(False)", "every unit is gathered for backward")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        if enable:
+            _not_yet(
+                "set_allocate_memory_from_process_group_for_comm(True)",
+                "comm buffers come from the grad_buffer_allocator (nccl_ub on CUDA)",
+            )
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        _not_yet("set_symm_mem_for_comm", "symmetric memory is not wired to the collectives")
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        _not_yet("_set_unshard_async_op", "the pre-forward unshard's op is not configurable")
+
+    def _get_fsdp_state(self) -> NoReturn:
+        raise NotImplementedError(
+            f"{type(self).__name__} is sharded by megatron-fsdp, which keeps no FSDP2 state: "
+            "code that reads FSDP2's private state (fully_shard.state, FSDPParamGroup) needs "
+            "megatron-fsdp's public calls instead (see docs/differences-from-fsdp2.md)"
+        )
