@@ -1,0 +1,114 @@
+"""Pipeline parallelism over megatron-fsdp stages: torch's ``PipelineStage``, without FSDP2's
+private state.
+
+``torch.distributed.pipelining`` composes with data parallelism by recognising the stage
+module: for an FSDP2 module it turns gradient sync off for every micro-batch's backward
+(``set_requires_gradient_sync(False)``, ``set_reshard_after_backward(False)``), and after the
+last one a ``REDUCE_GRAD`` action (``perform_reduce_grad``) turns it back on and runs each
+FSDP2 parameter group's ``post_backward`` and the root's final callback, found through
+``fully_shard.state(module)``: FSDP2's private state, which our units do not have. Shape
+inference (dynamic metadata) also runs one real forward and an input-only backward, whose
+end our units would take for a synced backward and reduce.
+
+:class:`PipelineStage` is torch's class with those steps done through our public calls:
+
+* every micro-batch's backward: ``set_requires_gradient_sync(False)`` and
+  ``set_reshard_after_backward(False)`` on each outermost sharded module of the stage, also
+  when the stage module is ``fully_shard_model``'s wrapper (which torch does not recognise);
+  the units keep their unsharded gradients local and add them up;
+* ``perform_reduce_grad``: sync back on, ``finish_grad_sync()`` (one reduction per unit for
+  the whole step), every unit resharded, so the reduced, sharded gradients sit in ``.grad``
+  of the parameters torch's ``scale_grads`` then divides by the number of micro-batches;
+* shape inference's input-only backward runs with gradient sync off, so it reduces nothing.
+
+Our DP reduction averages over the DP ranks and ``scale_grads`` divides by the micro-batches:
+together one mean over the global batch, as one process computes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import pipelining
+
+from mfsdp_hooks import FSDPModule
+
+__all__ = ["PipelineStage", "sharded_roots"]
+
+
+def sharded_roots(module: nn.Module) -> list[FSDPModule]:
+    """The outermost megatron-fsdp modules of ``module``, in module order: ``module`` itself
+    when it is sharded (per-module ``fully_shard`` on the stage root), the wrapped model
+    inside ``fully_shard_model``'s wrapper, or each sharded child of a plain container."""
+    if isinstance(module, FSDPModule):
+        return [module]
+    found: list[FSDPModule] = []
+    for child in module.children():
+        found += sharded_roots(child)
+    return found
+
+
+def _sharded_modules(module: nn.Module) -> Iterator[FSDPModule]:
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            yield sub
+
+
+class PipelineStage(pipelining.PipelineStage):
+    """``torch.distributed.pipelining.PipelineStage`` for a stage module sharded by
+    megatron-fsdp (per-module ``fully_shard`` on its blocks and root, or the module that
+    ``megatron_fsdp.fully_shard_model`` returns). Same arguments, same schedules; each unit
+    reduces its gradients once per schedule step. A stage without our units behaves exactly
+    as torch's."""
+
+    def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(submodule, *args, **kwargs)
+        self._mfsdp_roots = sharded_roots(submodule)
+
+    def backward_maybe_with_nosync(
+        self, backward_type: Any, bwd_kwargs: dict[str, Any], last_backward: bool = False
+    ) -> Any:
+        """Every micro-batch's backward accumulates locally; ``perform_reduce_grad`` syncs."""
+        for root in self._mfsdp_roots:
+            root.set_reshard_after_backward(False)
+            root.set_requires_gradient_sync(False)
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        """The step's one reduction per unit (torch's reaches into FSDP2's state instead),
+        then the units resharded and the reduced gradients scaled."""
+        if not self._mfsdp_roots:
+            super().perform_reduce_grad(grad_scale_factor)
+            return
+        for root in self._mfsdp_roots:
+            root.set_reshard_after_backward(True)
+            root.set_requires_gradient_sync(True)
+        for root in self._mfsdp_roots:
+            root.finish_grad_sync()
+        for module in _sharded_modules(self.submod):
+            module.reshard()
+        if grad_scale_factor != 1:
+            self.scale_grads(grad_scale_factor)
+
+    def _compute_input_grads(
+        self,
+        outputs: list[torch.Tensor],
+        all_fwd_inputs: list[torch.Tensor],
+        grad_outputs: list[torch.Tensor | None] | None = None,
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Shape inference's input-only backward: computes no parameter gradient, so its end
+        must not reduce one (each unit's own sync flag is put back after)."""
+        flags = [(m, m.requires_gradient_sync) for m in _sharded_modules(self.submod)]
+        for module, _ in flags:
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            grads: tuple[torch.Tensor | None, ...] = super()._compute_input_grads(
+                outputs, all_fwd_inputs, grad_outputs
+            )
+        finally:
+            for module, flag in flags:
+                module.set_requires_gradient_sync(flag, recurse=False)
+        return grads

@@ -1,0 +1,286 @@
+"""Pipeline parallelism (issue 28): torch's schedules over megatron-fsdp stages.
+
+4 gloo ranks as pp=2 x dp=2: the toy model (4 blocks, its head untied from the embedding, as a
+split puts them on different stages) cut into stages, each stage sharded over its DP pair and
+wrapped in ``megatron_fsdp.pipelining.PipelineStage``. Each case trains ``STEPS`` AdamW steps
+on the same global batches as one process training the whole model, and must match its loss
+each step and its final full weights within 1e-5 relative, with exactly one reduce-scatter
+per unit per step (counted with ``CommTracer``; nothing all-reduced).
+
+CI (plain ``pytest``) runs ``CI_CASES``, a cross-section; ``MFSDP_FULL_MATRIX=1`` runs every
+schedule x ZeRO strategy x API.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
+
+import mfsdp_hooks
+from megatron_fsdp import MegatronFSDP, fully_shard_model, fully_shard_optimizer
+from megatron_fsdp.pipelining import PipelineStage, sharded_roots
+from mfsdp_checkpoint import gather_full_state_dict
+from mfsdp_collectives import CommTracer
+from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks import ShardingOptions
+from mfsdp_hooks.testing import (
+    Block,
+    ToyModel,
+    assert_close_rel,
+    local_slice,
+    loss_fn,
+    make_batches,
+    make_model,
+    train_single_process,
+)
+
+RTOL = 1e-5
+STEPS = 10
+N_BLOCKS = 4
+GLOBAL_BATCH = 16  # 8 rows per DP rank: 4 micro-batches of 2, or 8 of 1
+PP = DP = 2
+TIMEOUT = 240
+FULL = os.environ.get("MFSDP_FULL_MATRIX") == "1"
+
+# name -> (schedule class, stages per rank)
+SCHEDULES: dict[str, tuple[Any, int]] = {
+    "gpipe": (ScheduleGPipe, 1),
+    "1f1b": (Schedule1F1B, 1),
+    "interleaved1f1b": (ScheduleInterleaved1F1B, 2),
+    "loopedbfs": (ScheduleLoopedBFS, 2),
+}
+# per_module: mfsdp_hooks.fully_shard on each block, then the stage root.
+# seed: megatron_fsdp.fully_shard_model (Megatron-FSDP's no_sync: ZeRO-2/3 reduce-scatter each
+#   micro-batch). seed_one_rs: the seed's class with reduce_scatter_in_no_sync=False.
+APIS = ("per_module", "seed", "seed_one_rs")
+STRATEGIES = (1, 2, 3)
+CI_CASES = {
+    ("gpipe", 3, "per_module", 4),
+    ("1f1b", 3, "per_module", 4),
+    ("interleaved1f1b", 2, "seed_one_rs", 8),
+}
+
+
+class Stage(nn.Module):
+    """A contiguous slice of the toy model: the embedding (first stage), blocks, the heads
+    (last stage). It shares the model's modules, so names map back to the model's."""
+
+    def __init__(self, model: ToyModel, blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.embed, self.frozen = model.embed, model.frozen
+        self.blocks = nn.ModuleList(model.blocks[i] for i in blocks)
+        if last:
+            self.head, self.value = model.head, model.value
+
+    def forward(self, x: torch.Tensor) -> Any:
+        if self.first:
+            x = self.frozen(self.embed(x))
+        for block in self.blocks:
+            x = block(x)
+        if self.last:
+            return self.head(x), self.value(x)
+        return x
+
+
+def untied_model() -> ToyModel:
+    """The toy model with its head a parameter of its own (same initial values)."""
+    model = make_model(0, n_blocks=N_BLOCKS)
+    model.head.weight = nn.Parameter(model.embed.weight.detach().clone())
+    return model
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+@functools.cache
+def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = untied_model()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    losses = train_single_process(model, _adamw(trainable), make_batches(STEPS, GLOBAL_BATCH))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _stage_names(stage: nn.Module, model: nn.Module) -> dict[str, str]:
+    """Each of the stage's state-dict keys -> the whole model's key for the same tensor."""
+    by_id = {id(v): k for k, v in model.state_dict(keep_vars=True).items()}
+    return {k: by_id[id(v)] for k, v in stage.state_dict(keep_vars=True).items()}
+
+
+def _shard(stage: Stage, api: str, zero: int, mesh: DeviceMesh) -> nn.Module:
+    if api == "per_module":
+        for block in stage.blocks:
+            mfsdp_hooks.fully_shard(block, mesh=mesh, sharding_strategy=zero)
+        return mfsdp_hooks.fully_shard(stage, mesh=mesh, sharding_strategy=zero)  # type: ignore[no-any-return]
+    if api == "seed":
+        return fully_shard_model(
+            stage, fsdp_unit_modules=[Block], zero_dp_strategy=zero, device_mesh=mesh
+        )
+    options = ShardingOptions(
+        zero_dp_strategy=zero, device_mesh=mesh, reduce_scatter_in_no_sync=False
+    )
+    return MegatronFSDP(stage, fsdp_unit_modules=[Block], options=options)
+
+
+def _expected_reduce_scatters(
+    api: str, zero: int, units: int, inference_units: int, micro: int
+) -> list[int]:
+    """Per step: one per unit. Except under Megatron-FSDP's ``no_sync`` (``fully_shard_model``
+    with ZeRO-2/3), which reduce-scatters every micro-batch, and also at the end of the first
+    step's shape inference, whose input-only backward (every stage but the first: token ids
+    need no gradient) each unit takes for a micro-batch's."""
+    if api == "seed" and zero >= 2:
+        return [units * micro + inference_units] + [units * micro] * (STEPS - 1)
+    return [units] * STEPS
+
+
+@dataclass
+class RankStages:
+    """This rank's stages of the pipeline, sharded over its DP pair."""
+
+    stages: list[PipelineStage] = field(default_factory=list)
+    models: list[nn.Module] = field(default_factory=list)  # what each stage runs
+    names: list[dict[str, str]] = field(default_factory=list)  # gathered key -> model's key
+    units: int = 0  # units that own trainable parameters: each reduces once per step
+    inference_units: int = 0  # of those, units on stages whose inputs need a gradient
+
+
+def build_stages(pp_rank: int, per_rank: int, api: str, zero: int, mesh: DeviceMesh) -> RankStages:
+    n_stages = PP * per_rank
+    model = untied_model()
+    blocks_per_stage = N_BLOCKS // n_stages
+    built = RankStages()
+    for index in range(pp_rank, n_stages, PP):  # the looped schedules' placement
+        cut = range(index * blocks_per_stage, (index + 1) * blocks_per_stage)
+        first, last = index == 0, index == n_stages - 1
+        stage_module = Stage(model, cut, first=first, last=last)
+        local_names = _stage_names(stage_module, model)
+        sharded = _shard(stage_module, api, zero, mesh["dp_shard"])
+        prefix = "module." if sharded is not stage_module else ""
+        built.names.append({prefix + k: v for k, v in local_names.items()})
+        # Each block, and the stage root where it holds the embedding or the heads (a
+        # middle stage's root owns no parameter and reduces nothing).
+        own = len(cut) + (first or last)
+        built.units += own
+        built.inference_units += 0 if first else own  # stage 0's inputs are token ids
+        built.models.append(sharded)
+        group = mesh["pp"].get_group()
+        built.stages.append(
+            PipelineStage(sharded, index, n_stages, torch.device("cpu"), group=group)
+        )
+    return built
+
+
+def pipeline_worker(
+    rank: int, world: int, schedule_name: str, zero: int, api: str, micro: int
+) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp_shard"))
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp_shard"].get_local_rank()
+    schedule_cls, per_rank = SCHEDULES[schedule_name]
+    built = build_stages(pp_rank, per_rank, api, zero, mesh)
+    # One optimizer per stage model (the seed's optimizer checkpoints belong to one model).
+    optimizers = [_adamw([p for p in m.parameters() if p.requires_grad]) for m in built.models]
+    if api != "per_module":
+        optimizers = [fully_shard_optimizer(o) for o in optimizers]
+    stages: Any = built.stages[0] if per_rank == 1 else built.stages
+    schedule = schedule_cls(stages, n_microbatches=micro, loss_fn=loss_fn)
+    has_first = any(s.is_first for s in built.stages)
+    has_last = any(s.is_last for s in built.stages)
+    losses, reduce_scatters, all_reduces = [], [], []
+    for tokens, targets in make_batches(STEPS, GLOBAL_BATCH):
+        args = (local_slice(tokens, dp_rank, DP),) if has_first else ()
+        step_losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {}
+        if has_last:
+            kwargs = {"target": local_slice(targets, dp_rank, DP), "losses": step_losses}
+        with CommTracer() as tracer:
+            schedule.step(*args, **kwargs)
+        reduce_scatters.append(tracer.calls("reduce_scatter"))
+        all_reduces.append(tracer.calls("all_reduce"))
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        if has_last:
+            total = torch.stack(step_losses).mean().detach()
+            dist.all_reduce(total, group=mesh["dp_shard"].get_group())
+            losses.append(total.item() / DP)
+    return {
+        "losses": losses,
+        "weights": final_weights(built),
+        "reduce_scatters": reduce_scatters,
+        "all_reduces": all_reduces,
+        "expected_reduce_scatters": _expected_reduce_scatters(
+            api, zero, built.units, built.inference_units, micro
+        ),
+        # torch's pipelining recognises FSDP by this class (its UNSHARD/RESHARD actions).
+        "torch_fsdp_roots": [
+            isinstance(root, torch.distributed.fsdp.FSDPModule)
+            for m in built.models
+            for root in sharded_roots(m)
+        ],
+    }
+
+
+def final_weights(built: RankStages) -> dict[str, list[Any]]:
+    """Every parameter of this rank's stages, full, under the whole model's names (plain
+    lists: tensors sent back from a rank would die with it). Collective over the DP pair."""
+    weights: dict[str, list[Any]] = {}
+    for model, names in zip(built.models, built.names, strict=True):
+        full = gather_full_state_dict(model, rank0_only=False)
+        weights.update({names[k]: v.float().tolist() for k, v in full.items()})
+    return weights
+
+
+def _cases() -> list[Any]:
+    cases = []
+    for schedule_name, (_, per_rank) in SCHEDULES.items():
+        micros = (4, 8) if per_rank > 1 else (4,)
+        for zero in STRATEGIES:
+            for api in APIS:
+                for micro in micros:
+                    case = (schedule_name, zero, api, micro)
+                    marks = []
+                    if not FULL and case not in CI_CASES:
+                        marks.append(
+                            pytest.mark.skip(reason="full matrix only: MFSDP_FULL_MATRIX=1")
+                        )
+                    name = f"{schedule_name}-zero{zero}-{api}-mb{micro}"
+                    cases.append(pytest.param(*case, id=name, marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize(("schedule_name", "zero", "api", "micro"), _cases())
+def test_pipeline_matches_one_process(schedule_name: str, zero: int, api: str, micro: int) -> None:
+    results = run_distributed(
+        pipeline_worker, PP * DP, schedule_name, zero, api, micro, timeout=TIMEOUT
+    )
+    want_losses, want_weights = reference()
+    seen: set[str] = set()
+    for rank, result in enumerate(results):
+        what = f"{schedule_name} zero{zero} {api} rank {rank}"
+        assert result["reduce_scatters"] == result["expected_reduce_scatters"], what
+        assert result["all_reduces"] == [0] * STEPS, what
+        assert result["torch_fsdp_roots"] and all(result["torch_fsdp_roots"]), what
+        if result["losses"]:
+            got = torch.tensor(result["losses"], dtype=torch.float64)
+            assert_close_rel(got, torch.tensor(want_losses, dtype=torch.float64), RTOL, what)
+        for name, value in result["weights"].items():
+            assert_close_rel(torch.tensor(value), want_weights[name], RTOL, f"{what}: {name}")
+            seen.add(name)
+    assert seen == set(want_weights), sorted(set(want_weights) ^ seen)
