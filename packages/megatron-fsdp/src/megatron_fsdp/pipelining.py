@@ -19,7 +19,12 @@ end our units would take for a synced backward and reduce.
 * ``perform_reduce_grad``: sync back on, ``finish_grad_sync()`` (one reduction per unit for
   the whole step), every unit resharded, so the reduced, sharded gradients sit in ``.grad``
   of the parameters torch's ``scale_grads`` then divides by the number of micro-batches;
-* shape inference's input-only backward runs with gradient sync off, so it reduces nothing.
+* shape inference's input-only backward runs with gradient sync off, so it reduces nothing;
+* zero-bubble schedules (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``) split
+  a backward into an input pass and a later weight pass that sets ``.grad`` by hand: the
+  units are gathered for both (torch reads ``submod.parameters()`` as the graph's) and the
+  weight pass's gradients reach the units through autograd's accumulation, so a unit's one
+  reduction waits for its last weight pass.
 
 Our DP reduction averages over the DP ranks and ``scale_grads`` divides by the micro-batches:
 together one mean over the global batch, as one process computes it.
@@ -71,11 +76,38 @@ class PipelineStage(pipelining.PipelineStage):
     def backward_maybe_with_nosync(
         self, backward_type: Any, bwd_kwargs: dict[str, Any], last_backward: bool = False
     ) -> Any:
-        """Every micro-batch's backward accumulates locally; ``perform_reduce_grad`` syncs."""
+        """Every micro-batch's backward accumulates locally; ``perform_reduce_grad`` syncs.
+
+        Zero-bubble schedules split a backward into its input pass (``"input"``) and, later,
+        its weight pass (``"weight"``), both of which read ``submod.parameters()`` as the
+        parameters the forward's graph used: the units are gathered first (a no-op where
+        they are). torch's weight pass sets each ``.grad`` by hand, which no unit sees; the
+        gradients are handed to the units through autograd (see ``_hand_grads_to_units``).
+        """
         for root in self._mfsdp_roots:
             root.set_reshard_after_backward(False)
             root.set_requires_gradient_sync(False)
-        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        split = backward_type in ("input", "weight") and bool(self._mfsdp_roots)
+        if split:
+            for module in _sharded_modules(self.submod):
+                module.unshard()
+        result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if split and backward_type == "weight":
+            self._hand_grads_to_units()
+        return result
+
+    def _hand_grads_to_units(self) -> None:
+        """The weight pass's gradients, set on the gathered parameters by hand, go through
+        autograd's accumulation instead, whose hooks hand them to their units (which add
+        them up for ``perform_reduce_grad``); ``.grad`` is then as before."""
+        params, grads = [], []
+        for param in self.submod.parameters():
+            if param.grad is not None:
+                params.append(param)
+                grads.append(param.grad)
+                param.grad = None
+        if params:
+            torch.autograd.backward(params, grads)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         """The step's one reduction per unit (torch's reaches into FSDP2's state instead),
