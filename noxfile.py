@@ -272,13 +272,13 @@ def gpu(session: nox.Session) -> None:
     session.run("python", str(ROOT / "scripts" / "gpu_check.py"), *session.posargs, external=True)
 
 
-def _run_example_on_two_ranks(session: nox.Session, script: str) -> None:
+def _run_example(session: nox.Session, script: str, ranks: int = 2) -> None:
     _install_workspace(session)
     session.run(
         "torchrun",
         "--standalone",
         "--nproc-per-node",
-        "2",
+        str(ranks),
         str(ROOT / "examples" / script),
         *session.posargs,
     )
@@ -287,14 +287,21 @@ def _run_example_on_two_ranks(session: nox.Session, script: str) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: a small GPT trained with FSDP on 2 CPU ranks (torchrun + gloo)."""
-    _run_example_on_two_ranks(session, "train_gpt.py")
+    _run_example(session, "train_gpt.py")
+
+
+@nox.session
+def pp(session: nox.Session) -> None:
+    """Pipeline parallelism x FSDP: a small GPT on 4 CPU ranks as pp=2 x dp=2 with torch's
+    schedules (examples/train_gpt_pp.py; --schedule gpipe|1f1b)."""
+    _run_example(session, "train_gpt_pp.py", ranks=4)
 
 
 @nox.session
 def finetune(session: nox.Session) -> None:
     """Hugging Face fine-tuning: a small Llama on 2 CPU ranks with checkpoints, resume after a
     kill and an export that from_pretrained loads (examples/finetune_hf.py)."""
-    _run_example_on_two_ranks(session, "finetune_hf.py")
+    _run_example(session, "finetune_hf.py")
 
 
 @nox.session
