@@ -131,11 +131,13 @@ def _stage_names(stage: nn.Module, model: nn.Module) -> dict[str, str]:
     return {k: by_id[id(v)] for k, v in stage.state_dict(keep_vars=True).items()}
 
 
-def _shard(stage: Stage, api: str, zero: int, mesh: DeviceMesh) -> nn.Module:
+def _shard(stage: Stage, api: str, zero: int, mesh: DeviceMesh, keep_weights: bool) -> nn.Module:
     if api == "per_module":
+        # keep_weights: torchtitan's PP choice, reshard_after_forward=False on every unit.
+        options: dict[str, Any] = {"reshard_after_forward": False} if keep_weights else {}
         for block in stage.blocks:
-            mfsdp_hooks.fully_shard(block, mesh=mesh, sharding_strategy=zero)
-        return mfsdp_hooks.fully_shard(stage, mesh=mesh, sharding_strategy=zero)  # type: ignore[no-any-return]
+            mfsdp_hooks.fully_shard(block, mesh=mesh, sharding_strategy=zero, **options)
+        return mfsdp_hooks.fully_shard(stage, mesh=mesh, sharding_strategy=zero, **options)  # type: ignore[no-any-return]
     if api == "seed":
         return fully_shard_model(
             stage, fsdp_unit_modules=[Block], zero_dp_strategy=zero, device_mesh=mesh
@@ -181,7 +183,7 @@ def stage_indices(pp_rank: int, per_rank: int, v_shaped: bool) -> list[int]:
 
 
 def build_stages(
-    pp_rank: int, schedule_name: str, api: str, zero: int, mesh: DeviceMesh
+    pp_rank: int, schedule_name: str, api: str, zero: int, mesh: DeviceMesh, keep_weights: bool
 ) -> RankStages:
     per_rank = SCHEDULES[schedule_name][1]
     n_stages = PP * per_rank
@@ -193,7 +195,7 @@ def build_stages(
         first, last = index == 0, index == n_stages - 1
         stage_module = Stage(model, cut, first=first, last=last)
         local_names = _stage_names(stage_module, model)
-        sharded = _shard(stage_module, api, zero, mesh["dp_shard"])
+        sharded = _shard(stage_module, api, zero, mesh["dp_shard"], keep_weights)
         prefix = "module." if sharded is not stage_module else ""
         built.names.append({prefix + k: v for k, v in local_names.items()})
         # Each block, and the stage root where it holds the embedding or the heads (a
@@ -210,12 +212,18 @@ def build_stages(
 
 
 def pipeline_worker(
-    rank: int, world: int, schedule_name: str, zero: int, api: str, micro: int
+    rank: int,
+    world: int,
+    schedule_name: str,
+    zero: int,
+    api: str,
+    micro: int,
+    keep_weights: bool = False,
 ) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp_shard"))
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp_shard"].get_local_rank()
     schedule_cls, per_rank = SCHEDULES[schedule_name]
-    built = build_stages(pp_rank, schedule_name, api, zero, mesh)
+    built = build_stages(pp_rank, schedule_name, api, zero, mesh, keep_weights)
     # One optimizer per stage model (the seed's optimizer checkpoints belong to one model).
     optimizers = [_adamw([p for p in m.parameters() if p.requires_grad]) for m in built.models]
     if api != "per_module":
@@ -224,7 +232,7 @@ def pipeline_worker(
     schedule = schedule_cls(stages, n_microbatches=micro, loss_fn=loss_fn)
     has_first = any(s.is_first for s in built.stages)
     has_last = any(s.is_last for s in built.stages)
-    losses, reduce_scatters, all_reduces = [], [], []
+    losses, reduce_scatters, all_reduces, all_gathers = [], [], [], []
     for tokens, targets in make_batches(STEPS, GLOBAL_BATCH):
         args = (local_slice(tokens, dp_rank, DP),) if has_first else ()
         step_losses: list[torch.Tensor] = []
@@ -235,6 +243,7 @@ def pipeline_worker(
             schedule.step(*args, **kwargs)
         reduce_scatters.append(tracer.calls("reduce_scatter"))
         all_reduces.append(tracer.calls("all_reduce"))
+        all_gathers.append(tracer.calls("all_gather"))
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
@@ -247,6 +256,8 @@ def pipeline_worker(
         "weights": final_weights(built),
         "reduce_scatters": reduce_scatters,
         "units": built.units,
+        "holds_first_stage": int(has_first),
+        "all_gathers": all_gathers,
         "all_reduces": all_reduces,
         "expected_reduce_scatters": _expected_reduce_scatters(
             schedule_name, api, zero, built.units, built.inference_units, micro
@@ -293,7 +304,6 @@ def test_pipeline_matches_one_process(schedule_name: str, zero: int, api: str, m
     results = run_distributed(
         pipeline_worker, PP * DP, schedule_name, zero, api, micro, timeout=TIMEOUT
     )
-    want_losses, want_weights = reference()
     seen: set[str] = set()
     for rank, result in enumerate(results):
         what = f"{schedule_name} zero{zero} {api} rank {rank}"
@@ -304,10 +314,45 @@ def test_pipeline_matches_one_process(schedule_name: str, zero: int, api: str, m
             assert result["reduce_scatters"] == expected, what
         assert result["all_reduces"] == [0] * STEPS, what
         assert result["torch_fsdp_roots"] and all(result["torch_fsdp_roots"]), what
-        if result["losses"]:
-            got = torch.tensor(result["losses"], dtype=torch.float64)
-            assert_close_rel(got, torch.tensor(want_losses, dtype=torch.float64), RTOL, what)
-        for name, value in result["weights"].items():
-            assert_close_rel(torch.tensor(value), want_weights[name], RTOL, f"{what}: {name}")
-            seen.add(name)
-    assert seen == set(want_weights), sorted(set(want_weights) ^ seen)
+        seen |= _assert_matches_one_process(result, what)
+    want = set(reference()[1])
+    assert seen == want, sorted(want ^ seen)
+
+
+def _assert_matches_one_process(result: dict[str, Any], what: str) -> set[str]:
+    """This rank's losses (last stage) and final weights against one process; returns the
+    names of the weights it checked."""
+    want_losses, want_weights = reference()
+    if result["losses"]:
+        got = torch.tensor(result["losses"], dtype=torch.float64)
+        assert_close_rel(got, torch.tensor(want_losses, dtype=torch.float64), RTOL, what)
+    for name, value in result["weights"].items():
+        assert_close_rel(torch.tensor(value), want_weights[name], RTOL, f"{what}: {name}")
+    return set(result["weights"])
+
+
+def _keep_weights_cases() -> list[Any]:
+    cases = []
+    for schedule_name in SCHEDULES:
+        marks = []
+        if not FULL and schedule_name != "1f1b":
+            marks.append(pytest.mark.skip(reason="full matrix only: MFSDP_FULL_MATRIX=1"))
+        cases.append(pytest.param(schedule_name, id=schedule_name, marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("schedule_name", _keep_weights_cases())
+def test_weights_kept_gathered_through_the_step(schedule_name: str) -> None:
+    """torchtitan's PP choice, ``reshard_after_forward=False`` on every unit (ZeRO-3): each
+    parameter group is all-gathered once per step, whatever the schedule (after the first
+    step, whose shape inference gathers too), and the training still matches one process."""
+    results = run_distributed(
+        pipeline_worker, PP * DP, schedule_name, 3, "per_module", 4, True, timeout=TIMEOUT
+    )
+    for rank, result in enumerate(results):
+        what = f"{schedule_name} rank {rank}"
+        assert result["reduce_scatters"] == [result["units"]] * STEPS, what
+        # The stage-0 root holds two groups: the embedding and the frozen layer.
+        groups = result["units"] + result["holds_first_stage"]
+        assert result["all_gathers"][1:] == [groups] * (STEPS - 1), what
+        _assert_matches_one_process(result, what)

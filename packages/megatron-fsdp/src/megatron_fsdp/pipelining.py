@@ -72,6 +72,19 @@ class PipelineStage(pipelining.PipelineStage):
     def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any) -> None:
         super().__init__(submodule, *args, **kwargs)
         self._mfsdp_roots = sharded_roots(submodule)
+        self._synced = False  # perform_reduce_grad ran: an optimizer may step before the next
+
+    def clear_runtime_states(self) -> None:
+        """At the start of every schedule step: the weights an optimizer updated since the
+        last ``perform_reduce_grad`` are installed, once. The units would otherwise install
+        them again at every forward (and schedule ``UNSHARD``) until the next backward: as
+        far as they know a bare optimizer may step at any moment until then, and a pipeline
+        runs several forwards before its first backward. None steps inside a schedule step."""
+        super().clear_runtime_states()
+        if self._synced:
+            self._synced = False
+            for root in self._mfsdp_roots:
+                root.install_optimized_model_weights()
 
     def backward_maybe_with_nosync(
         self, backward_type: Any, bwd_kwargs: dict[str, Any], last_backward: bool = False
@@ -122,6 +135,7 @@ class PipelineStage(pipelining.PipelineStage):
             root.finish_grad_sync()
         for module in _sharded_modules(self.submod):
             module.reshard()
+        self._synced = True
         if grad_scale_factor != 1:
             self.scale_grads(grad_scale_factor)
 
