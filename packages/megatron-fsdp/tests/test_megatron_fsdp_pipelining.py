@@ -13,7 +13,9 @@ schedule x ZeRO strategy x API.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +37,7 @@ from torch.distributed.pipelining import (
 import mfsdp_hooks
 from megatron_fsdp import MegatronFSDP, fully_shard_model, fully_shard_optimizer
 from megatron_fsdp.pipelining import PipelineStage, sharded_roots
+from mfsdp_buffers import LiveTensorTracker
 from mfsdp_checkpoint import gather_full_state_dict
 from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
@@ -219,20 +222,53 @@ def pipeline_worker(
     api: str,
     micro: int,
     keep_weights: bool = False,
+    track_memory: bool = False,
 ) -> dict[str, Any]:
-    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp_shard"))
-    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp_shard"].get_local_rank()
-    schedule_cls, per_rank = SCHEDULES[schedule_name]
-    built = build_stages(pp_rank, schedule_name, api, zero, mesh, keep_weights)
-    # One optimizer per stage model (the seed's optimizer checkpoints belong to one model).
-    optimizers = [_adamw([p for p in m.parameters() if p.requires_grad]) for m in built.models]
-    if api != "per_module":
-        optimizers = [fully_shard_optimizer(o) for o in optimizers]
-    stages: Any = built.stages[0] if per_rank == 1 else built.stages
-    schedule = schedule_cls(stages, n_microbatches=micro, loss_fn=loss_fn)
+    """Train one case on this rank; its losses, final weights and per-step counts. With
+    ``track_memory`` live tensor bytes are counted from before the model is built
+    (``live_after_step``; the tracker slows every op down about 3x)."""
+    with LiveTensorTracker() if track_memory else contextlib.nullcontext() as memory:
+        mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp_shard"))
+        built = build_stages(
+            mesh["pp"].get_local_rank(), schedule_name, api, zero, mesh, keep_weights
+        )
+        # One optimizer per stage model (the seed's optimizer checkpoints belong to one model).
+        optimizers = [_adamw([p for p in m.parameters() if p.requires_grad]) for m in built.models]
+        if api != "per_module":
+            optimizers = [fully_shard_optimizer(o) for o in optimizers]
+        schedule_cls, per_rank = SCHEDULES[schedule_name]
+        stages: Any = built.stages[0] if per_rank == 1 else built.stages
+        schedule = schedule_cls(stages, n_microbatches=micro, loss_fn=loss_fn)
+        result = train(built, schedule, optimizers, mesh, memory)
+    result.update(
+        weights=final_weights(built),
+        units=built.units,
+        expected_reduce_scatters=_expected_reduce_scatters(
+            schedule_name, api, zero, built.units, built.inference_units, micro
+        ),
+        # torch's pipelining recognises FSDP by this class (its UNSHARD/RESHARD actions).
+        torch_fsdp_roots=[
+            isinstance(root, torch.distributed.fsdp.FSDPModule)
+            for m in built.models
+            for root in sharded_roots(m)
+        ],
+    )
+    return result
+
+
+def train(
+    built: RankStages,
+    schedule: Any,
+    optimizers: list[torch.optim.Optimizer],
+    mesh: DeviceMesh,
+    memory: LiveTensorTracker | None,
+) -> dict[str, Any]:
+    """``STEPS`` schedule steps, each followed by the optimizers' step and zero_grad."""
+    dp_rank = mesh["dp_shard"].get_local_rank()
     has_first = any(s.is_first for s in built.stages)
     has_last = any(s.is_last for s in built.stages)
-    losses, reduce_scatters, all_reduces, all_gathers = [], [], [], []
+    counts: dict[str, list[int]] = {op: [] for op in ("reduce_scatter", "all_reduce", "all_gather")}
+    losses, live = [], []
     for tokens, targets in make_batches(STEPS, GLOBAL_BATCH):
         args = (local_slice(tokens, dp_rank, DP),) if has_first else ()
         step_losses: list[torch.Tensor] = []
@@ -241,34 +277,32 @@ def pipeline_worker(
             kwargs = {"target": local_slice(targets, dp_rank, DP), "losses": step_losses}
         with CommTracer() as tracer:
             schedule.step(*args, **kwargs)
-        reduce_scatters.append(tracer.calls("reduce_scatter"))
-        all_reduces.append(tracer.calls("all_reduce"))
-        all_gathers.append(tracer.calls("all_gather"))
+        for op, per_step in counts.items():
+            per_step.append(tracer.calls(op))
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
         if has_last:
-            total = torch.stack(step_losses).mean().detach()
-            dist.all_reduce(total, group=mesh["dp_shard"].get_group())
-            losses.append(total.item() / DP)
+            losses.append(_global_loss(step_losses, mesh))
+        del step_losses, kwargs
+        if memory is not None:
+            gc.collect()
+            live.append(memory.live)
     return {
         "losses": losses,
-        "weights": final_weights(built),
-        "reduce_scatters": reduce_scatters,
-        "units": built.units,
+        "reduce_scatters": counts["reduce_scatter"],
+        "all_reduces": counts["all_reduce"],
+        "all_gathers": counts["all_gather"],
+        "live_after_step": live,
         "holds_first_stage": int(has_first),
-        "all_gathers": all_gathers,
-        "all_reduces": all_reduces,
-        "expected_reduce_scatters": _expected_reduce_scatters(
-            schedule_name, api, zero, built.units, built.inference_units, micro
-        ),
-        # torch's pipelining recognises FSDP by this class (its UNSHARD/RESHARD actions).
-        "torch_fsdp_roots": [
-            isinstance(root, torch.distributed.fsdp.FSDPModule)
-            for m in built.models
-            for root in sharded_roots(m)
-        ],
     }
+
+
+def _global_loss(micro_losses: list[torch.Tensor], mesh: DeviceMesh) -> float:
+    """The step's loss over the global batch: the mean over micro-batches and DP ranks."""
+    total = torch.stack(micro_losses).mean().detach()
+    dist.all_reduce(total, group=mesh["dp_shard"].get_group())
+    return total.item() / DP
 
 
 def final_weights(built: RankStages) -> dict[str, list[Any]]:
@@ -302,7 +336,7 @@ def _cases() -> list[Any]:
 @pytest.mark.parametrize(("schedule_name", "zero", "api", "micro"), _cases())
 def test_pipeline_matches_one_process(schedule_name: str, zero: int, api: str, micro: int) -> None:
     results = run_distributed(
-        pipeline_worker, PP * DP, schedule_name, zero, api, micro, timeout=TIMEOUT
+        pipeline_worker, PP * DP, schedule_name, zero, api, micro, False, FULL, timeout=TIMEOUT
     )
     seen: set[str] = set()
     for rank, result in enumerate(results):
@@ -314,9 +348,18 @@ def test_pipeline_matches_one_process(schedule_name: str, zero: int, api: str, m
             assert result["reduce_scatters"] == expected, what
         assert result["all_reduces"] == [0] * STEPS, what
         assert result["torch_fsdp_roots"] and all(result["torch_fsdp_roots"]), what
+        if FULL:
+            _assert_same_memory_after_each_step(result["live_after_step"], what)
         seen |= _assert_matches_one_process(result, what)
     want = set(reference()[1])
     assert seen == want, sorted(want ^ seen)
+
+
+def _assert_same_memory_after_each_step(live: list[int], what: str) -> None:
+    """Nothing of a step outlives it: live tensor bytes after each step (optimizer state
+    included) stay within a few scalars (torch's pipelining keeps one or two between steps)
+    of those after the first; a leaked gathered block or gradient buffer is over 1 KiB."""
+    assert len(live) == STEPS and max(live) - min(live) <= 64, f"{what}: {live}"
 
 
 def _assert_matches_one_process(result: dict[str, Any], what: str) -> set[str]:
@@ -345,9 +388,10 @@ def _keep_weights_cases() -> list[Any]:
 def test_weights_kept_gathered_through_the_step(schedule_name: str) -> None:
     """torchtitan's PP choice, ``reshard_after_forward=False`` on every unit (ZeRO-3): each
     parameter group is all-gathered once per step, whatever the schedule (after the first
-    step, whose shape inference gathers too), and the training still matches one process."""
+    step, whose shape inference gathers too), live memory returns to the same baseline after
+    every step, and the training still matches one process."""
     results = run_distributed(
-        pipeline_worker, PP * DP, schedule_name, 3, "per_module", 4, True, timeout=TIMEOUT
+        pipeline_worker, PP * DP, schedule_name, 3, "per_module", 4, True, True, timeout=TIMEOUT
     )
     for rank, result in enumerate(results):
         what = f"{schedule_name} rank {rank}"
@@ -355,4 +399,5 @@ def test_weights_kept_gathered_through_the_step(schedule_name: str) -> None:
         # The stage-0 root holds two groups: the embedding and the frozen layer.
         groups = result["units"] + result["holds_first_stage"]
         assert result["all_gathers"][1:] == [groups] * (STEPS - 1), what
+        _assert_same_memory_after_each_step(result["live_after_step"], what)
         _assert_matches_one_process(result, what)
