@@ -24,7 +24,10 @@ end our units would take for a synced backward and reduce.
   a backward into an input pass and a later weight pass that sets ``.grad`` by hand: the
   units are gathered for both (torch reads ``submod.parameters()`` as the graph's) and the
   weight pass's gradients reach the units through autograd's accumulation, so a unit's one
-  reduction waits for its last weight pass.
+  reduction waits for its last weight pass;
+* ``clear_runtime_states`` (the start of every schedule step) installs the weights the
+  optimizer stepped, once, where the units would re-install them at every forward before
+  the step's first backward.
 
 Our DP reduction averages over the DP ranks and ``scale_grads`` divides by the micro-batches:
 together one mean over the global batch, as one process computes it.
