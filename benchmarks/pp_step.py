@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 # The example scripts are not a package: found through the path set above.
 from train_gpt import make_corpus  # type: ignore[import-not-found]
-from train_gpt_pp import DP, PP, FirstStage, LastStage, cross_entropy  # type: ignore[import-not-found]
+from train_gpt_pp import DP, PP, cross_entropy, make_stage  # type: ignore[import-not-found]
 
 from mfsdp_collectives import CommTracer, disable_host_transport
 
@@ -105,11 +105,7 @@ def main() -> None:
     text = make_corpus(2000)
     chars = sorted(set(text))
     data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
-    half = args.depth // 2
-    if stage_index == 0:
-        module: nn.Module = FirstStage(len(chars), args.width, half, args.heads, args.context)
-    else:
-        module = LastStage(len(chars), args.width, args.depth - half, args.heads)
+    module = make_stage(stage_index, len(chars), args.width, args.depth, args.heads, args.context)
     stage_class = _shard(module, args.impl, mesh["dp_shard"])
     stage = stage_class(module, stage_index, PP, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = SCHEDULES[args.schedule](

@@ -66,6 +66,16 @@ class LastStage(nn.Module):
         return self.head(self.norm(x))
 
 
+def make_stage(
+    stage_index: int, vocab: int, width: int, depth: int, heads: int, context: int
+) -> nn.Module:
+    """This rank's half of a ``depth``-block GPT (unsharded)."""
+    half = depth // 2
+    if stage_index == 0:
+        return FirstStage(vocab, width, half, heads, context)
+    return LastStage(vocab, width, depth - half, heads)
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
@@ -94,11 +104,7 @@ def main() -> None:
     text = make_corpus(4000)
     chars = sorted(set(text))
     data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
-    half = args.depth // 2
-    if stage_index == 0:
-        module: nn.Module = FirstStage(len(chars), args.width, half, args.heads, args.context)
-    else:
-        module = LastStage(len(chars), args.width, args.depth - half, args.heads)
+    module = make_stage(stage_index, len(chars), args.width, args.depth, args.heads, args.context)
     for block in module.blocks:  # type: ignore[union-attr]
         fully_shard(block, mesh=mesh["dp_shard"], sharding_strategy=args.zero_dp_strategy)
     fully_shard(module, mesh=mesh["dp_shard"], sharding_strategy=args.zero_dp_strategy)
