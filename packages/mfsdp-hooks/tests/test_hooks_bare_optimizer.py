@@ -17,6 +17,7 @@ from hooks_models import (
     make_batches,
     make_model,
     make_optimizer,
+    shard_blocks_then_root,
     trainable,
 )
 from torch.optim import optimizer as torch_optimizer
@@ -116,3 +117,27 @@ def _global_hooks_worker(rank: int, world: int) -> tuple[tuple[int, int], tuple[
 def test_wrapping_and_attaching_register_no_process_wide_optimizer_hook() -> None:
     for before, after in run_distributed(_global_hooks_worker, 2, timeout=60):
         assert before == after
+
+
+def _install_worker(rank: int, world: int) -> tuple[int, int, int]:
+    from mfsdp_hooks import fsdp_units
+
+    model = make_model()
+    shard_blocks_then_root(model, "ours", sharding_strategy=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens, targets = make_batches(1)[0]
+    loss_fn(model(tokens), targets).backward()
+    optimizer.step()
+    with CommTracer() as tracer:
+        model.install_optimized_model_weights()  # type: ignore[operator]
+    groups = [g for unit in fsdp_units(model) for g in unit.groups]
+    stepped = sum(g.requires_grad for g in groups)
+    return tracer.calls("all_gather"), stepped, len(groups)
+
+
+def test_installing_stepped_weights_gathers_only_the_groups_an_optimizer_steps() -> None:
+    """ZeRO-1: one all-gather per trainable group; the frozen group (the toy model has one)
+    is not re-gathered (it was, once per call, before)."""
+    for gathers, stepped, groups in run_distributed(_install_worker, 2, timeout=60):
+        assert groups > stepped
+        assert gathers == stepped

@@ -123,6 +123,9 @@ class FSDPModule(FSDP2Refusals, TorchFSDPModule):
         """Copy optimizer-updated weights into the compute weights now instead of lazily."""
         for unit in self._units(recurse=True):
             for group in unit.groups:
+                if not group.requires_grad:  # no optimizer steps frozen weights
+                    group.freshness.close_step_window(stepped=False)
+                    continue
                 group.freshness.close_step_window(stepped=True)
                 handle = group.install_weights()
                 if handle is not None:
