@@ -74,14 +74,18 @@ SCHEDULES: dict[str, tuple[Any, int]] = {
 SPLIT_BACKWARD = {"interleaved_zb", "zbv"}
 V_SHAPED = {"zbv"}  # rank r holds stages r and 2 * PP - 1 - r (else r and r + PP)
 # per_module: mfsdp_hooks.fully_shard on each block, then the stage root.
-# seed: megatron_fsdp.fully_shard_model (Megatron-FSDP's no_sync: ZeRO-2/3 reduce-scatter each
-#   micro-batch). seed_one_rs: the seed's class with reduce_scatter_in_no_sync=False.
-APIS = ("per_module", "seed", "seed_one_rs")
+# seed: megatron_fsdp.fully_shard_model (its Megatron-FSDP no_sync would reduce-scatter each
+#   micro-batch under ZeRO-2/3; the PipelineStage keeps gradients to the step's end instead).
+# seed_class_rs_each_mb: the seed's MegatronFSDP class with PipelineStage(...,
+#   reduce_scatter_each_microbatch=True): ZeRO-2/3 reduce-scatter every micro-batch.
+APIS = ("per_module", "seed", "seed_class_rs_each_mb")
+RS_EACH_MB = "seed_class_rs_each_mb"
 STRATEGIES = (1, 2, 3)
 CI_CASES = {
-    ("gpipe", 3, "per_module", 4),
+    ("gpipe", 3, "seed", 4),
     ("1f1b", 3, "per_module", 4),
-    ("interleaved1f1b", 2, "seed_one_rs", 8),
+    ("interleaved1f1b", 2, "seed", 8),
+    ("1f1b", 2, RS_EACH_MB, 4),
     ("zbv", 3, "per_module", 4),
 }
 
@@ -145,27 +149,24 @@ def _shard(stage: Stage, api: str, zero: int, mesh: DeviceMesh, keep_weights: bo
         return fully_shard_model(
             stage, fsdp_unit_modules=[Block], zero_dp_strategy=zero, device_mesh=mesh
         )
-    options = ShardingOptions(
-        zero_dp_strategy=zero, device_mesh=mesh, reduce_scatter_in_no_sync=False
-    )
+    options = ShardingOptions(zero_dp_strategy=zero, device_mesh=mesh)
     return MegatronFSDP(stage, fsdp_unit_modules=[Block], options=options)
 
 
 def _expected_reduce_scatters(
-    schedule_name: str, api: str, zero: int, units: int, inference_units: int, micro: int
+    schedule_name: str, api: str, zero: int, units: int, micro: int
 ) -> list[int] | None:
-    """Per step: one per unit. Except under Megatron-FSDP's ``no_sync`` (``fully_shard_model``
-    with ZeRO-2/3), where each unit reduce-scatters at the end of every backward it takes
-    part in: every micro-batch's, and shape inference's input-only backward in the first
-    step (on every stage but the first: token ids need no gradient). With a zero-bubble
-    schedule there each input pass (I) reduce-scatters what arrived since the last one,
-    whether a unit's I follows a forward or a weight pass (W) depends on the schedule's
-    order, so the count is not fixed here (None)."""
-    if not (api == "seed" and zero >= 2):
+    """Per step: one per unit. Except with ``reduce_scatter_each_microbatch`` under ZeRO-2/3,
+    where each unit reduce-scatters at the end of every micro-batch's backward (shape
+    inference's input-only backward reduces nothing). With a zero-bubble schedule there each
+    input pass (I) reduce-scatters what arrived since the last one; whether a unit's I follows
+    a forward or a weight pass (W) depends on the schedule's order, so the count is not fixed
+    here (None)."""
+    if not (api == RS_EACH_MB and zero >= 2):
         return [units] * STEPS
     if schedule_name in SPLIT_BACKWARD:
         return None
-    return [units * micro + inference_units] + [units * micro] * (STEPS - 1)
+    return [units * micro] * STEPS
 
 
 @dataclass
@@ -176,7 +177,6 @@ class RankStages:
     models: list[nn.Module] = field(default_factory=list)  # what each stage runs
     names: list[dict[str, str]] = field(default_factory=list)  # gathered key -> model's key
     units: int = 0  # units that own trainable parameters: each reduces once per step
-    inference_units: int = 0  # of those, units on stages whose inputs need a gradient
 
 
 def stage_indices(pp_rank: int, per_rank: int, v_shaped: bool) -> list[int]:
@@ -205,11 +205,17 @@ def build_stages(
         # middle stage's root owns no parameter and reduces nothing).
         own = len(cut) + (first or last)
         built.units += own
-        built.inference_units += 0 if first else own  # stage 0's inputs are token ids
         built.models.append(sharded)
         group = mesh["pp"].get_group()
         built.stages.append(
-            PipelineStage(sharded, index, n_stages, torch.device("cpu"), group=group)
+            PipelineStage(
+                sharded,
+                index,
+                n_stages,
+                torch.device("cpu"),
+                group=group,
+                reduce_scatter_each_microbatch=api == RS_EACH_MB,
+            )
         )
     return built
 
@@ -244,7 +250,7 @@ def pipeline_worker(
         weights=final_weights(built),
         units=built.units,
         expected_reduce_scatters=_expected_reduce_scatters(
-            schedule_name, api, zero, built.units, built.inference_units, micro
+            schedule_name, api, zero, built.units, micro
         ),
         # torch's pipelining recognises FSDP by this class (its UNSHARD/RESHARD actions).
         torch_fsdp_roots=[

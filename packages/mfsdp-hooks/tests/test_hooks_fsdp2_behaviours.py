@@ -251,7 +251,11 @@ def _root_level_setters_worker(rank: int, world: int) -> None:
     loss_fn(model(tokens), targets).backward()  # builds the root
     model.set_is_last_backward(True)  # type: ignore[operator]
     model.set_sync_model_each_microbatch(False)  # type: ignore[operator]
-    setters = [("set_is_last_backward", False), ("set_sync_model_each_microbatch", True)]
+    setters = [
+        ("set_is_last_backward", False),
+        ("set_sync_model_each_microbatch", True),
+        ("set_reduce_scatter_in_no_sync", True),
+    ]
     for setter, value in setters:
         with pytest.raises(ValueError, match=f"{setter} on FSDPBlock, which is not the FSDP root"):
             getattr(model.blocks[0], setter)(value)  # type: ignore[index]

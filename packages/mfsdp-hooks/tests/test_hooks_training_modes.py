@@ -92,6 +92,44 @@ def test_no_sync_reduces_only_for_sharded_grads(strategy: int, expected: int) ->
     assert results == [[expected], [expected]]
 
 
+def _root_setter_worker(
+    rank: int, world: int, setting: bool, before_first_forward: bool
+) -> list[int]:
+    """Per-module units (3 blocks + root, ZeRO-3), two no_sync micro-batches then a synced
+    one; the root's ``set_reduce_scatter_in_no_sync(setting)`` called before the root exists
+    or after a first step. Reduce-scatters per micro-batch of the second step."""
+    model = make_model()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    batches = make_batches(2, 4)
+    if before_first_forward:
+        model.set_reduce_scatter_in_no_sync(setting)  # type: ignore[operator]
+    else:
+        loss_fn(model(batches[0][0]), batches[0][1]).backward()
+        model.set_reduce_scatter_in_no_sync(setting)  # type: ignore[operator]
+    assert model.reduce_scatter_in_no_sync is setting  # type: ignore[attr-defined]
+    counts = []
+    tokens, targets = batches[1]
+    for synced in (False, False, True):
+        model.set_requires_gradient_sync(synced)  # type: ignore[operator]
+        with CommTracer() as tracer:
+            loss_fn(model(tokens), targets).backward()
+        counts.append(tracer.calls("reduce_scatter"))
+    return counts
+
+
+@pytest.mark.parametrize("before_first_forward", [True, False], ids=["before", "after"])
+@pytest.mark.parametrize(("setting", "expected"), [(True, [4, 4, 4]), (False, [0, 0, 4])])
+def test_root_set_reduce_scatter_in_no_sync_chooses_per_micro_batch_or_once(
+    setting: bool, expected: list[int], before_first_forward: bool
+) -> None:
+    """True: Megatron-FSDP's no_sync (each unit reduce-scatters every micro-batch); False:
+    FSDP2's (the unsharded gradients wait for the synced backward). 4 units reduce."""
+    results = run_distributed(_root_setter_worker, 2, setting, before_first_forward, timeout=60)
+    assert results == [expected, expected]
+
+
 def _recompute_worker(rank: int, world: int, mode: str) -> tuple[int, int]:
     batches = make_batches(3, GLOBAL_BATCH)
     ref_losses, ref_state = reference_training("sgd", batches)

@@ -15,7 +15,9 @@ end our units would take for a synced backward and reduce.
 * every micro-batch's backward: ``set_requires_gradient_sync(False)`` and
   ``set_reshard_after_backward(False)`` on each outermost sharded module of the stage, also
   when the stage module is ``fully_shard_model``'s wrapper (which torch does not recognise);
-  the units keep their unsharded gradients local and add them up;
+  the units keep their unsharded gradients local and add them up, with either API (the
+  seed API's Megatron-FSDP ``no_sync`` would reduce-scatter every micro-batch: the stage's
+  ``reduce_scatter_each_microbatch`` chooses, see :class:`PipelineStage`);
 * ``perform_reduce_grad``: sync back on, ``finish_grad_sync()`` (one reduction per unit for
   the whole step), every unit resharded, so the reduced, sharded gradients sit in ``.grad``
   of the parameters torch's ``scale_grads`` then divides by the number of micro-batches;
@@ -72,10 +74,48 @@ class PipelineStage(pipelining.PipelineStage):
     reduces its gradients once per schedule step. A stage without our units behaves exactly
     as torch's."""
 
-    def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        submodule: nn.Module,
+        *args: Any,
+        reduce_scatter_each_microbatch: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """``reduce_scatter_each_microbatch`` (ZeRO-2/3): False (the default) keeps each
+        unit's unsharded gradients over the step's micro-batches and reduce-scatters them
+        once, at ``REDUCE_GRAD``, as FSDP2 does under a pipeline; True reduce-scatters every
+        micro-batch's and keeps only the shard (Megatron-FSDP's ``no_sync``: a gradient
+        shard instead of a full gradient per unit between micro-batches, at one
+        reduce-scatter per unit per micro-batch). The stage sets its roots'
+        ``reduce_scatter_in_no_sync`` to it for its backwards and puts the roots' own value
+        back after each ``REDUCE_GRAD``."""
+        if not isinstance(reduce_scatter_each_microbatch, bool):
+            raise TypeError(
+                "reduce_scatter_each_microbatch must be a bool, got "
+                f"{reduce_scatter_each_microbatch!r}"
+            )
         super().__init__(submodule, *args, **kwargs)
         self._mfsdp_roots = sharded_roots(submodule)
+        self._reduce_scatter_each_microbatch = reduce_scatter_each_microbatch
+        # Each root's own reduce_scatter_in_no_sync while the stage's backwards run (None:
+        # no backward since the last REDUCE_GRAD).
+        self._roots_own_setting: list[bool] | None = None
         self._synced = False  # perform_reduce_grad ran: an optimizer may step before the next
+
+    def _begin_accumulation(self) -> None:
+        """The step's first backward: the roots follow the stage's reduce-scatter choice."""
+        if self._roots_own_setting is not None:
+            return
+        self._roots_own_setting = [root.reduce_scatter_in_no_sync for root in self._mfsdp_roots]
+        for root in self._mfsdp_roots:
+            root.set_reduce_scatter_in_no_sync(self._reduce_scatter_each_microbatch)
+
+    def _end_accumulation(self) -> None:
+        if self._roots_own_setting is None:
+            return
+        for root, own in zip(self._mfsdp_roots, self._roots_own_setting, strict=True):
+            root.set_reduce_scatter_in_no_sync(own)
+        self._roots_own_setting = None
 
     def clear_runtime_states(self) -> None:
         """At the start of every schedule step: the weights an optimizer updated since the
@@ -100,6 +140,7 @@ class PipelineStage(pipelining.PipelineStage):
         they are). torch's weight pass sets each ``.grad`` by hand, which no unit sees; the
         gradients are handed to the units through autograd (see ``_hand_grads_to_units``).
         """
+        self._begin_accumulation()
         for root in self._mfsdp_roots:
             root.set_reshard_after_backward(False)
             root.set_requires_gradient_sync(False)
@@ -136,6 +177,7 @@ class PipelineStage(pipelining.PipelineStage):
             root.set_requires_gradient_sync(True)
         for root in self._mfsdp_roots:
             root.finish_grad_sync()
+        self._end_accumulation()
         for module in _sharded_modules(self.submod):
             module.reshard()
         self._synced = True
@@ -149,10 +191,14 @@ class PipelineStage(pipelining.PipelineStage):
         grad_outputs: list[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
         """Shape inference's input-only backward: computes no parameter gradient, so its end
-        must not reduce one (each unit's own sync flag is put back after)."""
+        must reduce nothing, not even a shard inside ``dp_shard`` (each unit's own sync flag
+        and the roots' own ``reduce_scatter_in_no_sync`` are put back after)."""
         flags = [(m, m.requires_gradient_sync) for m in _sharded_modules(self.submod)]
+        own = [root.reduce_scatter_in_no_sync for root in self._mfsdp_roots]
         for module, _ in flags:
             module.set_requires_gradient_sync(False, recurse=False)
+        for root in self._mfsdp_roots:
+            root.set_reduce_scatter_in_no_sync(False)
         try:
             grads: tuple[torch.Tensor | None, ...] = super()._compute_input_grads(
                 outputs, all_fwd_inputs, grad_outputs
@@ -160,4 +206,6 @@ class PipelineStage(pipelining.PipelineStage):
         finally:
             for module, flag in flags:
                 module.set_requires_gradient_sync(flag, recurse=False)
+            for root, setting in zip(self._mfsdp_roots, own, strict=True):
+                root.set_reduce_scatter_in_no_sync(setting)
         return grads

@@ -181,10 +181,30 @@ class FSDPModule(FSDP2Refusals, TorchFSDPModule):
         micro-batches' reductions overlap the next one (False). A root-level option: call it
         on the root; it applies to the whole tree, from the next backward on."""
         _check_bool(sync_model_each_microbatch, "sync_model_each_microbatch")
-        root = self._root_only("set_sync_model_each_microbatch")
-        options = dataclasses.replace(
-            self._mfsdp_unit().options.root, sync_model_each_microbatch=sync_model_each_microbatch
+        self._set_root_option(
+            "set_sync_model_each_microbatch", sync_model_each_microbatch=sync_model_each_microbatch
         )
+
+    def set_reduce_scatter_in_no_sync(self, reduce_scatter_in_no_sync: bool) -> None:
+        """Under ``no_sync``, ZeRO-2/3 units reduce-scatter every micro-batch inside
+        ``dp_shard`` and keep only their gradient shard (True, Megatron-FSDP's ``no_sync``:
+        less memory, one reduce-scatter per unit per micro-batch), or keep their unsharded
+        gradients local until the synced backward reduces them once (False, FSDP2's: one
+        reduce-scatter per unit per step). A root-level option: call it on the root; it
+        applies to the whole tree, from the next backward on."""
+        _check_bool(reduce_scatter_in_no_sync, "reduce_scatter_in_no_sync")
+        self._set_root_option(
+            "set_reduce_scatter_in_no_sync", reduce_scatter_in_no_sync=reduce_scatter_in_no_sync
+        )
+
+    @property
+    def reduce_scatter_in_no_sync(self) -> bool:
+        return self._mfsdp_unit().options.root.reduce_scatter_in_no_sync
+
+    def _set_root_option(self, setter: str, **change: bool) -> None:
+        """One root-level option changed for the whole tree (``setter`` names the caller)."""
+        root = self._root_only(setter)
+        options = dataclasses.replace(self._mfsdp_unit().options.root, **change)
         if root is not None:
             root.set_root_options(options)
             return
