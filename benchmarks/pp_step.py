@@ -5,8 +5,9 @@ pp=2 x dp=2, the GPT stages of ``examples/train_gpt_pp.py``.
     torchrun --standalone --nproc-per-node 4 benchmarks/pp_step.py --impl fsdp2
 
 Prints one line from rank 0: the median step time over the timed steps (after warm-up),
-the reduce-scatters and all-gathers per step on that rank (ours: ``CommTracer``; FSDP2:
-torch's ``CommDebugMode``), and the peak resident memory of each rank (``ru_maxrss``).
+the reduce-scatters and all-gathers per step on that rank, with their bytes (ours:
+``CommTracer``; FSDP2: ``C10dTracer``, which records torch's c10d ops the same way), and
+the peak resident memory of each rank (``ru_maxrss``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import make_corpus  # type: ignore[import-not-found]
 from train_gpt_pp import DP, PP, cross_entropy, make_stage  # type: ignore[import-not-found]
 
-from mfsdp_collectives import CommTracer, disable_host_transport
+from mfsdp_collectives import C10dTracer, CommLog, CommTracer, disable_host_transport
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -57,30 +57,17 @@ def _shard(module: nn.Module, impl: str, mesh: Any) -> Any:
     return PipelineStage
 
 
-class _C10dCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Counts the c10d ops dispatched while active (torch's CommDebugMode would do, but its
-    module tracker fails under the pipelining schedules' forward hooks)."""
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if "c10d" in str(func):
-            self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-def _counted(impl: str, step: Callable[[], None]) -> tuple[int, int]:
-    """(reduce-scatters, all-gathers) ``step`` issues on this rank."""
-    if impl == "fsdp2":
-        with _C10dCounter() as counter:
-            step()
-        rs = sum("reduce_scatter" in op for op in counter.ops)
-        return rs, sum("allgather" in op for op in counter.ops)
-    with CommTracer() as tracer:
+def _counted(impl: str, step: Callable[[], None]) -> tuple[int, int, int, int]:
+    """(reduce-scatters, their bytes, all-gathers, their bytes) ``step`` issues on this rank."""
+    log: CommLog
+    with C10dTracer() if impl == "fsdp2" else CommTracer() as log:
         step()
-    return tracer.calls("reduce_scatter"), tracer.calls("all_gather")
+    return (
+        log.calls("reduce_scatter"),
+        log.bytes("reduce_scatter"),
+        log.calls("all_gather"),
+        log.bytes("all_gather"),
+    )
 
 
 def main() -> None:
@@ -125,7 +112,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
 
-    times, counts = [], (0, 0)
+    times, counts = [], (0, 0, 0, 0)
     for step in range(args.warmup + args.steps):
         dist.barrier()
         start = time.perf_counter()
@@ -143,7 +130,8 @@ def main() -> None:
         print(
             f"{args.impl} {args.schedule} pp={PP} x dp={DP} mb={args.microbatches}: "
             f"step {statistics.median(times):.0f} ms (min {min(times):.0f}, max {max(times):.0f}), "
-            f"stage 0 rank 0 per step: {counts[0]} reduce-scatters, {counts[1]} all-gathers, "
+            f"stage 0 rank 0 per step: {counts[0]} reduce-scatters ({counts[1]} B), "
+            f"{counts[2]} all-gathers ({counts[3]} B), "
             f"RSS HWM MiB per rank {[round(g.item()) for g in gathered]}",
             flush=True,
         )

@@ -66,3 +66,38 @@ def test_thread_safe_counting() -> None:
             th.join()
     assert t.calls("reduce_scatter") == per_thread * threads
     assert t.bytes("reduce_scatter") == per_thread * threads * 8
+
+
+def _c10d_worker(rank: int, world: int) -> list[tuple[str, int, int]]:
+    """torch's own collectives, then ours over c10d, under one C10dTracer and one CommTracer."""
+    import torch.distributed as dist
+
+    from mfsdp_collectives import C10dTracer, ReduceSpec, all_gather_into, reduce_scatter_into
+
+    group = dist.group.WORLD
+    with C10dTracer() as theirs, CommTracer() as ours:
+        full = torch.ones(6 * world, dtype=torch.bfloat16)
+        dist.reduce_scatter_tensor(torch.empty(6, dtype=torch.bfloat16), full)
+        dist.all_gather_into_tensor(torch.empty(4 * world), torch.ones(4))
+        dist.all_reduce(torch.ones(3, dtype=torch.float64))
+        grads = torch.ones(8 * world)
+        reduce_scatter_into(grads, torch.empty(8), group, spec=ReduceSpec(), async_op=False)
+        all_gather_into(torch.ones(5), torch.empty(5 * world), group, async_op=False)
+    assert ours.calls("reduce_scatter") == ours.calls("all_gather") == 1  # ours only
+    return [(r.op, r.numel, r.bytes) for r in theirs.records]
+
+
+def test_c10d_tracer_records_torch_collectives_like_ours() -> None:
+    """Bytes sent in: a reduce-scatter's whole input, an all-gather's shard, an all-reduce's
+    tensor, for torch's collectives and ours alike (ours over c10d: no host transport)."""
+    from mfsdp_collectives.testing import run_distributed
+
+    results = run_distributed(_c10d_worker, 2, timeout=60)
+    expected = [
+        ("reduce_scatter", 12, 24),
+        ("all_gather", 4, 16),
+        ("all_reduce", 3, 24),
+        ("reduce_scatter", 16, 64),
+        ("all_gather", 5, 20),
+    ]
+    assert results == [expected, expected]

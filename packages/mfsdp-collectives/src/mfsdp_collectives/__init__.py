@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ._reduce import ReduceSpec
 from .agreement import RankMismatchError, check_ranks_agree
+from .c10d_tracer import C10dTracer
 from .handle import CommHandle
 from .host_transport import (
     HOST_TRANSPORTS,
@@ -37,13 +38,15 @@ from .shm import SharedMemoryTransport
 from .streams import CommStreams
 from .strict import strict_async, strict_async_enabled
 from .topology import FSDPTopology, default_device, mesh_has_dim
-from .tracer import CommRecord, CommTracer
+from .tracer import CommLog, CommRecord, CommTracer
 
 __version__ = "1.0.0"
 
 __all__ = [
     "mesh_has_dim",
     "CommHandle",
+    "C10dTracer",
+    "CommLog",
     "CommRecord",
     "CommStreams",
     "CommTracer",

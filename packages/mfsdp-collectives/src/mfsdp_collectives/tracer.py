@@ -18,7 +18,7 @@ from types import TracebackType
 
 import torch
 
-__all__ = ["OP_NAMES", "CommRecord", "CommTracer", "record_comm"]
+__all__ = ["OP_NAMES", "CommLog", "CommRecord", "CommTracer", "record_comm"]
 
 OP_NAMES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
@@ -48,35 +48,12 @@ def record_comm(op: str, group: str, numel: int, dtype: torch.dtype) -> None:
         tracer._add(rec)
 
 
-class CommTracer:
-    """Counts calls and bytes per ``(group, op)`` while open.
-
-    Nested tracers each record everything issued inside them; entering the same
-    tracer twice is counted once.
-    """
+class CommLog:
+    """Collectives recorded in issue order, and the totals tests assert on."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._records: list[CommRecord] = []
-        self._depth = 0
-
-    def __enter__(self) -> CommTracer:
-        with _active_lock:
-            if self._depth == 0:
-                _active.append(self)
-            self._depth += 1
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        with _active_lock:
-            self._depth -= 1
-            if self._depth == 0:
-                _active.remove(self)
 
     def _add(self, rec: CommRecord) -> None:
         with self._lock:
@@ -111,6 +88,36 @@ class CommTracer:
         return out
 
     def reset(self) -> None:
-        """Forget everything recorded so far (the tracer stays open)."""
+        """Forget everything recorded so far (the log stays open)."""
         with self._lock:
             self._records.clear()
+
+
+class CommTracer(CommLog):
+    """Counts calls and bytes per ``(group, op)`` of this package's collectives while open.
+
+    Nested tracers each record everything issued inside them; entering the same
+    tracer twice is counted once.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._depth = 0
+
+    def __enter__(self) -> CommTracer:
+        with _active_lock:
+            if self._depth == 0:
+                _active.append(self)
+            self._depth += 1
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        with _active_lock:
+            self._depth -= 1
+            if self._depth == 0:
+                _active.remove(self)
