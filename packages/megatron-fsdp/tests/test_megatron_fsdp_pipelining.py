@@ -13,73 +13,27 @@ schedule x ZeRO strategy x API.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import gc
-import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.pipelining import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
+from pipeline_cases import (
+    FULL,
+    PP,
+    RS_EACH_MB,
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    STEPS,
+    TIMEOUT,
+    assert_matches_one_process,
+    assert_same_memory_after_each_step,
+    pipeline_worker,
+    reference,
 )
 
-import mfsdp_hooks
-from megatron_fsdp import MegatronFSDP, fully_shard_model, fully_shard_optimizer
-from megatron_fsdp.pipelining import PipelineStage, sharded_roots
-from mfsdp_buffers import LiveTensorTracker
-from mfsdp_checkpoint import gather_full_state_dict
-from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import ShardingOptions
-from mfsdp_hooks.testing import (
-    Block,
-    ToyModel,
-    assert_close_rel,
-    local_slice,
-    loss_fn,
-    make_batches,
-    make_model,
-    train_single_process,
-)
 
-RTOL = 1e-5
-STEPS = 10
-N_BLOCKS = 4
-GLOBAL_BATCH = 16  # 8 rows per DP rank: 4 micro-batches of 2, or 8 of 1
-PP = DP = 2
-TIMEOUT = 240
-FULL = os.environ.get("MFSDP_FULL_MATRIX") == "1"
-
-# name -> (schedule class, stages per rank); the zero-bubble ones split each backward into
-# its input-gradient pass (I) and, later, its weight-gradient pass (W).
-SCHEDULES: dict[str, tuple[Any, int]] = {
-    "gpipe": (ScheduleGPipe, 1),
-    "1f1b": (Schedule1F1B, 1),
-    "interleaved1f1b": (ScheduleInterleaved1F1B, 2),
-    "loopedbfs": (ScheduleLoopedBFS, 2),
-    "interleaved_zb": (ScheduleInterleavedZeroBubble, 2),
-    "zbv": (ScheduleZBVZeroBubble, 2),
-}
-SPLIT_BACKWARD = {"interleaved_zb", "zbv"}
-V_SHAPED = {"zbv"}  # rank r holds stages r and 2 * PP - 1 - r (else r and r + PP)
-# per_module: mfsdp_hooks.fully_shard on each block, then the stage root.
-# seed: megatron_fsdp.fully_shard_model (its Megatron-FSDP no_sync would reduce-scatter each
-#   micro-batch under ZeRO-2/3; the PipelineStage keeps gradients to the step's end instead).
-# seed_class_rs_each_mb: the seed's MegatronFSDP class with PipelineStage(...,
-#   reduce_scatter_each_microbatch=True): ZeRO-2/3 reduce-scatter every micro-batch.
-APIS = ("per_module", "seed", "seed_class_rs_each_mb")
-RS_EACH_MB = "seed_class_rs_each_mb"
+DP = 2
+APIS = ("per_module", "seed", RS_EACH_MB)
 STRATEGIES = (1, 2, 3)
 CI_CASES = {
     ("gpipe", 3, "seed", 4),
@@ -88,69 +42,6 @@ CI_CASES = {
     ("1f1b", 2, RS_EACH_MB, 4),
     ("zbv", 3, "per_module", 4),
 }
-
-
-class Stage(nn.Module):
-    """A contiguous slice of the toy model: the embedding (first stage), blocks, the heads
-    (last stage). It shares the model's modules, so names map back to the model's."""
-
-    def __init__(self, model: ToyModel, blocks: range, first: bool, last: bool) -> None:
-        super().__init__()
-        self.first, self.last = first, last
-        if first:
-            self.embed, self.frozen = model.embed, model.frozen
-        self.blocks = nn.ModuleList(model.blocks[i] for i in blocks)
-        if last:
-            self.head, self.value = model.head, model.value
-
-    def forward(self, x: torch.Tensor) -> Any:
-        if self.first:
-            x = self.frozen(self.embed(x))
-        for block in self.blocks:
-            x = block(x)
-        if self.last:
-            return self.head(x), self.value(x)
-        return x
-
-
-def untied_model() -> ToyModel:
-    """The toy model with its head a parameter of its own (same initial values)."""
-    model = make_model(0, n_blocks=N_BLOCKS)
-    model.head.weight = nn.Parameter(model.embed.weight.detach().clone())
-    return model
-
-
-def _adamw(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-
-
-@functools.cache
-def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = untied_model()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    losses = train_single_process(model, _adamw(trainable), make_batches(STEPS, GLOBAL_BATCH))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _stage_names(stage: nn.Module, model: nn.Module) -> dict[str, str]:
-    """Each of the stage's state-dict keys -> the whole model's key for the same tensor."""
-    by_id = {id(v): k for k, v in model.state_dict(keep_vars=True).items()}
-    return {k: by_id[id(v)] for k, v in stage.state_dict(keep_vars=True).items()}
-
-
-def _shard(stage: Stage, api: str, zero: int, mesh: DeviceMesh, keep_weights: bool) -> nn.Module:
-    if api == "per_module":
-        # keep_weights: torchtitan's PP choice, reshard_after_forward=False on every unit.
-        options: dict[str, Any] = {"reshard_after_forward": False} if keep_weights else {}
-        for block in stage.blocks:
-            mfsdp_hooks.fully_shard(block, mesh=mesh, sharding_strategy=zero, **options)
-        return mfsdp_hooks.fully_shard(stage, mesh=mesh, sharding_strategy=zero, **options)  # type: ignore[no-any-return]
-    if api == "seed":
-        return fully_shard_model(
-            stage, fsdp_unit_modules=[Block], zero_dp_strategy=zero, device_mesh=mesh
-        )
-    options = ShardingOptions(zero_dp_strategy=zero, device_mesh=mesh)
-    return MegatronFSDP(stage, fsdp_unit_modules=[Block], options=options)
 
 
 def _expected_reduce_scatters(
@@ -167,158 +58,6 @@ def _expected_reduce_scatters(
     if schedule_name in SPLIT_BACKWARD:
         return None
     return [units * micro] * STEPS
-
-
-@dataclass
-class RankStages:
-    """This rank's stages of the pipeline, sharded over its DP pair."""
-
-    stages: list[PipelineStage] = field(default_factory=list)
-    models: list[nn.Module] = field(default_factory=list)  # what each stage runs
-    names: list[dict[str, str]] = field(default_factory=list)  # gathered key -> model's key
-    units: int = 0  # units that own trainable parameters: each reduces once per step
-
-
-def stage_indices(pp_rank: int, per_rank: int, v_shaped: bool) -> list[int]:
-    if v_shaped:
-        return [pp_rank, 2 * PP - 1 - pp_rank]
-    return list(range(pp_rank, PP * per_rank, PP))
-
-
-def build_stages(
-    pp_rank: int, schedule_name: str, api: str, zero: int, mesh: DeviceMesh, keep_weights: bool
-) -> RankStages:
-    per_rank = SCHEDULES[schedule_name][1]
-    n_stages = PP * per_rank
-    model = untied_model()
-    blocks_per_stage = N_BLOCKS // n_stages
-    built = RankStages()
-    for index in stage_indices(pp_rank, per_rank, schedule_name in V_SHAPED):
-        cut = range(index * blocks_per_stage, (index + 1) * blocks_per_stage)
-        first, last = index == 0, index == n_stages - 1
-        stage_module = Stage(model, cut, first=first, last=last)
-        local_names = _stage_names(stage_module, model)
-        sharded = _shard(stage_module, api, zero, mesh["dp_shard"], keep_weights)
-        prefix = "module." if sharded is not stage_module else ""
-        built.names.append({prefix + k: v for k, v in local_names.items()})
-        # Each block, and the stage root where it holds the embedding or the heads (a
-        # middle stage's root owns no parameter and reduces nothing).
-        own = len(cut) + (first or last)
-        built.units += own
-        built.models.append(sharded)
-        group = mesh["pp"].get_group()
-        built.stages.append(
-            PipelineStage(
-                sharded,
-                index,
-                n_stages,
-                torch.device("cpu"),
-                group=group,
-                reduce_scatter_each_microbatch=api == RS_EACH_MB,
-            )
-        )
-    return built
-
-
-def pipeline_worker(
-    rank: int,
-    world: int,
-    schedule_name: str,
-    zero: int,
-    api: str,
-    micro: int,
-    keep_weights: bool = False,
-    track_memory: bool = False,
-) -> dict[str, Any]:
-    """Train one case on this rank; its losses, final weights and per-step counts. With
-    ``track_memory`` live tensor bytes are counted from before the model is built
-    (``live_after_step``; the tracker slows every op down about 3x)."""
-    with LiveTensorTracker() if track_memory else contextlib.nullcontext() as memory:
-        mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp_shard"))
-        built = build_stages(
-            mesh["pp"].get_local_rank(), schedule_name, api, zero, mesh, keep_weights
-        )
-        # One optimizer per stage model (the seed's optimizer checkpoints belong to one model).
-        optimizers = [_adamw([p for p in m.parameters() if p.requires_grad]) for m in built.models]
-        if api != "per_module":
-            optimizers = [fully_shard_optimizer(o) for o in optimizers]
-        schedule_cls, per_rank = SCHEDULES[schedule_name]
-        stages: Any = built.stages[0] if per_rank == 1 else built.stages
-        schedule = schedule_cls(stages, n_microbatches=micro, loss_fn=loss_fn)
-        result = train(built, schedule, optimizers, mesh, memory)
-    result.update(
-        weights=final_weights(built),
-        units=built.units,
-        expected_reduce_scatters=_expected_reduce_scatters(
-            schedule_name, api, zero, built.units, micro
-        ),
-        # torch's pipelining recognises FSDP by this class (its UNSHARD/RESHARD actions).
-        torch_fsdp_roots=[
-            isinstance(root, torch.distributed.fsdp.FSDPModule)
-            for m in built.models
-            for root in sharded_roots(m)
-        ],
-    )
-    return result
-
-
-def train(
-    built: RankStages,
-    schedule: Any,
-    optimizers: list[torch.optim.Optimizer],
-    mesh: DeviceMesh,
-    memory: LiveTensorTracker | None,
-) -> dict[str, Any]:
-    """``STEPS`` schedule steps, each followed by the optimizers' step and zero_grad."""
-    dp_rank = mesh["dp_shard"].get_local_rank()
-    has_first = any(s.is_first for s in built.stages)
-    has_last = any(s.is_last for s in built.stages)
-    counts: dict[str, list[int]] = {op: [] for op in ("reduce_scatter", "all_reduce", "all_gather")}
-    losses, live = [], []
-    for tokens, targets in make_batches(STEPS, GLOBAL_BATCH):
-        args = (local_slice(tokens, dp_rank, DP),) if has_first else ()
-        step_losses: list[torch.Tensor] = []
-        kwargs: dict[str, Any] = {}
-        if has_last:
-            kwargs = {"target": local_slice(targets, dp_rank, DP), "losses": step_losses}
-        with CommTracer() as tracer:
-            schedule.step(*args, **kwargs)
-        for op, per_step in counts.items():
-            per_step.append(tracer.calls(op))
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-        if has_last:
-            losses.append(_global_loss(step_losses, mesh))
-        del step_losses, kwargs
-        if memory is not None:
-            gc.collect()
-            live.append(memory.live)
-    return {
-        "losses": losses,
-        "reduce_scatters": counts["reduce_scatter"],
-        "all_reduces": counts["all_reduce"],
-        "all_gathers": counts["all_gather"],
-        "live_after_step": live,
-        "holds_first_stage": int(has_first),
-    }
-
-
-def _global_loss(micro_losses: list[torch.Tensor], mesh: DeviceMesh) -> float:
-    """The step's loss over the global batch: the mean over micro-batches and DP ranks."""
-    total = torch.stack(micro_losses).mean().detach()
-    dist.all_reduce(total, group=mesh["dp_shard"].get_group())
-    return total.item() / DP
-
-
-def final_weights(built: RankStages) -> dict[str, list[Any]]:
-    """Every parameter of this rank's stages, full, under the whole model's names (plain
-    lists: tensors sent back from a rank would die with it). Collective over the DP pair."""
-    weights: dict[str, list[Any]] = {}
-    for model, names in zip(built.models, built.names, strict=True):
-        full = gather_full_state_dict(model, rank0_only=False)
-        weights.update({names[k]: v.float().tolist() for k, v in full.items()})
-    return weights
 
 
 def _cases() -> list[Any]:
@@ -347,7 +86,7 @@ def test_pipeline_matches_one_process(schedule_name: str, zero: int, api: str, m
     seen: set[str] = set()
     for rank, result in enumerate(results):
         what = f"{schedule_name} zero{zero} {api} rank {rank}"
-        expected = result["expected_reduce_scatters"]
+        expected = _expected_reduce_scatters(schedule_name, api, zero, result["units"], micro)
         if expected is None:  # at least one per unit (the step's weight gradients)
             assert min(result["reduce_scatters"]) >= result["units"], what
         else:
@@ -355,29 +94,10 @@ def test_pipeline_matches_one_process(schedule_name: str, zero: int, api: str, m
         assert result["all_reduces"] == [0] * STEPS, what
         assert result["torch_fsdp_roots"] and all(result["torch_fsdp_roots"]), what
         if FULL:
-            _assert_same_memory_after_each_step(result["live_after_step"], what)
-        seen |= _assert_matches_one_process(result, what)
+            assert_same_memory_after_each_step(result["live_after_step"], what)
+        seen |= assert_matches_one_process(result, what)
     want = set(reference()[1])
     assert seen == want, sorted(want ^ seen)
-
-
-def _assert_same_memory_after_each_step(live: list[int], what: str) -> None:
-    """Nothing of a step outlives it: live tensor bytes after each step (optimizer state
-    included) stay within a few scalars (torch's pipelining keeps one or two between steps)
-    of those after the first; a leaked gathered block or gradient buffer is over 1 KiB."""
-    assert len(live) == STEPS and max(live) - min(live) <= 64, f"{what}: {live}"
-
-
-def _assert_matches_one_process(result: dict[str, Any], what: str) -> set[str]:
-    """This rank's losses (last stage) and final weights against one process; returns the
-    names of the weights it checked."""
-    want_losses, want_weights = reference()
-    if result["losses"]:
-        got = torch.tensor(result["losses"], dtype=torch.float64)
-        assert_close_rel(got, torch.tensor(want_losses, dtype=torch.float64), RTOL, what)
-    for name, value in result["weights"].items():
-        assert_close_rel(torch.tensor(value), want_weights[name], RTOL, f"{what}: {name}")
-    return set(result["weights"])
 
 
 def _keep_weights_cases() -> list[Any]:
@@ -405,5 +125,5 @@ def test_weights_kept_gathered_through_the_step(schedule_name: str) -> None:
         # The stage-0 root holds two groups: the embedding and the frozen layer.
         groups = result["units"] + result["holds_first_stage"]
         assert result["all_gathers"][1:] == [groups] * (STEPS - 1), what
-        _assert_same_memory_after_each_step(result["live_after_step"], what)
-        _assert_matches_one_process(result, what)
+        assert_same_memory_after_each_step(result["live_after_step"], what)
+        assert_matches_one_process(result, what)
