@@ -307,13 +307,14 @@ def finetune(session: nox.Session) -> None:
 @nox.session
 def mcore(session: nox.Session) -> None:
     """Megatron-Core's real GPTModel trained through megatron_fsdp.mcore on 2 CPU ranks and
-    compared with one unsharded process (examples/mcore_gpt.py, tests/test_example_mcore_gpt.py).
+    compared with one unsharded process (examples/mcore_gpt.py, tests/test_example_mcore_gpt.py),
+    and Megatron-Core's interleaved pipeline schedule over chunks sharded by fully_shard_model
+    (tests/test_mcore_virtual_pipeline.py).
     megatron-core installs and imports on CPU; Transformer Engine and apex are not needed."""
     _install_workspace(session)
     session.install(MEGATRON_CORE)
-    session.run(
-        "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_example_mcore_gpt.py")
-    )
+    tests = ["test_example_mcore_gpt.py", "test_mcore_virtual_pipeline.py"]
+    session.run("pytest", "-q", "-p", "no:cacheprovider", *(str(ROOT / "tests" / t) for t in tests))
 
 
 @nox.session
