@@ -312,8 +312,13 @@ def mcore(session: nox.Session) -> None:
     (tests/test_mcore_virtual_pipeline.py).
     megatron-core installs and imports on CPU; Transformer Engine and apex are not needed."""
     _install_workspace(session)
-    session.install(MEGATRON_CORE)
-    tests = ["test_example_mcore_gpt.py", "test_mcore_virtual_pipeline.py"]
+    # einops: parallel_state's groups for num_distributed_optimizer_instances > 1.
+    session.install(MEGATRON_CORE, "einops")
+    tests = [
+        "test_example_mcore_gpt.py",
+        "test_mcore_virtual_pipeline.py",
+        "test_mcore_parallelism.py",
+    ]
     session.run("pytest", "-q", "-p", "no:cacheprovider", *(str(ROOT / "tests" / t) for t in tests))
 
 

@@ -10,10 +10,7 @@ two per rank; 10 AdamW steps of 4 micro-batches must match one process training 
 chunks in a row on the same global batches (losses and final weights within 1e-5).
 Needs megatron-core (``nox -s mcore`` installs it); skipped elsewhere.
 
-CPU workarounds (Megatron-Core's schedule assumes CUDA), test-only: its P2P buffers are
-allocated on ``torch.cuda.current_device()``, which a CPU build cannot answer, so the worker
-points it at the CPU; the schedule makes its token counter with ``device="cuda"``, which
-``_CudaOnCpu`` (a ``TorchFunctionMode`` around the schedule call) maps to the CPU.
+CPU workarounds for Megatron-Core's CUDA-only calls, test-only: ``tests/mcore_cpu.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.overrides import TorchFunctionMode
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (nox -s mcore)")
 
@@ -40,6 +36,8 @@ with warnings.catch_warnings():  # "Transformer Engine and Apex are not installe
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
+
+from mcore_cpu import CudaOnCpu, point_cuda_device_at_cpu
 
 from megatron_fsdp import fully_shard_model, fully_shard_optimizer
 from mfsdp_checkpoint import gather_full_state_dict
@@ -128,19 +126,6 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in chunks.state_dict().items()}
 
 
-class _CudaOnCpu(TorchFunctionMode):
-    """Test-only: factory calls that name ``device="cuda"`` make CPU tensors instead."""
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = dict(kwargs or {})
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
-            kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
-
-
 def _wrap_chunks(zero: int, once_per_step: bool) -> tuple[list[Any], TransformerConfig, Any]:
     """This rank's two chunks (virtual stages ``pp_rank`` and ``pp_rank + PP``), each sharded
     by ``fully_shard_model`` over the data-parallel group Megatron-Core made."""
@@ -170,7 +155,7 @@ def _wrap_chunks(zero: int, once_per_step: bool) -> tuple[list[Any], Transformer
 
 
 def _worker(rank: int, world: int, zero: int, align: bool, once_per_step: bool) -> dict[str, Any]:
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    point_cuda_device_at_cpu()
     parallel_state.initialize_model_parallel(1, PP, virtual_pipeline_model_parallel_size=VPP)
     chunks, config, dp_group = _wrap_chunks(zero, once_per_step)
     # As Megatron-LM's training.py wires Megatron-FSDP (--overlap-grad-reduce, and
@@ -196,7 +181,7 @@ def _worker(rank: int, world: int, zero: int, align: bool, once_per_step: bool) 
                 {"loss": _loss(logits, targets).detach()},
             )
 
-        with CommTracer() as tracer, _CudaOnCpu():
+        with CommTracer() as tracer, CudaOnCpu():
             reduced = get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=data,

@@ -142,8 +142,8 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("mcore", "zero1"): PARITY,
     ("mcore", "zero2"): PARITY,
     ("mcore", "zero3"): PARITY,
-    ("mcore", "hsdp"): ("refused", NotImplementedError, "num_distributed_optimizer_instances"),
-    ("mcore", "hfsdp"): ("refused", NotImplementedError, "num_distributed_optimizer_instances"),
+    ("mcore", "hsdp"): PARITY,
+    ("mcore", "hfsdp"): PARITY,
     ("mcore", "tp_dtensor"): ("refused", NotImplementedError, "config.tensor_model_parallel_size"),
     ("mcore", "tp_megatron"): ("refused", NotImplementedError, "config.tensor_model_parallel_size"),
     ("mcore", "ep"): ("refused", NotImplementedError, "config.expert_model_parallel_size"),
@@ -189,6 +189,7 @@ CI_CELLS: tuple[tuple[str, str], ...] = (
     ("mcore", "train_eval"),
     ("mcore", "cpu_offload"),
     ("mcore", "tp_megatron"),
+    ("mcore", "hsdp"),
 )
 
 

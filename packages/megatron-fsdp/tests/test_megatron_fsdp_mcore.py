@@ -12,13 +12,15 @@ parameters, ``copy_main_weights_to_model_weights`` and ``start_param_sync``.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 
-from megatron_fsdp import MegatronFSDP
+from megatron_fsdp import FSDPDistributedIndex, MegatronFSDP
 from megatron_fsdp.mcore import FullyShardedDataParallel
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks.testing import Block, local_slice, loss_fn, make_batches, make_model
@@ -32,6 +34,7 @@ class TransformerConfigStandIn:
     """The ``TransformerConfig`` fields the adapter reads, with Megatron-Core's defaults."""
 
     tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     num_moe_experts: int | None = None
@@ -52,6 +55,7 @@ class MCoreDDPConfigStandIn:
     num_buckets: int | None = None
     align_param_gather: bool = False
     megatron_fsdp_version: int = 1
+    num_distributed_optimizer_instances: int = 1
 
 
 def _mcore_loop_worker(rank: int, world: int, strategy: str) -> list[float]:
@@ -148,11 +152,27 @@ def test_state_dict_keys_and_loading_with_or_without_the_module_prefix() -> None
 
 
 def _refusal_worker(rank: int, world: int, case: str) -> str:
-    del rank, world
+    del rank
     config: Any = TransformerConfigStandIn()
     ddp_config: Any = MCoreDDPConfigStandIn(data_parallel_sharding_strategy="optim_grads_params")
     units: Any = [Block]
-    if case == "tensor_parallel":
+    model = make_model()
+    if case == "class_instances_without_outer":  # the reference's class, a 1-D dist index
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        ddp_config = MCoreDDPConfigStandIn(num_distributed_optimizer_instances=2)
+        try:
+            MegatronFSDP(model, FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard"), ddp_config)
+        except ValueError as error:
+            return f"{type(error).__name__}: {error}"
+        return "accepted"
+    if case == "pipeline_without_groups":
+        config = TransformerConfigStandIn(pipeline_model_parallel_size=2)
+    elif case == "tied_across_stages":
+        config = TransformerConfigStandIn(pipeline_model_parallel_size=2)
+        model.share_embeddings_and_output_weights = True  # as GPTModel has it
+    elif case == "instances_not_dividing":
+        ddp_config.num_distributed_optimizer_instances = 3
+    elif case == "tensor_parallel":
         config = TransformerConfigStandIn(tensor_model_parallel_size=2)
     elif case == "moe":
         config = TransformerConfigStandIn(num_moe_experts=4)
@@ -161,7 +181,7 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
     elif case == "no_units_without_mcore":
         units = None
     try:
-        FullyShardedDataParallel(config, ddp_config, make_model(), fsdp_unit_modules=units)
+        FullyShardedDataParallel(config, ddp_config, model, fsdp_unit_modules=units)
     except (NotImplementedError, ValueError) as error:
         return f"{type(error).__name__}: {error}"
     return "accepted"
@@ -173,7 +193,31 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
         ("tensor_parallel", "NotImplementedError: config.tensor_model_parallel_size=2"),
         ("moe", "NotImplementedError: config.num_moe_experts"),
         ("mcore_only_field", "NotImplementedError: ddp_config.megatron_fsdp_version=2"),
-        ("no_units_without_mcore", "ValueError: fsdp_unit_modules is required"),
+        pytest.param(
+            "no_units_without_mcore",
+            "ValueError: fsdp_unit_modules is required",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("megatron") is not None,
+                reason="megatron-core is installed: its layer classes are the default units",
+            ),
+        ),
+        (
+            "pipeline_without_groups",
+            "ValueError: config.pipeline_model_parallel_size=2: the data-parallel group is not",
+        ),
+        (
+            "tied_across_stages",
+            "NotImplementedError: config.pipeline_model_parallel_size=2 with "
+            "share_embeddings_and_output_weights=True",
+        ),
+        (
+            "instances_not_dividing",
+            "ValueError: ddp_config.num_distributed_optimizer_instances=3 does not divide",
+        ),
+        (
+            "class_instances_without_outer",
+            "ValueError: ddp_config.num_distributed_optimizer_instances=2 asks for HSDP",
+        ),
     ],
 )
 def test_what_the_adapter_cannot_do_is_refused_at_wrap_time(case: str, expected: str) -> None:

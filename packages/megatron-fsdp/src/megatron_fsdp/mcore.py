@@ -10,11 +10,14 @@ and its ``DistributedOptimizer`` call on a model chunk: ``no_sync``, ``start_gra
 ``start_param_sync``, ``broadcast_params``, ``synchronize_param_gather``,
 ``stop_communication`` and ``param_and_grad_buffer.copy_main_weights_to_model_weights()``.
 
-Nothing here imports ``megatron.core``: the config is read by its public field names, and
-the data-parallel group comes from ``pg_collection.dp_cp`` (Megatron-Core's
-``ProcessGroupCollection``) or is the whole world. Tensor, context and expert parallelism and
-partial distributed optimizers are refused at wrap time, naming the setting (the one table of
-``megatron_fsdp.unsupported``).
+Nothing here needs ``megatron.core``: the config is read by its public field names, and the
+data-parallel group comes from ``pg_collection.dp_cp`` (Megatron-Core's
+``ProcessGroupCollection``), from ``megatron.core.parallel_state`` when it is initialised, or
+is the whole world (``megatron_fsdp.mcore_groups``). Pipeline parallelism (each chunk wrapped
+on its own, driven by Megatron-Core's schedules) and HSDP
+(``num_distributed_optimizer_instances > 1``) work; tensor, context and expert parallelism are
+refused at wrap time, naming the setting (the one table of ``megatron_fsdp.unsupported``), and
+so are word embeddings tied across pipeline stages.
 """
 
 from __future__ import annotations
@@ -27,10 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from megatron_fsdp.ddp_config import DistributedDataParallelConfig
-from megatron_fsdp.dist_index import FSDPDistributedIndex
+from megatron_fsdp.mcore_groups import data_parallel_index
 from megatron_fsdp.unsupported import refuse_unsupported
 from megatron_fsdp.wrapper import MegatronFSDP
 from mfsdp_checkpoint import enable_dcp
@@ -87,14 +89,18 @@ class MCoreFSDPModel(nn.Module):
         pg_collection: Any,
     ) -> None:
         super().__init__()
-        _refuse_unsupported_parallelism(config, ddp_config)
+        _refuse_unsupported_parallelism(config, ddp_config, module, pg_collection)
         del disable_bucketing  # units are the buckets: there is no other bucketing to disable
-        group = _data_parallel_group(pg_collection)
         device_type = torch.device(device).type if device is not None else _default_device()
-        mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_cp",))
         self.config = config
         self.ddp_config = ddp_config
-        self.megatron_fsdp_dist_index = FSDPDistributedIndex(mesh, dp_shard_dim="dp_cp")
+        self.megatron_fsdp_dist_index = data_parallel_index(
+            config,
+            int(ddp_config.num_distributed_optimizer_instances),
+            ddp_config.outer_dp_sharding_strategy in ("optim", 1),
+            pg_collection,
+            device_type,
+        )
         self.fsdp_unit_modules = _default_units(fsdp_unit_modules, ddp_config)
         self.module = MegatronFSDP(
             module,
@@ -194,28 +200,17 @@ class ParamAndGradBuffer:
         )
 
 
-def _refuse_unsupported_parallelism(config: Any, ddp_config: DistributedDataParallelConfig) -> None:
+def _refuse_unsupported_parallelism(
+    config: Any, ddp_config: DistributedDataParallelConfig, module: nn.Module, pg_collection: Any
+) -> None:
     """The ``TransformerConfig`` fields this adapter lacks a parallelism for, then the config's
-    own (partial distributed optimizers among them), before any group is touched."""
+    own, before any group is touched."""
     refuse_unsupported("mcore_config", config)
     ddp_config.refuse_unsupported()
-
-
-def _data_parallel_group(pg_collection: Any) -> dist.ProcessGroup:
     if not dist.is_initialized():
         raise RuntimeError(
             "FullyShardedDataParallel needs torch.distributed initialised "
             "(torch.distributed.init_process_group) before wrapping"
-        )
-    if pg_collection is None:
-        world = dist.group.WORLD
-        assert world is not None
-        return world
-    group = getattr(pg_collection, "dp_cp", None)
-    if not isinstance(group, dist.ProcessGroup):
-        raise ValueError(
-            "pg_collection: it has no process group 'dp_cp' (Megatron-Core's data x context "
-            "parallel group), which FSDP shards over; set pg_collection.dp_cp"
         )
     tp = getattr(pg_collection, "tp", None)
     if isinstance(tp, dist.ProcessGroup) and tp.size() > 1:
@@ -223,7 +218,16 @@ def _data_parallel_group(pg_collection: Any) -> dist.ProcessGroup:
             "pg_collection.tp has more than one rank: tensor parallelism through the "
             "Megatron-Core adapter is not supported yet"
         )
-    return group
+    stages = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
+    if stages > 1 and getattr(module, "share_embeddings_and_output_weights", False):
+        raise NotImplementedError(
+            f"config.pipeline_model_parallel_size={stages} with "
+            "share_embeddings_and_output_weights=True is not supported yet: Megatron-Core "
+            "all-reduces the first and last stages' copies of the word embedding shard by "
+            "shard, and megatron-fsdp lays the two copies out in different units; untie them "
+            "(GPTModel(share_embeddings_and_output_weights=False), Megatron-LM's "
+            "--untie-embeddings-and-output-weights)"
+        )
 
 
 def _default_device() -> str:

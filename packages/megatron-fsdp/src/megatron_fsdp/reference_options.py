@@ -97,6 +97,16 @@ def reference_options(
                 "set the dtypes in one of them"
             )
         policy = mixed_precision_policy
+    instances = config.num_distributed_optimizer_instances
+    outer = dist_index.outer_fsdp_group
+    if instances > 1 and (outer is None or outer.size() != instances):
+        raise ValueError(
+            f"ddp_config.num_distributed_optimizer_instances={instances} asks for HSDP over "
+            f"{instances} replicas, but dist_index has "
+            + ("no dp_outer_dim" if outer is None else f"a dp_outer dim of {outer.size()}")
+            + f": give FSDPDistributedIndex a dp_outer_dim of size {instances}, or leave "
+            "num_distributed_optimizer_instances at 1"
+        )
     outer_sharded = config.outer_dp_sharding_strategy in ("optim", 1)
     if dist_index.hsdp_outer_dp_shard != outer_sharded:
         raise ValueError(

@@ -87,12 +87,6 @@ NOT_YET: dict[str, NotYet] = {
     "megatron_fsdp_max_pool_double_buffer": NotYet(
         "ddp_config", False, "the max-pool double buffer"
     ),
-    "num_distributed_optimizer_instances": NotYet(
-        "ddp_config",
-        1,
-        "partial distributed optimizers (HSDP in Megatron-Core)",
-        fix="leave it at 1, or use fully_shard_model with dp_outer_dim for HSDP",
-    ),
     # FSDPDistributedIndex arguments
     "hybrid_fsdp_expt_group": NotYet("dist_index", None, "a hybrid expert group"),
     "fsdp_group_ag": NotYet("dist_index", None, "a separate all-gather group"),
