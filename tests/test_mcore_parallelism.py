@@ -1,6 +1,10 @@
 """Megatron-Core's own ``GPTModel`` through ``megatron_fsdp.mcore.FullyShardedDataParallel``
-with Megatron-Core's parallelisms (issue 29): pipeline (1F1B), virtual pipeline and HSDP
-(``num_distributed_optimizer_instances=2``), each at ZeRO-3 (``optim_grads_params``) and
+with Megatron-Core's parallelisms (issue 29): pipeline (1F1B), virtual pipeline, HSDP
+(``num_distributed_optimizer_instances=2``), tensor parallelism (FSDP over the DP group,
+the TP group from Megatron-Core) and tensor + sequence parallelism (the sequence-parallel
+norms' gradients summed over TP by Megatron-Core's ``finalize_model_grads`` on our sharded
+gradients), each at
+ZeRO-3 (``optim_grads_params``) and
 ZeRO-1 (``optim``), driven by ``get_forward_backward_func()`` with ``config.no_sync_func``
 and ``config.finalize_model_grads_func`` wired as Megatron-LM's ``training.py`` wires them
 for Megatron-FSDP.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -41,6 +46,7 @@ with warnings.catch_warnings():  # "Transformer Engine and Apex are not installe
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mcore_cpu import CudaOnCpu, point_cuda_device_at_cpu
@@ -53,15 +59,54 @@ GLOBAL_BATCH, N_MICRO, STEPS, SEED, LR = 8, 2, 10, 1234, 3e-3
 RTOL = 1e-5
 MASK = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(diagonal=1).view(1, 1, SEQ, SEQ)
 
-# name -> (ranks, pipeline stages, virtual stages per rank, optimizer instances, groups from)
-LAYOUTS: dict[str, tuple[int, int, int | None, int, str]] = {
-    "pp2_dp2": (4, 2, None, 1, "pg_collection"),
-    "pp2_vpp2_dp1": (2, 2, 2, 1, "parallel_state"),
-    "dp_outer2_dp_shard2": (4, 1, None, 2, "pg_collection"),
+
+@dataclass(frozen=True)
+class Layout:
+    ranks: int
+    stages: int = 1  # pipeline_model_parallel_size
+    virtual: int | None = None  # virtual_pipeline_model_parallel_size
+    instances: int = 1  # num_distributed_optimizer_instances (HSDP)
+    tp: int = 1  # tensor_model_parallel_size
+    sequence_parallel: bool = False
+    groups_from: str = "pg_collection"  # or "parallel_state" (pg_collection=None)
+
+
+LAYOUTS: dict[str, Layout] = {
+    "pp2_dp2": Layout(4, stages=2),
+    "pp2_vpp2_dp1": Layout(2, stages=2, virtual=2, groups_from="parallel_state"),
+    "dp_outer2_dp_shard2": Layout(4, instances=2),
+    "tp2_dp2": Layout(4, tp=2, groups_from="parallel_state"),
+    "tp2_sp_dp2": Layout(4, tp=2, sequence_parallel=True),
 }
 
 
-def _config(stages: int = 1, virtual: int | None = None) -> TransformerConfig:
+class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    """Test-only stand-in for apex's ``FusedLayerNorm`` / TE's ``TENorm``: Megatron-Core's
+    local spec builds its norms as ``WrappedTorchNorm`` without them, which refuses sequence
+    parallelism ("sequence parallel not supported by torch LayerNorm",
+    megatron/core/transformer/torch_norm.py). Like those, it marks its parameters
+    ``sequence_parallel``, so ``finalize_model_grads`` sums their gradients over TP."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+
+def _layer_specs(config: TransformerConfig) -> Any:
+    """Megatron-Core's local spec; under sequence parallelism with the norms above."""
+    spec = get_gpt_layer_local_spec()
+    if not config.sequence_parallel:
+        return spec
+    spec.submodules.input_layernorm = SequenceParallelLayerNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelLayerNorm
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * config.num_layers, layer_norm=SequenceParallelLayerNorm
+    )
+
+
+def _config(layout: Layout | None = None) -> TransformerConfig:
+    layout = layout or Layout(1)
     return TransformerConfig(
         num_layers=LAYERS,
         hidden_size=HIDDEN,
@@ -71,8 +116,10 @@ def _config(stages: int = 1, virtual: int | None = None) -> TransformerConfig:
         attention_dropout=0.0,
         use_cpu_initialization=True,
         params_dtype=torch.float32,
-        pipeline_model_parallel_size=stages,
-        virtual_pipeline_model_parallel_size=virtual,
+        pipeline_model_parallel_size=layout.stages,
+        virtual_pipeline_model_parallel_size=layout.virtual,
+        tensor_model_parallel_size=layout.tp,
+        sequence_parallel=layout.sequence_parallel,
         pipeline_dtype=torch.float32,
         batch_p2p_comm=False,
     )
@@ -88,7 +135,7 @@ def _gpt(config: TransformerConfig, pre: bool, post: bool, vp_stage: int | None)
     buffers[("mpu", torch.float32)] = torch.empty(largest)
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=_layer_specs(config),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         pre_process=pre,
@@ -138,7 +185,14 @@ def _reference() -> tuple[list[float], dict[str, list[Any]]]:
 
 
 def _stage_from(model: GPTModel, initial: dict[str, list[Any]]) -> None:
-    """Load the whole model's initial weights into this stage (layers by global number)."""
+    """Load the whole model's initial weights into this stage: layers by global number, a
+    tensor-parallel parameter's slice along its ``partition_dim`` (Megatron-Core's layouts
+    cut evenly there, the fused QKV weight by whole query groups)."""
+    tp, tp_rank = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_rank(),
+    )
+    params = dict(model.named_parameters())
     state = {}
     for key in _tensors(model):
         source = key
@@ -146,23 +200,28 @@ def _stage_from(model: GPTModel, initial: dict[str, list[Any]]) -> None:
             _, _, index, rest = key.split(".", 3)
             number = model.decoder.layers[int(index)].layer_number
             source = f"decoder.layers.{number - 1}.{rest}"
-        state[key] = torch.tensor(initial[source])
+        value = torch.tensor(initial[source])
+        param = params.get(key)
+        if param is not None and getattr(param, "tensor_model_parallel", False):
+            value = value.chunk(tp, dim=param.partition_dim)[tp_rank]
+        state[key] = value
     model.load_state_dict(state, strict=False)
 
 
 def _chunks(layout: str, zero: str, initial: dict[str, list[Any]]) -> list[Any]:
-    _, stages, virtual, instances, groups_from = LAYOUTS[layout]
-    config = _config(stages, virtual)
+    spec = LAYOUTS[layout]
+    virtual = spec.virtual
+    config = _config(spec)
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True,
         data_parallel_sharding_strategy=zero,
         use_distributed_optimizer=True,
         overlap_grad_reduce=True,
         overlap_param_gather=True,
-        num_distributed_optimizer_instances=instances,
+        num_distributed_optimizer_instances=spec.instances,
     )
     pg_collection = None
-    if groups_from == "pg_collection":
+    if spec.groups_from == "pg_collection":
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     chunks = []
     for vp_stage in range(virtual or 1):
@@ -206,12 +265,12 @@ def _worker(
     rank: int, world: int, layout: str, zero: str, initial: dict[str, list[Any]]
 ) -> list[float]:
     point_cuda_device_at_cpu()
-    _, stages, virtual, instances, _ = LAYOUTS[layout]
+    spec = LAYOUTS[layout]
     parallel_state.initialize_model_parallel(
-        1,
-        stages,
-        virtual_pipeline_model_parallel_size=virtual,
-        num_distributed_optimizer_instances=instances,
+        spec.tp,
+        spec.stages,
+        virtual_pipeline_model_parallel_size=spec.virtual,
+        num_distributed_optimizer_instances=spec.instances,
     )
     chunks = _chunks(layout, zero, initial)
     optimizers = [torch.optim.AdamW(chunk.parameters(), lr=LR) for chunk in chunks]
@@ -252,10 +311,10 @@ def _worker(
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_gpt_through_the_adapter_matches_one_process(layout: str, zero: str) -> None:
     want, initial = _reference()
-    ranks = LAYOUTS[layout][0]
+    ranks = LAYOUTS[layout].ranks
     results = run_distributed(_worker, ranks, layout, zero, initial, timeout=300)
     last_stage = [losses for losses in results if losses]
-    assert len(last_stage) == ranks // LAYOUTS[layout][1]  # every DP rank of the last stage
+    assert len(last_stage) == ranks // LAYOUTS[layout].stages  # every rank of the last stage
     for losses in last_stage:
         got = torch.tensor(losses, dtype=torch.float64)
         expected = torch.tensor(want, dtype=torch.float64)

@@ -31,6 +31,7 @@ import contextlib
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -365,7 +366,7 @@ def build(row: str, col: str, layout: Layout, seed: int = 0) -> Built:
         _per_module(module, col, layout, units[0])
         return Built(module, _adamw(module.parameters()), module, module)
     if row == "mcore":
-        chunk = _mcore(module, col, units)
+        chunk = _mcore(module, col, layout, units)
         return Built(chunk, _adamw(chunk.parameters()), chunk, chunk.module.module)
     raise ValueError(f"unknown row {row!r}")
 
@@ -418,7 +419,7 @@ def _per_module(module: nn.Module, col: str, layout: Layout, unit: type[nn.Modul
     mfsdp_hooks.fully_shard(module, **options)
 
 
-def _mcore(module: nn.Module, col: str, units: list[type[nn.Module]]) -> Any:
+def _mcore(module: nn.Module, col: str, layout: Layout, units: list[type[nn.Module]]) -> Any:
     config = TransformerConfigStandIn(
         tensor_model_parallel_size=2 if family(col) == "tp" else 1,
         context_parallel_size=2 if col == "cp" else 1,
@@ -443,6 +444,13 @@ def _mcore(module: nn.Module, col: str, units: list[type[nn.Module]]) -> Any:
     extra: dict[str, Any] = {}
     if col == "cpu_offload":
         extra["offload_policy"] = CPUOffloadPolicy()
+    if layout.tp_mesh is not None:  # Megatron-Core's groups, as its ProcessGroupCollection
+        assert layout.device_mesh is not None
+        extra["pg_collection"] = SimpleNamespace(
+            dp_cp=layout.device_mesh["dp_shard"].get_group(),
+            tp=layout.tp_mesh.get_group(),
+            tp_dp_cp=dist.group.WORLD,
+        )
     return FullyShardedDataParallel(config, ddp_config, module, fsdp_unit_modules=units, **extra)
 
 

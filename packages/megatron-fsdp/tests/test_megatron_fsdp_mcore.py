@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -157,6 +158,7 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
     ddp_config: Any = MCoreDDPConfigStandIn(data_parallel_sharding_strategy="optim_grads_params")
     units: Any = [Block]
     model = make_model()
+    extra: dict[str, Any] = {}
     if case == "class_instances_without_outer":  # the reference's class, a 1-D dist index
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
         ddp_config = MCoreDDPConfigStandIn(num_distributed_optimizer_instances=2)
@@ -174,6 +176,9 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
         ddp_config.num_distributed_optimizer_instances = 3
     elif case == "tensor_parallel":
         config = TransformerConfigStandIn(tensor_model_parallel_size=2)
+    elif case == "tp_group_disagrees":
+        group = torch.distributed.group.WORLD
+        extra = {"pg_collection": SimpleNamespace(dp_cp=group, tp=group, tp_dp_cp=group)}
     elif case == "moe":
         config = TransformerConfigStandIn(num_moe_experts=4)
     elif case == "mcore_only_field":
@@ -181,7 +186,7 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
     elif case == "no_units_without_mcore":
         units = None
     try:
-        FullyShardedDataParallel(config, ddp_config, model, fsdp_unit_modules=units)
+        FullyShardedDataParallel(config, ddp_config, model, fsdp_unit_modules=units, **extra)
     except (NotImplementedError, ValueError) as error:
         return f"{type(error).__name__}: {error}"
     return "accepted"
@@ -190,7 +195,15 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
-        ("tensor_parallel", "NotImplementedError: config.tensor_model_parallel_size=2"),
+        (
+            "tensor_parallel",
+            "ValueError: config.tensor_model_parallel_size=2: the data-parallel group is not",
+        ),
+        (
+            "tp_group_disagrees",
+            "ValueError: config.tensor_model_parallel_size=1 but the tensor-parallel group has "
+            "2 rank(s)",
+        ),
         ("moe", "NotImplementedError: config.num_moe_experts"),
         ("mcore_only_field", "NotImplementedError: ddp_config.megatron_fsdp_version=2"),
         pytest.param(

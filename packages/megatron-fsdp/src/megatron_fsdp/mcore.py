@@ -14,10 +14,11 @@ Nothing here needs ``megatron.core``: the config is read by its public field nam
 data-parallel group comes from ``pg_collection.dp_cp`` (Megatron-Core's
 ``ProcessGroupCollection``), from ``megatron.core.parallel_state`` when it is initialised, or
 is the whole world (``megatron_fsdp.mcore_groups``). Pipeline parallelism (each chunk wrapped
-on its own, driven by Megatron-Core's schedules) and HSDP
-(``num_distributed_optimizer_instances > 1``) work; tensor, context and expert parallelism are
-refused at wrap time, naming the setting (the one table of ``megatron_fsdp.unsupported``), and
-so are word embeddings tied across pipeline stages.
+on its own, driven by Megatron-Core's schedules), HSDP (``num_distributed_optimizer_instances >
+1``) and tensor parallelism (with sequence parallelism: Megatron-Core's
+``finalize_model_grads`` sums those gradients over TP) work; context and expert parallelism
+are refused at wrap time, naming the setting (the one table of ``megatron_fsdp.unsupported``),
+and so are word embeddings tied across pipeline stages.
 """
 
 from __future__ import annotations
@@ -211,12 +212,6 @@ def _refuse_unsupported_parallelism(
         raise RuntimeError(
             "FullyShardedDataParallel needs torch.distributed initialised "
             "(torch.distributed.init_process_group) before wrapping"
-        )
-    tp = getattr(pg_collection, "tp", None)
-    if isinstance(tp, dist.ProcessGroup) and tp.size() > 1:
-        raise NotImplementedError(
-            "pg_collection.tp has more than one rank: tensor parallelism through the "
-            "Megatron-Core adapter is not supported yet"
         )
     stages = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
     if stages > 1 and getattr(module, "share_embeddings_and_output_weights", False):

@@ -25,10 +25,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megatron_fsdp.dist_index import FSDPDistributedIndex
 
-__all__ = ["SHARD_DIM", "OUTER_DIM", "data_parallel_index"]
+__all__ = ["OUTER_DIM", "SHARD_DIM", "TP_DIM", "data_parallel_index"]
 
 SHARD_DIM = "dp_cp"
 OUTER_DIM = "dp_outer"
+TP_DIM = "tp"
 
 
 def _parallel_state() -> Any | None:
@@ -94,57 +95,115 @@ def _instance_groups(
     return None
 
 
-def _hsdp_mesh(
-    dp_group: dist.ProcessGroup, instances: int, made: Any, device_type: str
+def _others(coords: tuple[int, ...], dim: int) -> tuple[int, ...]:
+    return coords[:dim] + coords[dim + 1 :]
+
+
+def _mesh_from_groups(
+    dims: list[tuple[str, dist.ProcessGroup]], span: dist.ProcessGroup, device_type: str
 ) -> DeviceMesh:
-    ranks = dist.get_process_group_ranks(dp_group)
-    if len(ranks) % instances:
+    """The mesh whose dims are the given groups (each the one holding this rank), built on
+    those groups (no new one): every rank of ``span`` (the ranks of the whole mesh) tells its
+    coordinates, and each group must be the line of the grid through its ranks."""
+    coords = tuple(dist.get_rank(group) for _, group in dims)
+    told: list[Any] = [None] * span.size()
+    dist.all_gather_object(told, (coords, dist.get_rank()), group=span)
+    shape = tuple(group.size() for _, group in dims)
+    grid = torch.full(shape, -1, dtype=torch.long)
+    for where, rank in told:
+        grid[where] = rank
+    names = tuple(name for name, _ in dims)
+    # The line through this rank along dim i: its coordinates with dim i left free.
+    lines_agree = all(
+        dist.get_process_group_ranks(group) == grid.movedim(i, -1)[_others(coords, i)].tolist()
+        for i, (_, group) in enumerate(dims)
+    )
+    if grid.numel() != span.size() or (grid < 0).any() or not lines_agree:
         raise ValueError(
-            f"ddp_config.num_distributed_optimizer_instances={instances} does not divide the "
-            f"{len(ranks)} data-parallel ranks; use a divisor of it"
+            f"the process groups for the mesh dims {list(names)} do not form a grid over "
+            f"the {span.size()} ranks that hold them (Megatron-Core's layout is expected): "
+            "pass Megatron-Core's own groups (ProcessGroupCollection.use_mpu_process_groups())"
         )
-    grid = torch.tensor(ranks).view(instances, len(ranks) // instances)
-    names = (OUTER_DIM, SHARD_DIM)
-    if made is None:  # the world is the data-parallel group: every rank builds the mesh
-        return init_device_mesh(device_type, tuple(grid.shape), mesh_dim_names=names)
-    inter, intra = made
-    me = dist.get_rank()
-    row, column = (grid == me).nonzero()[0].tolist()
-    if (
-        dist.get_process_group_ranks(intra) != grid[row].tolist()
-        or dist.get_process_group_ranks(inter) != grid[:, column].tolist()
-    ):
+    return DeviceMesh.from_group([g for _, g in dims], device_type, mesh=grid, mesh_dim_names=names)
+
+
+def _tensor_groups(
+    config: Any, pg_collection: Any, state: Any | None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup] | None:
+    """(TP group, the TP x DP x CP group that spans the mesh), or None without TP."""
+    size = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+    if pg_collection is not None:
+        tp, span = _group(pg_collection, "tp"), _group(pg_collection, "tp_dp_cp")
+    elif state is not None:
+        tp = state.get_tensor_model_parallel_group()
+        span = state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    else:
+        tp = span = None
+    given = tp.size() if tp is not None else 1
+    if given != size:
         raise ValueError(
-            "num_distributed_optimizer_instances: the intra- and inter-instance groups are not "
-            "Megatron-Core's layout (instances of consecutive data-parallel ranks); megatron-"
-            "fsdp shards inside an instance and replicates across them only in that layout"
+            f"config.tensor_model_parallel_size={size} but the tensor-parallel group has "
+            f"{given} rank(s): build the config and the groups with the same TP size"
         )
-    return DeviceMesh.from_group([inter, intra], device_type, mesh=grid, mesh_dim_names=names)
+    if size == 1:
+        return None
+    if span is None:
+        raise ValueError(
+            f"config.tensor_model_parallel_size={size}: pg_collection has no 'tp_dp_cp' (the "
+            "tensor x data x context parallel group the FSDP x TP mesh spans); pass "
+            "ProcessGroupCollection.use_mpu_process_groups()"
+        )
+    assert tp is not None
+    return tp, span
 
 
 def data_parallel_index(
     config: Any, instances: int, outer_sharded: bool, pg_collection: Any, device_type: str
 ) -> FSDPDistributedIndex:
     """Where a Megatron-Core chunk's FSDP runs: its data x context parallel group (over
-    ``instances`` replicas of it with HSDP)."""
+    ``instances`` replicas of it with HSDP), beside its tensor-parallel group."""
     state = _parallel_state()
     dp_group = _dp_group(config, pg_collection, state)
-    if instances == 1:
-        mesh = DeviceMesh.from_group(dp_group, device_type, mesh_dim_names=(SHARD_DIM,))
-        return FSDPDistributedIndex(mesh, dp_shard_dim=SHARD_DIM)
-    made = _instance_groups(pg_collection, state)
-    if made is None and dp_group is not dist.group.WORLD:
+    tensor = _tensor_groups(config, pg_collection, state)
+    if dp_group.size() % instances:
         raise ValueError(
-            f"ddp_config.num_distributed_optimizer_instances={instances}: pass pg_collection "
-            "with 'intra_dp_cp' and 'inter_dist_opt' (Megatron-Core's partial data-parallel "
-            "groups), or initialise megatron.core.parallel_state with "
-            "num_distributed_optimizer_instances"
+            f"ddp_config.num_distributed_optimizer_instances={instances} does not divide the "
+            f"{dp_group.size()} data-parallel ranks; use a divisor of it"
         )
-    mesh = _hsdp_mesh(dp_group, instances, made, device_type)
+    hsdp = instances > 1
+    dims = [(SHARD_DIM, dp_group)]
+    if hsdp:
+        made = _instance_groups(pg_collection, state)
+        if made is None and dp_group is dist.group.WORLD and tensor is None:
+            # Every rank is a data-parallel rank: Megatron-Core's layout, built here.
+            shape = (instances, dp_group.size() // instances)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=(OUTER_DIM, SHARD_DIM))
+            return _index(mesh, dp_group, hsdp, False, outer_sharded)
+        if made is None:
+            raise ValueError(
+                f"ddp_config.num_distributed_optimizer_instances={instances}: pass "
+                "pg_collection with 'intra_dp_cp' and 'inter_dist_opt' (Megatron-Core's "
+                "partial data-parallel groups), or initialise megatron.core.parallel_state "
+                "with num_distributed_optimizer_instances"
+            )
+        dims = [(OUTER_DIM, made[0]), (SHARD_DIM, made[1])]
+    if tensor is not None:
+        dims.append((TP_DIM, tensor[0]))
+    if len(dims) == 1:
+        mesh = DeviceMesh.from_group(dp_group, device_type, mesh_dim_names=(SHARD_DIM,))
+    else:
+        mesh = _mesh_from_groups(dims, tensor[1] if tensor else dp_group, device_type)
+    return _index(mesh, dp_group, hsdp, tensor is not None, outer_sharded)
+
+
+def _index(
+    mesh: DeviceMesh, dp_group: dist.ProcessGroup, hsdp: bool, tp: bool, outer_sharded: bool
+) -> FSDPDistributedIndex:
     return FSDPDistributedIndex(
         mesh,
         dp_shard_dim=SHARD_DIM,
-        dp_outer_dim=OUTER_DIM,
-        hybrid_fsdp_group=dp_group,
+        dp_outer_dim=OUTER_DIM if hsdp else None,
+        tp_dim=TP_DIM if tp else None,
+        hybrid_fsdp_group=dp_group if hsdp else None,
         hsdp_outer_dp_shard=outer_sharded,
     )

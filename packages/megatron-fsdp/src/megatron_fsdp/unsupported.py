@@ -53,7 +53,7 @@ class NotYet:
 
 
 _MCORE_PARALLELISM = (
-    "use megatron_fsdp.fully_shard_model with a device_mesh for tensor/expert parallelism"
+    "use megatron_fsdp.fully_shard_model with a device_mesh for context/expert parallelism"
 )
 
 NOT_YET: dict[str, NotYet] = {
@@ -92,12 +92,6 @@ NOT_YET: dict[str, NotYet] = {
     "fsdp_group_ag": NotYet("dist_index", None, "a separate all-gather group"),
     "expt_fsdp_group_ag": NotYet("dist_index", None, "a separate expert all-gather group"),
     # Megatron-Core TransformerConfig fields, read by FullyShardedDataParallel
-    "tensor_model_parallel_size": NotYet(
-        "mcore_config",
-        1,
-        "tensor parallelism through the Megatron-Core adapter",
-        fix=f"{_MCORE_PARALLELISM}, or set tensor_model_parallel_size=1",
-    ),
     "context_parallel_size": NotYet(
         "mcore_config",
         1,
