@@ -5,6 +5,10 @@
   test worker process only).
 * Its schedules make their token counter with ``device="cuda"``: :class:`CudaOnCpu`, a
   ``TorchFunctionMode`` held around the schedule call, makes such tensors on the CPU.
+* Without Transformer Engine, 0.16.1's MoE router raises
+  ``NameError: name 'te_general_gemm' is not defined`` (``moe_utils.py`` imports it only
+  with TE, then tests ``te_general_gemm is not None``): :func:`define_missing_te_gemm` sets
+  the name to None, the value its test means by "no TE", so the router's plain matmul runs.
 """
 
 from __future__ import annotations
@@ -17,6 +21,13 @@ from torch.overrides import TorchFunctionMode
 
 def point_cuda_device_at_cpu() -> None:
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+
+
+def define_missing_te_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 class CudaOnCpu(TorchFunctionMode):

@@ -3,7 +3,8 @@ with Megatron-Core's parallelisms (issue 29): pipeline (1F1B), virtual pipeline,
 (``num_distributed_optimizer_instances=2``), tensor parallelism (FSDP over the DP group,
 the TP group from Megatron-Core) and tensor + sequence parallelism (the sequence-parallel
 norms' gradients summed over TP by Megatron-Core's ``finalize_model_grads`` on our sharded
-gradients), each at
+gradients) and expert parallelism (a MoE model, its experts sharded over the expert-data-
+parallel group), each at
 ZeRO-3 (``optim_grads_params``) and
 ZeRO-1 (``optim``), driven by ``get_forward_backward_func()`` with ``config.no_sync_func``
 and ``config.finalize_model_grads_func`` wired as Megatron-LM's ``training.py`` wires them
@@ -49,7 +50,7 @@ with warnings.catch_warnings():  # "Transformer Engine and Apex are not installe
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from mcore_cpu import CudaOnCpu, point_cuda_device_at_cpu
+from mcore_cpu import CudaOnCpu, define_missing_te_gemm, point_cuda_device_at_cpu
 
 from megatron_fsdp.mcore import FullyShardedDataParallel
 from mfsdp_collectives.testing import run_distributed
@@ -57,6 +58,20 @@ from mfsdp_collectives.testing import run_distributed
 VOCAB, SEQ, LAYERS, HIDDEN = 64, 16, 4, 32
 GLOBAL_BATCH, N_MICRO, STEPS, SEED, LR = 8, 2, 10, 1234, 3e-3
 RTOL = 1e-5
+EXPERTS = 4
+# A MoE model's settings (each layer's MLP is EXPERTS experts, the local spec's SequentialMLP):
+# the all-gather token dispatcher (plain collectives, no CUDA kernels), no auxiliary loss (the
+# loss is the language model's alone).
+MOE: dict[str, Any] = {
+    "num_moe_experts": EXPERTS,
+    "moe_router_topk": 2,
+    "moe_token_dispatcher_type": "allgather",
+    "moe_aux_loss_coeff": 0.0,
+    # Megatron-Core 0.16.1's SequentialMLP adds a bias in place to the output of its row-
+    # parallel layer, which autograd refuses at TP=1 ("Output 0 of
+    # _ReduceFromModelParallelRegion is a view and is being modified inplace"): no biases.
+    "add_bias_linear": False,
+}
 MASK = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(diagonal=1).view(1, 1, SEQ, SEQ)
 
 
@@ -67,6 +82,7 @@ class Layout:
     virtual: int | None = None  # virtual_pipeline_model_parallel_size
     instances: int = 1  # num_distributed_optimizer_instances (HSDP)
     tp: int = 1  # tensor_model_parallel_size
+    ep: int = 1  # expert_model_parallel_size (a MoE model with EXPERTS experts when > 1)
     sequence_parallel: bool = False
     groups_from: str = "pg_collection"  # or "parallel_state" (pg_collection=None)
 
@@ -77,6 +93,7 @@ LAYOUTS: dict[str, Layout] = {
     "dp_outer2_dp_shard2": Layout(4, instances=2),
     "tp2_dp2": Layout(4, tp=2, groups_from="parallel_state"),
     "tp2_sp_dp2": Layout(4, tp=2, sequence_parallel=True),
+    "ep2_dp2": Layout(4, ep=2),
 }
 
 
@@ -95,7 +112,7 @@ class SequenceParallelLayerNorm(torch.nn.LayerNorm):
 
 def _layer_specs(config: TransformerConfig) -> Any:
     """Megatron-Core's local spec; under sequence parallelism with the norms above."""
-    spec = get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     if not config.sequence_parallel:
         return spec
     spec.submodules.input_layernorm = SequenceParallelLayerNorm
@@ -105,7 +122,7 @@ def _layer_specs(config: TransformerConfig) -> Any:
     )
 
 
-def _config(layout: Layout | None = None) -> TransformerConfig:
+def _config(layout: Layout | None = None, moe: bool = False) -> TransformerConfig:
     layout = layout or Layout(1)
     return TransformerConfig(
         num_layers=LAYERS,
@@ -120,6 +137,8 @@ def _config(layout: Layout | None = None) -> TransformerConfig:
         virtual_pipeline_model_parallel_size=layout.virtual,
         tensor_model_parallel_size=layout.tp,
         sequence_parallel=layout.sequence_parallel,
+        expert_model_parallel_size=layout.ep,
+        **(MOE if layout.ep > 1 or moe else {}),
         pipeline_dtype=torch.float32,
         batch_p2p_comm=False,
     )
@@ -157,10 +176,11 @@ def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-def _reference_worker(rank: int, world: int) -> tuple[list[float], dict[str, list[Any]]]:
+def _reference_worker(rank: int, world: int, moe: bool) -> tuple[list[float], dict[str, list[Any]]]:
     point_cuda_device_at_cpu()
+    define_missing_te_gemm()
     parallel_state.initialize_model_parallel(1, 1)
-    model = _gpt(_config(), True, True, None)
+    model = _gpt(_config(moe=moe), True, True, None)
     initial = {k: v.tolist() for k, v in _tensors(model).items()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
@@ -177,15 +197,32 @@ def _reference_worker(rank: int, world: int) -> tuple[list[float], dict[str, lis
 
 
 @functools.cache
-def _reference() -> tuple[list[float], dict[str, list[Any]]]:
+def _reference(moe: bool) -> tuple[list[float], dict[str, list[Any]]]:
+    """One process: the dense model, or the MoE one with all EXPERTS experts local."""
     result: tuple[list[float], dict[str, list[Any]]] = run_distributed(
-        _reference_worker, 1, timeout=180
+        _reference_worker, 1, moe, timeout=180
     )[0]
     return result
 
 
+def _global_key(model: GPTModel, key: str) -> str:
+    """The whole model's name of a stage's tensor: its layer by global number, its expert by
+    global index (this rank holds EXPERTS / EP consecutive experts)."""
+    if not key.startswith("decoder.layers."):
+        return key
+    _, _, index, rest = key.split(".", 3)
+    number = model.decoder.layers[int(index)].layer_number
+    marker = "mlp.experts.local_experts."
+    if rest.startswith(marker):
+        local, tail = rest.removeprefix(marker).split(".", 1)
+        per_rank = EXPERTS // parallel_state.get_expert_model_parallel_world_size()
+        first = parallel_state.get_expert_model_parallel_rank() * per_rank
+        rest = f"{marker}{first + int(local)}.{tail}"
+    return f"decoder.layers.{number - 1}.{rest}"
+
+
 def _stage_from(model: GPTModel, initial: dict[str, list[Any]]) -> None:
-    """Load the whole model's initial weights into this stage: layers by global number, a
+    """Load the whole model's initial weights into this stage (``_global_key``), a
     tensor-parallel parameter's slice along its ``partition_dim`` (Megatron-Core's layouts
     cut evenly there, the fused QKV weight by whole query groups)."""
     tp, tp_rank = (
@@ -195,12 +232,7 @@ def _stage_from(model: GPTModel, initial: dict[str, list[Any]]) -> None:
     params = dict(model.named_parameters())
     state = {}
     for key in _tensors(model):
-        source = key
-        if key.startswith("decoder.layers."):
-            _, _, index, rest = key.split(".", 3)
-            number = model.decoder.layers[int(index)].layer_number
-            source = f"decoder.layers.{number - 1}.{rest}"
-        value = torch.tensor(initial[source])
+        value = torch.tensor(initial[_global_key(model, key)])
         param = params.get(key)
         if param is not None and getattr(param, "tensor_model_parallel", False):
             value = value.chunk(tp, dim=param.partition_dim)[tp_rank]
@@ -265,11 +297,13 @@ def _worker(
     rank: int, world: int, layout: str, zero: str, initial: dict[str, list[Any]]
 ) -> list[float]:
     point_cuda_device_at_cpu()
+    define_missing_te_gemm()
     spec = LAYOUTS[layout]
     parallel_state.initialize_model_parallel(
         spec.tp,
         spec.stages,
         virtual_pipeline_model_parallel_size=spec.virtual,
+        expert_model_parallel_size=spec.ep,
         num_distributed_optimizer_instances=spec.instances,
     )
     chunks = _chunks(layout, zero, initial)
@@ -310,7 +344,7 @@ def _worker(
 @pytest.mark.parametrize("zero", ["optim_grads_params", "optim"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_gpt_through_the_adapter_matches_one_process(layout: str, zero: str) -> None:
-    want, initial = _reference()
+    want, initial = _reference(LAYOUTS[layout].ep > 1)
     ranks = LAYOUTS[layout].ranks
     results = run_distributed(_worker, ranks, layout, zero, initial, timeout=300)
     last_stage = [losses for losses in results if losses]

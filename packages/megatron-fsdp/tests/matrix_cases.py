@@ -451,6 +451,12 @@ def _mcore(module: nn.Module, col: str, layout: Layout, units: list[type[nn.Modu
             tp=layout.tp_mesh.get_group(),
             tp_dp_cp=dist.group.WORLD,
         )
+    if layout.expert_mesh is not None:  # the dense DP group and the expert-data-parallel one
+        assert layout.device_mesh is not None
+        extra["pg_collection"] = SimpleNamespace(
+            dp_cp=layout.device_mesh["dp_shard"].get_group(),
+            expt_dp=layout.expert_mesh["dp_shard"].get_group(),
+        )
     return FullyShardedDataParallel(config, ddp_config, module, fsdp_unit_modules=units, **extra)
 
 

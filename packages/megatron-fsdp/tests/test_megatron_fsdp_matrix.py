@@ -146,7 +146,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("mcore", "hfsdp"): PARITY,
     ("mcore", "tp_dtensor"): PARITY,
     ("mcore", "tp_megatron"): PARITY,
-    ("mcore", "ep"): ("refused", NotImplementedError, "config.expert_model_parallel_size"),
+    ("mcore", "ep"): PARITY,
     ("mcore", "cp"): ("refused", NotImplementedError, "config.context_parallel_size"),
     ("mcore", "meta_init"): PARITY,
     ("mcore", "float8"): PARITY,

@@ -39,6 +39,7 @@ class TransformerConfigStandIn:
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     num_moe_experts: int | None = None
+    expert_tensor_parallel_size: int | None = None
     calculate_per_token_loss: bool = False
     init_model_with_meta_device: bool = False
 
@@ -179,8 +180,10 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
     elif case == "tp_group_disagrees":
         group = torch.distributed.group.WORLD
         extra = {"pg_collection": SimpleNamespace(dp_cp=group, tp=group, tp_dp_cp=group)}
-    elif case == "moe":
-        config = TransformerConfigStandIn(num_moe_experts=4)
+    elif case == "experts_without_groups":
+        config = TransformerConfigStandIn(num_moe_experts=4, expert_model_parallel_size=2)
+    elif case == "tensor_parallel_experts":
+        config = TransformerConfigStandIn(num_moe_experts=4, expert_tensor_parallel_size=2)
     elif case == "mcore_only_field":
         ddp_config = MCoreDDPConfigStandIn(megatron_fsdp_version=2)
     elif case == "no_units_without_mcore":
@@ -204,7 +207,15 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
             "ValueError: config.tensor_model_parallel_size=1 but the tensor-parallel group has "
             "2 rank(s)",
         ),
-        ("moe", "NotImplementedError: config.num_moe_experts"),
+        (
+            "experts_without_groups",
+            "ValueError: config.num_moe_experts with expert_model_parallel_size=2: pass "
+            "pg_collection with 'expt_dp'",
+        ),
+        (
+            "tensor_parallel_experts",
+            "NotImplementedError: config.expert_tensor_parallel_size=2",
+        ),
         ("mcore_only_field", "NotImplementedError: ddp_config.megatron_fsdp_version=2"),
         pytest.param(
             "no_units_without_mcore",

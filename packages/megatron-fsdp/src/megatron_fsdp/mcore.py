@@ -15,10 +15,11 @@ data-parallel group comes from ``pg_collection.dp_cp`` (Megatron-Core's
 ``ProcessGroupCollection``), from ``megatron.core.parallel_state`` when it is initialised, or
 is the whole world (``megatron_fsdp.mcore_groups``). Pipeline parallelism (each chunk wrapped
 on its own, driven by Megatron-Core's schedules), HSDP (``num_distributed_optimizer_instances >
-1``) and tensor parallelism (with sequence parallelism: Megatron-Core's
-``finalize_model_grads`` sums those gradients over TP) work; context and expert parallelism
-are refused at wrap time, naming the setting (the one table of ``megatron_fsdp.unsupported``),
-and so are word embeddings tied across pipeline stages.
+1``), tensor parallelism (with sequence parallelism: Megatron-Core's
+``finalize_model_grads`` sums those gradients over TP) and expert parallelism (experts,
+marked ``allreduce=False``, sharded over ``pg_collection.expt_dp``) work; context parallelism
+and tensor-parallel experts are refused at wrap time, naming the setting (the one table of
+``megatron_fsdp.unsupported``), and so are word embeddings tied across pipeline stages.
 """
 
 from __future__ import annotations

@@ -157,6 +157,35 @@ def _tensor_groups(
     return tp, span
 
 
+def _expert_mesh(
+    config: Any, pg_collection: Any, state: Any | None, dp_group: dist.ProcessGroup, device: str
+) -> DeviceMesh | None:
+    """The expert-data-parallel mesh of a MoE model (its experts, marked ``allreduce=False``,
+    shard over the ranks that hold the same experts), or None without experts."""
+    if not getattr(config, "num_moe_experts", None):
+        return None
+    ep = int(getattr(config, "expert_model_parallel_size", 1) or 1)
+    expert_tp = int(getattr(config, "expert_tensor_parallel_size", None) or 1)
+    if expert_tp > 1:
+        raise NotImplementedError(
+            f"config.expert_tensor_parallel_size={expert_tp}: tensor-parallel experts through "
+            "the Megatron-Core adapter are not supported yet; set it to 1"
+        )
+    if pg_collection is not None:
+        group = _group(pg_collection, "expt_dp")
+    elif state is not None:
+        group = state.get_expert_data_parallel_group()
+    else:
+        group = dp_group if ep == 1 else None
+    if group is None:
+        raise ValueError(
+            f"config.num_moe_experts with expert_model_parallel_size={ep}: pass pg_collection "
+            "with 'expt_dp' (Megatron-Core's expert-data-parallel group), or initialise "
+            "megatron.core.parallel_state with expert_model_parallel_size"
+        )
+    return DeviceMesh.from_group(group, device, mesh_dim_names=(SHARD_DIM,))
+
+
 def data_parallel_index(
     config: Any, instances: int, outer_sharded: bool, pg_collection: Any, device_type: str
 ) -> FSDPDistributedIndex:
@@ -178,7 +207,7 @@ def data_parallel_index(
             # Every rank is a data-parallel rank: Megatron-Core's layout, built here.
             shape = (instances, dp_group.size() // instances)
             mesh = init_device_mesh(device_type, shape, mesh_dim_names=(OUTER_DIM, SHARD_DIM))
-            return _index(mesh, dp_group, hsdp, False, outer_sharded)
+            return _index(mesh, dp_group, hsdp, False, outer_sharded, None)
         if made is None:
             raise ValueError(
                 f"ddp_config.num_distributed_optimizer_instances={instances}: pass "
@@ -193,11 +222,17 @@ def data_parallel_index(
         mesh = DeviceMesh.from_group(dp_group, device_type, mesh_dim_names=(SHARD_DIM,))
     else:
         mesh = _mesh_from_groups(dims, tensor[1] if tensor else dp_group, device_type)
-    return _index(mesh, dp_group, hsdp, tensor is not None, outer_sharded)
+    experts = _expert_mesh(config, pg_collection, state, dp_group, device_type)
+    return _index(mesh, dp_group, hsdp, tensor is not None, outer_sharded, experts)
 
 
 def _index(
-    mesh: DeviceMesh, dp_group: dist.ProcessGroup, hsdp: bool, tp: bool, outer_sharded: bool
+    mesh: DeviceMesh,
+    dp_group: dist.ProcessGroup,
+    hsdp: bool,
+    tp: bool,
+    outer_sharded: bool,
+    experts: DeviceMesh | None,
 ) -> FSDPDistributedIndex:
     return FSDPDistributedIndex(
         mesh,
@@ -206,4 +241,5 @@ def _index(
         tp_dim=TP_DIM if tp else None,
         hybrid_fsdp_group=dp_group if hsdp else None,
         hsdp_outer_dp_shard=outer_sharded,
+        expt_device_mesh=experts,
     )

@@ -53,7 +53,7 @@ class NotYet:
 
 
 _MCORE_PARALLELISM = (
-    "use megatron_fsdp.fully_shard_model with a device_mesh for context/expert parallelism"
+    "use megatron_fsdp.fully_shard_model with a device_mesh for context parallelism"
 )
 
 NOT_YET: dict[str, NotYet] = {
@@ -97,19 +97,6 @@ NOT_YET: dict[str, NotYet] = {
         1,
         "context parallelism through the Megatron-Core adapter",
         fix=f"{_MCORE_PARALLELISM}, or set context_parallel_size=1",
-    ),
-    "expert_model_parallel_size": NotYet(
-        "mcore_config",
-        1,
-        "expert parallelism through the Megatron-Core adapter",
-        fix=f"{_MCORE_PARALLELISM}, or set expert_model_parallel_size=1",
-    ),
-    "num_moe_experts": NotYet(
-        "mcore_config",
-        None,
-        "a MoE model through the Megatron-Core adapter",
-        fix="use megatron_fsdp.fully_shard_model with expt_device_mesh",
-        also_default=(0,),
     ),
 }
 
