@@ -4,7 +4,7 @@ with Megatron-Core's parallelisms (issue 29): pipeline (1F1B), virtual pipeline,
 the TP group from Megatron-Core) and tensor + sequence parallelism (the sequence-parallel
 norms' gradients summed over TP by Megatron-Core's ``finalize_model_grads`` on our sharded
 gradients) and expert parallelism (a MoE model, its experts sharded over the expert-data-
-parallel group), each at
+parallel group), and TP x PP x DP on 8 ranks, each at
 ZeRO-3 (``optim_grads_params``) and
 ZeRO-1 (``optim``), driven by ``get_forward_backward_func()`` with ``config.no_sync_func``
 and ``config.finalize_model_grads_func`` wired as Megatron-LM's ``training.py`` wires them
@@ -94,6 +94,7 @@ LAYOUTS: dict[str, Layout] = {
     "tp2_dp2": Layout(4, tp=2, groups_from="parallel_state"),
     "tp2_sp_dp2": Layout(4, tp=2, sequence_parallel=True),
     "ep2_dp2": Layout(4, ep=2),
+    "tp2_pp2_dp2": Layout(8, stages=2, tp=2),
 }
 
 
