@@ -1,21 +1,22 @@
 """Megatron-Core's own ``GPTModel`` through ``megatron_fsdp.mcore.FullyShardedDataParallel``
-with Megatron-Core's parallelisms (issue 29): pipeline (1F1B), virtual pipeline, HSDP
-(``num_distributed_optimizer_instances=2``), tensor parallelism (FSDP over the DP group,
-the TP group from Megatron-Core) and tensor + sequence parallelism (the sequence-parallel
-norms' gradients summed over TP by Megatron-Core's ``finalize_model_grads`` on our sharded
-gradients) and expert parallelism (a MoE model, its experts sharded over the expert-data-
-parallel group), and TP x PP x DP on 8 ranks, each at
-ZeRO-3 (``optim_grads_params``) and
-ZeRO-1 (``optim``), driven by ``get_forward_backward_func()`` with ``config.no_sync_func``
-and ``config.finalize_model_grads_func`` wired as Megatron-LM's ``training.py`` wires them
-for Megatron-FSDP.
+with Megatron-Core's parallelisms (issue 29), driven by ``get_forward_backward_func()`` with
+``config.no_sync_func`` and ``config.finalize_model_grads_func`` wired as Megatron-LM's
+``training.py`` wires them for Megatron-FSDP: pipeline (1F1B), virtual pipeline, HSDP
+(``num_distributed_optimizer_instances=2``), tensor parallelism (FSDP over the DP group, the
+TP group from Megatron-Core), tensor + sequence parallelism (the sequence-parallel norms'
+gradients summed over TP by Megatron-Core's ``finalize_model_grads`` on our sharded
+gradients), expert parallelism (a MoE model, its experts sharded over the expert-data-parallel
+group) and TP x PP x DP on 8 ranks; each at ZeRO-3 (``optim_grads_params``) and ZeRO-1
+(``optim``).
 
-Each layout trains 10 AdamW steps and must match one unsharded process running the same
-``GPTModel`` with TP=PP=1 on the same global batches within 1e-5 (the last stage's loss each
-step). The stages start from the reference's initial weights (a stage's layer ``i`` is the
-whole model's layer ``layer_number - 1``): Megatron-Core initialises a stage's layers from
-its own RNG stream, so the same seed alone would not give the same weights. Needs
-megatron-core (``nox -s mcore``); skipped elsewhere.
+Each layout trains 10 AdamW steps, its gradients clipped to a norm of 0.5 over the whole
+model every step (``megatron_fsdp.mcore_grad_norm.clip_grad_norm``; one process:
+``torch.nn.utils.clip_grad_norm_``), and must match one unsharded process running the same
+``GPTModel`` with TP=PP=1 on the same global batches within 1e-5: the last stage's loss each
+step, and the norm before clipping on every rank. The stages start from the reference's
+initial weights (a stage's layer ``i`` is the whole model's layer ``layer_number - 1``):
+Megatron-Core initialises a stage's layers from its own RNG stream, so the same seed alone
+would not give the same weights. Needs megatron-core (``nox -s mcore``); skipped elsewhere.
 
 CPU workarounds (test-only; Megatron-Core assumes CUDA): ``tests/mcore_cpu.py`` for the
 schedules' CUDA devices; the local attention's score buffer is put in Megatron-Core's global
@@ -53,10 +54,12 @@ with warnings.catch_warnings():  # "Transformer Engine and Apex are not installe
 from mcore_cpu import CudaOnCpu, define_missing_te_gemm, point_cuda_device_at_cpu
 
 from megatron_fsdp.mcore import FullyShardedDataParallel
+from megatron_fsdp.mcore_grad_norm import clip_grad_norm
 from mfsdp_collectives.testing import run_distributed
 
 VOCAB, SEQ, LAYERS, HIDDEN = 64, 16, 4, 32
 GLOBAL_BATCH, N_MICRO, STEPS, SEED, LR = 8, 2, 10, 1234, 3e-3
+MAX_NORM = 0.5  # below the gradients' norms here: every step clips
 RTOL = 1e-5
 EXPERTS = 4
 # A MoE model's settings (each layer's MLP is EXPERTS experts, the local spec's SequentialMLP):
@@ -177,24 +180,27 @@ def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-def _reference_worker(rank: int, world: int, moe: bool) -> tuple[list[float], dict[str, list[Any]]]:
+def _reference_worker(
+    rank: int, world: int, moe: bool
+) -> tuple[list[float], list[float], dict[str, list[Any]]]:
     point_cuda_device_at_cpu()
     define_missing_te_gemm()
     parallel_state.initialize_model_parallel(1, 1)
     model = _gpt(_config(moe=moe), True, True, None)
     initial = {k: v.tolist() for k, v in _tensors(model).items()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         tokens = _batch(step)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         positions = torch.arange(SEQ).expand_as(inputs)
         loss = model(inputs, positions, attention_mask=MASK, labels=labels).float().mean()
         loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, initial
+    return losses, norms, initial
 
 
 @functools.cache
@@ -296,7 +302,7 @@ def _forward_step(data: Iterator[torch.Tensor], model: Any) -> tuple[torch.Tenso
 
 def _worker(
     rank: int, world: int, layout: str, zero: str, initial: dict[str, list[Any]]
-) -> list[float]:
+) -> tuple[list[float], list[float]]:
     point_cuda_device_at_cpu()
     define_missing_te_gemm()
     spec = LAYOUTS[layout]
@@ -311,7 +317,7 @@ def _worker(
     optimizers = [torch.optim.AdamW(chunk.parameters(), lr=LR) for chunk in chunks]
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         for chunk, optimizer in zip(chunks, optimizers, strict=True):
             chunk.zero_grad_buffer()
@@ -327,6 +333,7 @@ def _worker(
                 seq_length=SEQ,
                 micro_batch_size=local.shape[0] // N_MICRO,
             )
+        norms.append(clip_grad_norm(chunks, MAX_NORM).item())
         for chunk, optimizer in zip(chunks, optimizers, strict=True):
             optimizer.step()
             chunk.param_and_grad_buffer.copy_main_weights_to_model_weights()
@@ -339,16 +346,21 @@ def _worker(
             dist.all_reduce(loss, group=group)
             losses.append(loss.item() / dist.get_world_size(group))
     parallel_state.destroy_model_parallel()
-    return losses
+    return losses, norms
 
 
 @pytest.mark.parametrize("zero", ["optim_grads_params", "optim"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_gpt_through_the_adapter_matches_one_process(layout: str, zero: str) -> None:
-    want, initial = _reference(LAYOUTS[layout].ep > 1)
+    want, want_norms, initial = _reference(LAYOUTS[layout].ep > 1)
     ranks = LAYOUTS[layout].ranks
     results = run_distributed(_worker, ranks, layout, zero, initial, timeout=300)
-    last_stage = [losses for losses in results if losses]
+    for _, norms in results:  # every rank: the whole model's norm, clipped the same way
+        got = torch.tensor(norms, dtype=torch.float64)
+        expected = torch.tensor(want_norms, dtype=torch.float64)
+        assert torch.allclose(got, expected, rtol=RTOL, atol=0), (layout, zero, got, expected)
+    assert min(want_norms) > MAX_NORM  # so every step's clipping is exercised
+    last_stage = [losses for losses, _ in results if losses]
     assert len(last_stage) == ranks // LAYOUTS[layout].stages  # every rank of the last stage
     for losses in last_stage:
         got = torch.tensor(losses, dtype=torch.float64)

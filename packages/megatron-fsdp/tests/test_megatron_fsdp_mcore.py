@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -23,8 +24,17 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp import FSDPDistributedIndex, MegatronFSDP
 from megatron_fsdp.mcore import FullyShardedDataParallel
+from megatron_fsdp.mcore_grad_norm import clip_grad_norm
+from mfsdp_checkpoint import gather_full_state_dict
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks.testing import Block, local_slice, loss_fn, make_batches, make_model
+from mfsdp_hooks.testing import (
+    Block,
+    assert_close_rel,
+    local_slice,
+    loss_fn,
+    make_batches,
+    make_model,
+)
 
 STEPS = 10
 MICRO_BATCHES = 3
@@ -247,3 +257,48 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
 def test_what_the_adapter_cannot_do_is_refused_at_wrap_time(case: str, expected: str) -> None:
     for message in run_distributed(_refusal_worker, 2, case, timeout=60):
         assert message.startswith(expected), message
+
+
+def _clip_worker(rank: int, world: int, strategy: str, norm_type: float) -> list[float]:
+    """One step's gradients through the adapter, clipped (a max norm well below theirs),
+    then applied with SGD: the norm and the updated full weights."""
+    ddp_config = MCoreDDPConfigStandIn(data_parallel_sharding_strategy=strategy)
+    model = FullyShardedDataParallel(
+        TransformerConfigStandIn(), ddp_config, make_model(), fsdp_unit_modules=[Block]
+    )
+    tokens, targets = make_batches(1, global_batch=8)[0]
+    loss_fn(model(local_slice(tokens, rank, world)), local_slice(targets, rank, world)).backward()
+    model.finish_grad_sync()
+    norm = clip_grad_norm(model, 1e-3, norm_type)
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    model.param_and_grad_buffer.copy_main_weights_to_model_weights()
+    full = gather_full_state_dict(model.module, rank0_only=False)
+    return [norm.item(), *torch.cat([v.reshape(-1) for v in full.values()]).tolist()]
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim", "no_shard"])
+def test_clip_grad_norm_over_sharded_chunks_as_one_process(strategy: str, norm_type: float) -> None:
+    model = make_model()
+    tokens, targets = make_batches(1, global_batch=8)[0]
+    loss_fn(model(tokens), targets).backward()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    want_norm = torch.nn.utils.clip_grad_norm_(trainable, 1e-3, norm_type).item()
+    torch.optim.SGD(trainable, lr=1.0).step()
+    want = torch.cat([v.reshape(-1) for v in model.state_dict().values()])
+    for got in run_distributed(_clip_worker, 2, strategy, norm_type, timeout=120):
+        assert abs(got[0] - want_norm) <= 1e-5 * want_norm, (got[0], want_norm)
+        assert_close_rel(torch.tensor(got[1:]), want, 1e-5, f"{strategy} clipped step")
+
+
+def _clip_refusal_worker(rank: int, world: int) -> str:
+    try:
+        clip_grad_norm([make_model()], 1.0)
+    except TypeError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_clip_grad_norm_refuses_a_model_the_adapter_did_not_wrap() -> None:
+    for message in run_distributed(_clip_refusal_worker, 2, timeout=60):
+        assert message.startswith("model_chunks: ToyModel is not a chunk wrapped by"), message
