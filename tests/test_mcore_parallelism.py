@@ -30,6 +30,7 @@ import functools
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,6 +56,7 @@ from mcore_cpu import CudaOnCpu, define_missing_te_gemm, point_cuda_device_at_cp
 
 from megatron_fsdp.mcore import FullyShardedDataParallel
 from megatron_fsdp.mcore_grad_norm import clip_grad_norm
+from mfsdp_checkpoint import load_checkpoint, save_checkpoint
 from mfsdp_collectives.testing import run_distributed
 
 VOCAB, SEQ, LAYERS, HIDDEN = 64, 16, 4, 32
@@ -98,6 +100,7 @@ LAYOUTS: dict[str, Layout] = {
     "tp2_sp_dp2": Layout(4, tp=2, sequence_parallel=True),
     "ep2_dp2": Layout(4, ep=2),
     "tp2_pp2_dp2": Layout(8, stages=2, tp=2),
+    "dp4": Layout(4),
 }
 
 
@@ -301,8 +304,17 @@ def _forward_step(data: Iterator[torch.Tensor], model: Any) -> tuple[torch.Tenso
 
 
 def _worker(
-    rank: int, world: int, layout: str, zero: str, initial: dict[str, list[Any]]
+    rank: int,
+    world: int,
+    layout: str,
+    zero: str,
+    initial: dict[str, list[Any]],
+    steps: tuple[int, int] = (0, STEPS),
+    load_from: str | None = None,
+    save_to: str | None = None,
 ) -> tuple[list[float], list[float]]:
+    """Train steps ``steps[0]`` to ``steps[1] - 1``; first resume from ``load_from``, last
+    save to ``save_to`` (model and optimizer, one chunk: ``mfsdp_checkpoint``)."""
     point_cuda_device_at_cpu()
     define_missing_te_gemm()
     spec = LAYOUTS[layout]
@@ -315,10 +327,12 @@ def _worker(
     )
     chunks = _chunks(layout, zero, initial)
     optimizers = [torch.optim.AdamW(chunk.parameters(), lr=LR) for chunk in chunks]
+    if load_from is not None:
+        load_checkpoint(load_from, chunks[0], optimizers[0])
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(*steps):
         for chunk, optimizer in zip(chunks, optimizers, strict=True):
             chunk.zero_grad_buffer()
             optimizer.zero_grad()
@@ -345,6 +359,8 @@ def _worker(
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
             dist.all_reduce(loss, group=group)
             losses.append(loss.item() / dist.get_world_size(group))
+    if save_to is not None:
+        save_checkpoint(save_to, chunks[0], optimizers[0])
     parallel_state.destroy_model_parallel()
     return losses, norms
 
@@ -367,3 +383,29 @@ def test_gpt_through_the_adapter_matches_one_process(layout: str, zero: str) -> 
         expected = torch.tensor(want, dtype=torch.float64)
         assert torch.allclose(got, expected, rtol=RTOL, atol=0), (layout, zero, got, expected)
     assert want[-1] < want[0]  # it learns
+
+
+@pytest.mark.parametrize(
+    ("saved_at", "resumed_at"),
+    [("tp2_dp2", "dp4"), ("dp4", "tp2_dp2"), ("tp2_dp2", "dp_outer2_dp_shard2")],
+)
+def test_a_checkpoint_resumes_at_another_layout(
+    saved_at: str, resumed_at: str, tmp_path: Path
+) -> None:
+    """Model and optimizer state saved (``mfsdp_checkpoint``: DCP, DTensors with the whole
+    model's shapes) after 5 steps at one layout load at another and the next 5 steps continue
+    one process's curve within 1e-5: TP=2 x DP=2 -> DP=4 and back (TP slices gathered and
+    re-cut by DCP), and TP=2 x DP=2 -> HSDP."""
+    want, _, initial = _reference(False)
+    half, path = STEPS // 2, str(tmp_path / "ckpt")
+    ranks = LAYOUTS[saved_at].ranks
+    zero = "optim_grads_params"
+    run_distributed(_worker, ranks, saved_at, zero, initial, (0, half), None, path, timeout=300)
+    ranks = LAYOUTS[resumed_at].ranks
+    results = run_distributed(
+        _worker, ranks, resumed_at, zero, initial, (half, STEPS), path, None, timeout=300
+    )
+    for losses, _ in results:
+        got = torch.tensor(losses, dtype=torch.float64)
+        expected = torch.tensor(want[half:], dtype=torch.float64)
+        assert torch.allclose(got, expected, rtol=RTOL, atol=0), (saved_at, resumed_at, got)
