@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-from train_gpt import TransformerBlock, make_corpus
+from train_gpt import GPT, make_corpus
 
 from megatron_fsdp.pipelining import PipelineStage
 from mfsdp_collectives import disable_host_transport
@@ -32,15 +32,13 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 class FirstStage(nn.Module):
-    """Token and position embeddings, then the first half of the blocks."""
+    """The GPT's token and position embeddings and the first ``half`` of its blocks (the
+    GPT's own modules)."""
 
-    def __init__(self, vocab: int, width: int, depth: int, heads: int, context: int) -> None:
+    def __init__(self, gpt: GPT, half: int) -> None:
         super().__init__()
-        self.tokens = nn.Embedding(vocab, width)
-        self.positions = nn.Embedding(context, width)
-        self.blocks = nn.ModuleList(TransformerBlock(width, heads) for _ in range(depth))
-        nn.init.normal_(self.tokens.weight, std=0.02)
-        nn.init.normal_(self.positions.weight, std=0.02)
+        self.tokens, self.positions = gpt.tokens, gpt.positions
+        self.blocks = nn.ModuleList(gpt.blocks[:half])
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
@@ -51,14 +49,15 @@ class FirstStage(nn.Module):
 
 
 class LastStage(nn.Module):
-    """The second half of the blocks, the final norm and the output head (untied: the
-    embedding lives on the other stage)."""
+    """The GPT's other blocks, its final norm and its output head, untied: the embedding it
+    shares the head's weight with lives on the other stage, so the head starts as a copy."""
 
-    def __init__(self, vocab: int, width: int, depth: int, heads: int) -> None:
+    def __init__(self, gpt: GPT, half: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(TransformerBlock(width, heads) for _ in range(depth))
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
+        self.blocks = nn.ModuleList(gpt.blocks[half:])
+        self.norm = gpt.norm
+        self.head = gpt.head
+        self.head.weight = nn.Parameter(gpt.head.weight.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -69,11 +68,11 @@ class LastStage(nn.Module):
 def make_stage(
     stage_index: int, vocab: int, width: int, depth: int, heads: int, context: int
 ) -> nn.Module:
-    """This rank's half of a ``depth``-block GPT (unsharded)."""
+    """This rank's half of a ``depth``-block GPT (unsharded): every rank builds the same
+    whole GPT (seed it alike) and keeps its stage's modules."""
+    gpt = GPT(vocab, width, depth, heads, context)
     half = depth // 2
-    if stage_index == 0:
-        return FirstStage(vocab, width, half, heads, context)
-    return LastStage(vocab, width, depth - half, heads)
+    return FirstStage(gpt, half) if stage_index == 0 else LastStage(gpt, half)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -99,7 +98,7 @@ def main() -> None:
         raise SystemExit(f"run on {PP * DP} ranks (pp={PP} x dp={DP}): --nproc-per-node 4")
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp_shard"))
     stage_index, dp_rank = mesh["pp"].get_local_rank(), mesh["dp_shard"].get_local_rank()
-    torch.manual_seed(stage_index)  # each stage's own weights, identical across its DP pair
+    torch.manual_seed(0)  # the same whole GPT on every rank: each stage keeps its half
 
     text = make_corpus(4000)
     chars = sorted(set(text))

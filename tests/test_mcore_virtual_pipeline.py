@@ -149,7 +149,7 @@ def _wrap_chunks(zero: int, once_per_step: bool) -> tuple[list[Any], Transformer
             chunk, fsdp_unit_modules=[Block], device_mesh=mesh, zero_dp_strategy=zero
         )
         if once_per_step:  # FSDP2's no_sync: the unsharded gradients wait for the sync
-            wrapped.module.set_reduce_scatter_in_no_sync(False)
+            wrapped.set_reduce_scatter_in_no_sync(False)
         chunks.append(wrapped)
     return chunks, config, dp_group
 

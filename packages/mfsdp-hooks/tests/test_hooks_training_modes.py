@@ -93,40 +93,46 @@ def test_no_sync_reduces_only_for_sharded_grads(strategy: int, expected: int) ->
 
 
 def _root_setter_worker(
-    rank: int, world: int, setting: bool, before_first_forward: bool
+    rank: int, world: int, setting: bool, before_first_forward: bool, api: str
 ) -> list[int]:
-    """Per-module units (3 blocks + root, ZeRO-3), two no_sync micro-batches then a synced
-    one; the root's ``set_reduce_scatter_in_no_sync(setting)`` called before the root exists
-    or after a first step. Reduce-scatters per micro-batch of the second step."""
-    model = make_model()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    batches = make_batches(2, 4)
-    if before_first_forward:
-        model.set_reduce_scatter_in_no_sync(setting)  # type: ignore[operator]
+    """3 blocks + root as units (ZeRO-3): per-module ``fully_shard``, or the root wrapper
+    (the seed API's class); two no_sync micro-batches then a synced one; the root's
+    ``set_reduce_scatter_in_no_sync(setting)`` called before the root exists or after a first
+    step. Reduce-scatters per micro-batch of the second step."""
+    model: Any = make_model()
+    if api == "per_module":
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
     else:
+        model = MegatronFSDP(model, fsdp_unit_modules=[Block], sharding_strategy=3)
+    batches = make_batches(2, 4)
+    if not before_first_forward:
         loss_fn(model(batches[0][0]), batches[0][1]).backward()
-        model.set_reduce_scatter_in_no_sync(setting)  # type: ignore[operator]
-    assert model.reduce_scatter_in_no_sync is setting  # type: ignore[attr-defined]
+    model.set_reduce_scatter_in_no_sync(setting)
+    root = model if api == "per_module" else model.root_unit_module
+    assert root.reduce_scatter_in_no_sync is setting
     counts = []
     tokens, targets = batches[1]
     for synced in (False, False, True):
-        model.set_requires_gradient_sync(synced)  # type: ignore[operator]
+        model.set_requires_gradient_sync(synced)
         with CommTracer() as tracer:
             loss_fn(model(tokens), targets).backward()
         counts.append(tracer.calls("reduce_scatter"))
     return counts
 
 
+@pytest.mark.parametrize("api", ["per_module", "root_wrapper"])
 @pytest.mark.parametrize("before_first_forward", [True, False], ids=["before", "after"])
 @pytest.mark.parametrize(("setting", "expected"), [(True, [4, 4, 4]), (False, [0, 0, 4])])
 def test_root_set_reduce_scatter_in_no_sync_chooses_per_micro_batch_or_once(
-    setting: bool, expected: list[int], before_first_forward: bool
+    setting: bool, expected: list[int], before_first_forward: bool, api: str
 ) -> None:
     """True: Megatron-FSDP's no_sync (each unit reduce-scatters every micro-batch); False:
     FSDP2's (the unsharded gradients wait for the synced backward). 4 units reduce."""
-    results = run_distributed(_root_setter_worker, 2, setting, before_first_forward, timeout=60)
+    results = run_distributed(
+        _root_setter_worker, 2, setting, before_first_forward, api, timeout=60
+    )
     assert results == [expected, expected]
 
 

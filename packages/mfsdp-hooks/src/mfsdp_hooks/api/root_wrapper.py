@@ -129,12 +129,18 @@ class FSDPRootWrapper(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients without reducing them (ZeRO-0/1; ZeRO-2/3 still reduce)."""
+        """Accumulate gradients without a full reduction (ZeRO-2/3 still reduce-scatter each
+        micro-batch while ``reduce_scatter_in_no_sync`` is set, Megatron-FSDP's default)."""
         with self.root_unit_module.no_sync():
             yield
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         self.root_unit_module.set_requires_gradient_sync(requires_gradient_sync)
+
+    def set_reduce_scatter_in_no_sync(self, reduce_scatter_in_no_sync: bool) -> None:
+        """The root's ``FSDPModule.set_reduce_scatter_in_no_sync``: under ``no_sync``, ZeRO-2/3
+        reduce-scatter every micro-batch (True) or once, at the synced backward (False)."""
+        self.root_unit_module.set_reduce_scatter_in_no_sync(reduce_scatter_in_no_sync)
 
     def start_grad_sync(self) -> None:
         self.root_unit_module.start_grad_sync()
