@@ -309,7 +309,9 @@ def mcore(session: nox.Session) -> None:
     """Megatron-Core's real GPTModel trained through megatron_fsdp.mcore on 2 CPU ranks and
     compared with one unsharded process (examples/mcore_gpt.py, tests/test_example_mcore_gpt.py),
     and Megatron-Core's interleaved pipeline schedule over chunks sharded by fully_shard_model
-    (tests/test_mcore_virtual_pipeline.py).
+    (tests/test_mcore_virtual_pipeline.py), every parallelism through the adapter and its
+    fsdp_dtensor checkpoints across layouts and with Megatron-Core's optimizer
+    (tests/test_mcore_parallelism.py, tests/test_mcore_fsdp_dtensor.py).
     megatron-core installs and imports on CPU; Transformer Engine and apex are not needed."""
     _install_workspace(session)
     # einops: parallel_state's groups for num_distributed_optimizer_instances > 1.
@@ -318,6 +320,7 @@ def mcore(session: nox.Session) -> None:
         "test_example_mcore_gpt.py",
         "test_mcore_virtual_pipeline.py",
         "test_mcore_parallelism.py",
+        "test_mcore_fsdp_dtensor.py",
     ]
     session.run("pytest", "-q", "-p", "no:cacheprovider", *(str(ROOT / "tests" / t) for t in tests))
 

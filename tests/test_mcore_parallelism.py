@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,8 +55,8 @@ with warnings.catch_warnings():  # "Transformer Engine and Apex are not installe
 from mcore_cpu import CudaOnCpu, define_missing_te_gemm, point_cuda_device_at_cpu
 
 from megatron_fsdp.mcore import FullyShardedDataParallel
+from megatron_fsdp.mcore_checkpoint import load_fsdp_dtensor, save_fsdp_dtensor
 from megatron_fsdp.mcore_grad_norm import clip_grad_norm
-from mfsdp_checkpoint import load_checkpoint, save_checkpoint
 from mfsdp_collectives.testing import run_distributed
 
 VOCAB, SEQ, LAYERS, HIDDEN = 64, 16, 4, 32
@@ -88,6 +88,7 @@ class Layout:
     instances: int = 1  # num_distributed_optimizer_instances (HSDP)
     tp: int = 1  # tensor_model_parallel_size
     ep: int = 1  # expert_model_parallel_size (a MoE model with EXPERTS experts when > 1)
+    moe: bool = False  # a MoE model at ep=1 (all EXPERTS experts on every rank)
     sequence_parallel: bool = False
     groups_from: str = "pg_collection"  # or "parallel_state" (pg_collection=None)
 
@@ -102,6 +103,8 @@ LAYOUTS: dict[str, Layout] = {
     "tp2_pp2_dp2": Layout(8, stages=2, tp=2),
     "dp4": Layout(4),
 }
+# Layouts only checkpoints resume at (the matrix above covers their kind already).
+RESUME_LAYOUTS = {**LAYOUTS, "moe_dp2": Layout(2, moe=True), "dp2": Layout(2)}
 
 
 class SequenceParallelLayerNorm(torch.nn.LayerNorm):
@@ -145,7 +148,7 @@ def _config(layout: Layout | None = None, moe: bool = False) -> TransformerConfi
         tensor_model_parallel_size=layout.tp,
         sequence_parallel=layout.sequence_parallel,
         expert_model_parallel_size=layout.ep,
-        **(MOE if layout.ep > 1 or moe else {}),
+        **(MOE if layout.ep > 1 or layout.moe or moe else {}),
         pipeline_dtype=torch.float32,
         batch_p2p_comm=False,
     )
@@ -184,14 +187,14 @@ def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _reference_worker(
-    rank: int, world: int, moe: bool
+    rank: int, world: int, moe: bool, weight_decay: float
 ) -> tuple[list[float], list[float], dict[str, list[Any]]]:
     point_cuda_device_at_cpu()
     define_missing_te_gemm()
     parallel_state.initialize_model_parallel(1, 1)
     model = _gpt(_config(moe=moe), True, True, None)
     initial = {k: v.tolist() for k, v in _tensors(model).items()}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=weight_decay)
     losses, norms = [], []
     for step in range(STEPS):
         tokens = _batch(step)
@@ -207,10 +210,12 @@ def _reference_worker(
 
 
 @functools.cache
-def _reference(moe: bool) -> tuple[list[float], dict[str, list[Any]]]:
+def _reference(
+    moe: bool, weight_decay: float = 0.01
+) -> tuple[list[float], list[float], dict[str, list[Any]]]:
     """One process: the dense model, or the MoE one with all EXPERTS experts local."""
-    result: tuple[list[float], dict[str, list[Any]]] = run_distributed(
-        _reference_worker, 1, moe, timeout=180
+    result: tuple[list[float], list[float], dict[str, list[Any]]] = run_distributed(
+        _reference_worker, 1, moe, weight_decay, timeout=180
     )[0]
     return result
 
@@ -251,7 +256,7 @@ def _stage_from(model: GPTModel, initial: dict[str, list[Any]]) -> None:
 
 
 def _chunks(layout: str, zero: str, initial: dict[str, list[Any]]) -> list[Any]:
-    spec = LAYOUTS[layout]
+    spec = RESUME_LAYOUTS[layout]
     virtual = spec.virtual
     config = _config(spec)
     ddp_config = DistributedDataParallelConfig(
@@ -303,21 +308,11 @@ def _forward_step(data: Iterator[torch.Tensor], model: Any) -> tuple[torch.Tenso
     return output, loss_func
 
 
-def _worker(
-    rank: int,
-    world: int,
-    layout: str,
-    zero: str,
-    initial: dict[str, list[Any]],
-    steps: tuple[int, int] = (0, STEPS),
-    load_from: str | None = None,
-    save_to: str | None = None,
-) -> tuple[list[float], list[float]]:
-    """Train steps ``steps[0]`` to ``steps[1] - 1``; first resume from ``load_from``, last
-    save to ``save_to`` (model and optimizer, one chunk: ``mfsdp_checkpoint``)."""
+def _start(layout: str, zero: str, initial: dict[str, list[Any]]) -> list[Any]:
+    """Megatron-Core's groups for ``layout``, and its chunks wrapped by the adapter."""
     point_cuda_device_at_cpu()
     define_missing_te_gemm()
-    spec = LAYOUTS[layout]
+    spec = RESUME_LAYOUTS[layout]
     parallel_state.initialize_model_parallel(
         spec.tp,
         spec.stages,
@@ -325,17 +320,42 @@ def _worker(
         expert_model_parallel_size=spec.ep,
         num_distributed_optimizer_instances=spec.instances,
     )
-    chunks = _chunks(layout, zero, initial)
-    optimizers = [torch.optim.AdamW(chunk.parameters(), lr=LR) for chunk in chunks]
-    if load_from is not None:
-        load_checkpoint(load_from, chunks[0], optimizers[0])
+    return _chunks(layout, zero, initial)
+
+
+def _torch_steps(
+    chunks: list[Any], optimizers: list[torch.optim.Optimizer]
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """A step's start and end with torch optimizers, one per chunk, as Megatron-Core's
+    ``DistributedOptimizer`` does them for Megatron-FSDP chunks."""
+
+    def zero_grad() -> None:
+        for chunk, optimizer in zip(chunks, optimizers, strict=True):
+            chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+
+    def step() -> None:
+        for chunk, optimizer in zip(chunks, optimizers, strict=True):
+            optimizer.step()
+            chunk.param_and_grad_buffer.copy_main_weights_to_model_weights()
+            chunk.start_param_sync()
+
+    return zero_grad, step
+
+
+def _train(
+    chunks: list[Any],
+    steps: tuple[int, int],
+    zero_grad: Callable[[], None],
+    optimizer_step: Callable[[], None],
+) -> tuple[list[float], list[float]]:
+    """Global batches ``steps[0]`` to ``steps[1] - 1`` through Megatron-Core's schedule, the
+    gradients clipped over the whole model; the last stage's losses and every step's norm."""
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     losses, norms = [], []
     for step in range(*steps):
-        for chunk, optimizer in zip(chunks, optimizers, strict=True):
-            chunk.zero_grad_buffer()
-            optimizer.zero_grad()
+        zero_grad()
         local = _batch(step).chunk(dp_size)[dp_rank]
         data = [iter(local.chunk(N_MICRO)) for _ in chunks]
         with CudaOnCpu():
@@ -348,10 +368,8 @@ def _worker(
                 micro_batch_size=local.shape[0] // N_MICRO,
             )
         norms.append(clip_grad_norm(chunks, MAX_NORM).item())
-        for chunk, optimizer in zip(chunks, optimizers, strict=True):
-            optimizer.step()
-            chunk.param_and_grad_buffer.copy_main_weights_to_model_weights()
-            chunk.start_param_sync()
+        with CudaOnCpu():
+            optimizer_step()
         if reduced:  # the last pipeline stage: the global batch's mean loss
             loss = torch.stack([r["loss"] for r in reduced]).mean()
             # Every data-parallel rank (with several optimizer instances the default group
@@ -359,8 +377,29 @@ def _worker(
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
             dist.all_reduce(loss, group=group)
             losses.append(loss.item() / dist.get_world_size(group))
+    return losses, norms
+
+
+def _worker(
+    rank: int,
+    world: int,
+    layout: str,
+    zero: str,
+    initial: dict[str, list[Any]],
+    steps: tuple[int, int] = (0, STEPS),
+    load_from: str | None = None,
+    save_to: str | None = None,
+) -> tuple[list[float], list[float]]:
+    """Train steps ``steps[0]`` to ``steps[1] - 1``; first resume from ``load_from``, last
+    save to ``save_to`` (every chunk and optimizer: ``megatron_fsdp.mcore_checkpoint``)."""
+    chunks = _start(layout, zero, initial)
+    optimizers = [torch.optim.AdamW(chunk.parameters(), lr=LR) for chunk in chunks]
+    if load_from is not None:
+        loaded = load_fsdp_dtensor(load_from, chunks, optimizers)
+        assert loaded["iteration"] == steps[0], loaded
+    losses, norms = _train(chunks, steps, *_torch_steps(chunks, optimizers))
     if save_to is not None:
-        save_checkpoint(save_to, chunks[0], optimizers[0])
+        save_fsdp_dtensor(save_to, chunks, optimizers, iteration=steps[1])
     parallel_state.destroy_model_parallel()
     return losses, norms
 
@@ -385,27 +424,43 @@ def test_gpt_through_the_adapter_matches_one_process(layout: str, zero: str) -> 
     assert want[-1] < want[0]  # it learns
 
 
-@pytest.mark.parametrize(
-    ("saved_at", "resumed_at"),
-    [("tp2_dp2", "dp4"), ("dp4", "tp2_dp2"), ("tp2_dp2", "dp_outer2_dp_shard2")],
-)
+RESUMES = [
+    ("tp2_dp2", "dp4"),
+    ("tp2_dp2", "pp2_dp2"),
+    ("dp4", "tp2_dp2"),
+    ("tp2_dp2", "dp_outer2_dp_shard2"),
+    ("pp2_vpp2_dp1", "tp2_pp2_dp2"),
+    ("ep2_dp2", "moe_dp2"),
+]
+
+
+@pytest.mark.parametrize(("saved_at", "resumed_at"), RESUMES)
 def test_a_checkpoint_resumes_at_another_layout(
     saved_at: str, resumed_at: str, tmp_path: Path
 ) -> None:
-    """Model and optimizer state saved (``mfsdp_checkpoint``: DCP, DTensors with the whole
-    model's shapes) after 5 steps at one layout load at another and the next 5 steps continue
-    one process's curve within 1e-5: TP=2 x DP=2 -> DP=4 and back (TP slices gathered and
-    re-cut by DCP), and TP=2 x DP=2 -> HSDP."""
-    want, _, initial = _reference(False)
+    """Model and optimizer state saved as Megatron-LM's fsdp_dtensor checkpoints
+    (``save_fsdp_dtensor``: whole-model names, DTensors of the whole model's shapes) after 5
+    steps at one layout load at another and the next 5 steps continue one process's curve
+    within 1e-5: TP slices gathered and re-cut by DCP (TP=2 x DP=2 <-> DP=4), stage-local
+    layers renamed by their global number (TP=2 x DP=2 -> PP=2 x DP=2; two virtual chunks on
+    two stages -> TP=2 x PP=2 x DP=2), experts by their global index (EP=2 -> every expert on
+    every rank) and TP=2 x DP=2 -> HSDP."""
+    moe = RESUME_LAYOUTS[saved_at].ep > 1
+    assert moe == (RESUME_LAYOUTS[resumed_at].moe or RESUME_LAYOUTS[resumed_at].ep > 1)
+    want, _, initial = _reference(moe)
     half, path = STEPS // 2, str(tmp_path / "ckpt")
-    ranks = LAYOUTS[saved_at].ranks
+    ranks = RESUME_LAYOUTS[saved_at].ranks
     zero = "optim_grads_params"
     run_distributed(_worker, ranks, saved_at, zero, initial, (0, half), None, path, timeout=300)
-    ranks = LAYOUTS[resumed_at].ranks
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(half)
+    assert (tmp_path / "ckpt" / f"iter_{half:07d}" / ".metadata").is_file()
+    ranks = RESUME_LAYOUTS[resumed_at].ranks
     results = run_distributed(
         _worker, ranks, resumed_at, zero, initial, (half, STEPS), path, None, timeout=300
     )
-    for losses, _ in results:
+    last_stage = [losses for losses, _ in results if losses]
+    assert len(last_stage) == ranks // RESUME_LAYOUTS[resumed_at].stages
+    for losses in last_stage:
         got = torch.tensor(losses, dtype=torch.float64)
         expected = torch.tensor(want[half:], dtype=torch.float64)
         assert torch.allclose(got, expected, rtol=RTOL, atol=0), (saved_at, resumed_at, got)

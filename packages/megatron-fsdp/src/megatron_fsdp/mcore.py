@@ -20,6 +20,7 @@ on its own, driven by Megatron-Core's schedules), HSDP (``num_distributed_optimi
 marked ``allreduce=False``, sharded over ``pg_collection.expt_dp``) work; context parallelism
 and tensor-parallel experts are refused at wrap time, naming the setting (the one table of
 ``megatron_fsdp.unsupported``), and so are word embeddings tied across pipeline stages.
+Checkpoints: ``megatron_fsdp.mcore_checkpoint`` (Megatron-LM's ``fsdp_dtensor`` layout).
 """
 
 from __future__ import annotations
@@ -157,9 +158,11 @@ class MCoreFSDPModel(nn.Module):
 
     def sharded_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
-            "sharded_state_dict: Megatron-Core's dist-checkpointing formats are not supported "
-            "by megatron-fsdp; save with ckpt_format 'fsdp_dtensor' (state_dict() of this "
-            "model holds DTensors that torch.distributed.checkpoint saves and reshards)"
+            "sharded_state_dict: Megatron-Core's dist-checkpointing (torch_dist) format is not "
+            "supported by megatron-fsdp, as by Megatron-FSDP; save with ckpt_format "
+            "'fsdp_dtensor': megatron_fsdp.mcore_checkpoint.save_fsdp_dtensor(directory, "
+            "chunks, optimizer, iteration=...) and load_fsdp_dtensor, which reshard across "
+            "TP/PP/EP/DP layouts"
         )
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:

@@ -33,6 +33,7 @@ from mfsdp_checkpoint import _dist
 from mfsdp_checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    StateDictMismatchError,
 )
 from mfsdp_checkpoint.key_map import KeyPlan, plan_key_map
 from mfsdp_checkpoint.marker import (
@@ -50,7 +51,7 @@ from mfsdp_checkpoint.marker import (
     write_in_progress,
     write_marker,
 )
-from mfsdp_checkpoint.validate import check, prune
+from mfsdp_checkpoint.validate import Comparison, check, prune
 from mfsdp_collectives import naming_dead_peers
 
 PathLike = str | os.PathLike[str]
@@ -78,6 +79,19 @@ def _run_locally(problem_source: Any) -> _dist.Problem:
     except OSError as error:
         return ("CheckpointError", f"{type(error).__name__}: {error}")
     return None
+
+
+def _refuse_keys_no_rank_loads(
+    unexpected: list[str], where: str, group: dist.ProcessGroup | None
+) -> None:
+    """Raise on every rank if a checkpoint key is unexpected on every rank."""
+    everyone = [unexpected]
+    if _dist.is_distributed():
+        everyone = [[]] * _dist.world_size(group)
+        dist.all_gather_object(everyone, unexpected, group=group)
+    nobody = sorted(set.intersection(*(set(keys) for keys in everyone)))
+    if nobody:
+        raise StateDictMismatchError(Comparison(unexpected=nobody).message(where))
 
 
 def check_target(path: PathLike) -> Path:
@@ -209,6 +223,7 @@ def load(
     strict: bool = True,
     verify: bool = True,
     planner: LoadPlanner | None = None,
+    partitioned: bool = False,
 ) -> DirectoryInfo:
     """Load a DCP checkpoint into ``state_dict`` in place, after checking it. Collective.
 
@@ -217,9 +232,11 @@ def load(
     from a model+optimizer checkpoint is fine). Optimizer placeholders the checkpoint has no
     value for are dropped, leaving that state fresh. ``verify`` checks the CRC32 recorded at
     save time (plain DCP directories without a marker are loaded unverified).
+    ``partitioned``: each rank holds a part of the model (pipeline stages), so a checkpoint
+    key is unexpected only when no rank's ``state_dict`` has it.
     """
     with naming_dead_peers(f"loading the checkpoint {path}", process_group):
-        return _load(state_dict, path, process_group, strict, verify, planner)
+        return _load(state_dict, path, process_group, strict, verify, planner, partitioned)
 
 
 def _load(
@@ -229,6 +246,7 @@ def _load(
     strict: bool,
     verify: bool,
     planner: LoadPlanner | None,
+    partitioned: bool = False,
 ) -> DirectoryInfo:
     requested = Path(path)
     me, world = _dist.rank(process_group), _dist.world_size(process_group)
@@ -241,10 +259,15 @@ def _load(
         metadata = read_metadata(source)
         plan = plan_key_map(state_dict, metadata, source, has_marker=info.marker is not None)
         where = f"{source} (named as by {plan.naming.describe()})" if plan.renames else str(source)
-        comparison = check(plan.flat, metadata, where, strict, sections=plan.sections)
-        found.extend([info, plan, comparison])
+        every_key_here = strict and not partitioned
+        comparison = check(plan.flat, metadata, where, every_key_here, sections=plan.sections)
+        if strict and partitioned and comparison.missing:
+            raise StateDictMismatchError(Comparison(missing=comparison.missing).message(where))
+        found.extend([info, plan, comparison, where])
 
     _dist.agree(_run_locally(local_checks), process_group)
+    if strict and partitioned:
+        _refuse_keys_no_rank_loads(found[2].unexpected, found[3], process_group)
     info: DirectoryInfo = found[0]
     plan: KeyPlan = found[1]
     source = info.path

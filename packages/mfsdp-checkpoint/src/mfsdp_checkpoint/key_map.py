@@ -12,7 +12,9 @@ What is mapped:
 * optimizer state keyed by position (torch's ``optimizer.state_dict()``, NVIDIA
   megatron-fsdp's checkpoints) onto our name-keyed state. Positions follow the writer's
   ``param_groups``; which parameter each position held is derived, never guessed: see
-  ``derive_positions``.
+  ``derive_positions``;
+* Megatron's ``fsdp_dtensor`` optimizer section (state under the chunk's deeper ``module.``
+  names, group fields per parameter in ``param_to_group_meta``): see ``megatron_optim``.
 
 The parameter lists of ``param_groups`` are checked against ours, never loaded: the
 optimizer keeps its own parameters and takes the hyperparameters (``lr``, ``betas``...)
@@ -33,6 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from mfsdp_checkpoint.errors import StateDictMismatchError
+from mfsdp_checkpoint.megatron_optim import GROUP_META, plan_group_meta_load
 from mfsdp_checkpoint.naming import (
     FSDP_DTENSOR,
     CheckpointNaming,
@@ -66,6 +69,8 @@ class KeyPlan:
     derivation: str = ""
     """How positions of positional optimizer state were matched to names (when they were);
     ``load`` logs it (logger ``mfsdp_checkpoint``, INFO, rank 0) with the writer's naming."""
+    finish: Callable[[dict[str, Any]], None] | None = None
+    """What ``copy_back`` does last, on our nested state dict (fields DCP has no key for)."""
 
     @property
     def renames(self) -> bool:
@@ -83,6 +88,8 @@ class KeyPlan:
         for key, path in self.ours.items():
             if key in self.flat:
                 _set(state_dict, path, self.flat[key])
+        if self.finish is not None:
+            self.finish(state_dict)
 
 
 def _set(root: dict[str, Any], path: ObjPath, value: Any) -> None:
@@ -116,14 +123,14 @@ def plan_key_map(
     paths = {key: tuple(mapping[key]) for key in flat}
     model_names = [str(p[1]) for p in paths.values() if len(p) == 2 and p[0] == "model"]
     our_groups = _our_groups(state_dict.get("optimizer"))
-    if "optimizer" in state_dict and naming.writer == FSDP_DTENSOR:
-        raise StateDictMismatchError(
-            f"{source} is a {FSDP_DTENSOR} checkpoint: its model section loads, but its "
-            "optimizer state (Megatron's distributed optimizer: group fields and step per "
-            "parameter under optimizer.param_to_group_meta) is not supported yet; load the "
-            "model alone (load_checkpoint(path, model), no optimizer) and start the optimizer "
-            "fresh"
-        )
+    if "optimizer" in state_dict and naming.optimizer_keys == "megatron-distributed":
+        if our_groups is None:
+            raise StateDictMismatchError(
+                f"{source} is a {FSDP_DTENSOR} checkpoint, whose optimizer state is keyed by "
+                "parameter name; this optimizer's state dict is positional: call "
+                "mfsdp_checkpoint.enable_dcp(model, optimizer) first (load_checkpoint does)"
+            )
+        return _plan_group_meta(state_dict, flat, paths, metadata, source, naming)
     ours = prefix_of(model_names or [n for group in our_groups or [] for n in group])
     positional = naming.optimizer_keys == "by-position" and our_groups is not None
     if ours == naming.model_prefix and not positional:
@@ -160,6 +167,55 @@ def plan_key_map(
         if path[:2] != ("optimizer", "param_groups") or path[-1] != "params":
             back[key_of(target)] = path  # the parameter lists stay ours (checked above)
     return KeyPlan(naming, renamed, {str(k) for k in state_dict}, back, derivation)
+
+
+def _plan_group_meta(
+    state_dict: dict[str, Any],
+    flat: dict[str, Any],
+    paths: dict[str, ObjPath],
+    metadata: Metadata,
+    source: Path,
+    naming: CheckpointNaming,
+) -> KeyPlan:
+    """Ours (torch's layout keyed by name) from a Megatron ``fsdp_dtensor`` checkpoint."""
+    theirs_paths = paths_of(metadata)
+    fields: dict[str, set[str]] = {}
+    meta_keys: dict[str, ObjPath] = {}
+    for key, path in theirs_paths.items():
+        if len(path) >= 4 and path[:2] == ("optimizer", "state"):
+            fields.setdefault(str(path[2]), set()).add(str(path[3]))
+        elif len(path) >= 4 and path[:2] == ("optimizer", GROUP_META):
+            meta_keys[key] = path
+    values = read_objects(source, list(meta_keys))
+    meta: dict[str, dict[str, Any]] = {}
+    for key, path in meta_keys.items():
+        meta.setdefault(str(path[2]), {})[str(path[3])] = values[key]
+    plan = plan_group_meta_load(state_dict["optimizer"].get("state", {}), fields, meta)
+    model_names = [str(p[1]) for p in paths.values() if len(p) == 2 and p[0] == "model"]
+    ours = prefix_of(model_names)
+    renamed: dict[str, Any] = {key: values[key] for key in meta_keys}
+    back: dict[str, ObjPath] = {}
+    for key, value in flat.items():
+        path = paths[key]
+        if path[:2] == ("optimizer", "param_groups"):
+            continue  # Megatron keeps none: finish() sets the fields from param_to_group_meta
+        target = path
+        if len(path) == 2 and path[0] == "model":
+            target = ("model", rename_model(str(path[1]), ours, naming.model_prefix))
+        elif len(path) >= 4 and path[:2] == ("optimizer", "state"):
+            name = str(path[2])
+            if path[3] == "step" and name in plan.steps_from_meta:
+                continue  # finish() sets it from the group fields
+            target = ("optimizer", "state", plan.their_name.get(name, name), *path[3:])
+        renamed[key_of(target)] = value
+        back[key_of(target)] = path
+    return KeyPlan(
+        naming,
+        renamed,
+        {str(k) for k in state_dict},
+        back,
+        finish=lambda ours_state: plan.finish(ours_state["optimizer"]),
+    )
 
 
 def _translate(path: ObjPath, theirs: Callable[[str], str], position: Mapping[str, int]) -> ObjPath:

@@ -16,8 +16,8 @@ Megatron-LM / Megatron-Bridge                 ``module.*``    name (deeper ``mod
 ============================================  ==============  ==============================
 
 ``fsdp_dtensor`` checkpoints are told by ``optimizer.param_to_group_meta`` or, model-only, by
-their ``checkpoint_version`` and ``iteration`` sections; their model section loads, their
-optimizer state (per-parameter group fields, ``step`` a group integer) is refused for now.
+their ``checkpoint_version`` and ``iteration`` sections; both sections load (the optimizer's
+through ``megatron_optim``), and ``named_for(state, "megatron")`` writes that layout.
 
 DCP records, for every flattened key, the nested path it came from (``planner_data``):
 ``("optimizer", "state", "module.fc.weight", "exp_avg")`` or ``("optimizer", "state", 0,
@@ -33,12 +33,14 @@ from typing import Any, Literal
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from mfsdp_checkpoint.megatron_optim import GROUP_META, to_group_meta
+
 ObjPath = tuple[str | int, ...]
 WRAPPER_PREFIX = "module."
 """What a ``MegatronFSDP`` wrapper (ours and NVIDIA's) puts before the inner model's names."""
 
 OptimizerKeys = Literal["by-name", "by-position", "megatron-distributed", "absent"]
-MEGATRON_GROUP_META = "param_to_group_meta"
+MEGATRON_GROUP_META = GROUP_META
 """Megatron's distributed optimizer saves each parameter's group fields (``lr``, its ``step``)
 under ``optimizer.param_to_group_meta.<name>`` instead of torch's ``param_groups``; only
 ``fsdp_dtensor`` checkpoints (Megatron-LM, Megatron-Bridge) have it."""
@@ -134,8 +136,8 @@ def rename_model(name: str, source_prefix: str, target_prefix: str) -> str:
     return target_prefix + name
 
 
-SaveNaming = Literal["native", "fsdp2", "nvidia"]
-SAVE_NAMINGS: tuple[SaveNaming, ...] = ("native", "fsdp2", "nvidia")
+SaveNaming = Literal["native", "fsdp2", "nvidia", "megatron"]
+SAVE_NAMINGS: tuple[SaveNaming, ...] = ("native", "fsdp2", "nvidia", "megatron")
 
 
 def prefix_of(names: list[str]) -> str:
@@ -157,6 +159,11 @@ def named_for(state: dict[str, Any], naming: SaveNaming) -> dict[str, Any]:
       order: what NVIDIA megatron-fsdp's README snippet (``model.state_dict()`` +
       ``optimizer.state_dict()``) loads, as does any job that loads a wrapped model's
       positional ``optimizer.state_dict()``.
+    * ``"megatron"``: Megatron-LM's ``--ckpt-format fsdp_dtensor`` sections: ``module.*``
+      model names, optimizer state by ``module.*`` name with each parameter's group fields
+      under ``param_to_group_meta`` (``megatron_optim.to_group_meta``). Megatron-LM's own
+      files also carry ``checkpoint_version``/``iteration``/``args``: pass those as
+      ``extra``-like sections of ``state`` (``megatron_fsdp.mcore_checkpoint`` does).
     """
     if naming == "native":
         return state
@@ -168,6 +175,12 @@ def named_for(state: dict[str, Any], naming: SaveNaming) -> dict[str, Any]:
     ours = prefix_of(list(model) or group_names)
     target = "" if naming == "fsdp2" else WRAPPER_PREFIX
     out = dict(state)
+    if naming == "megatron":
+        if "model" in state:
+            out["model"] = {rename_model(k, ours, target): v for k, v in model.items()}
+        if optimizer is not None:
+            out["optimizer"] = to_group_meta(_renamed_optimizer(optimizer, ours, target))
+        return out
     if "model" in state:
         out["model"] = {rename_model(k, ours, target): v for k, v in model.items()}
     if optimizer is not None:
@@ -184,3 +197,15 @@ def named_for(state: dict[str, Any], naming: SaveNaming) -> dict[str, Any]:
             ],
         }
     return out
+
+
+def _renamed_optimizer(optimizer: dict[str, Any], source: str, target: str) -> dict[str, Any]:
+    def name(n: Any) -> str:
+        return rename_model(str(n), source, target)
+
+    return {
+        "state": {name(n): entry for n, entry in optimizer["state"].items()},
+        "param_groups": [
+            {**g, "params": [name(n) for n in g["params"]]} for g in optimizer["param_groups"]
+        ],
+    }

@@ -1,0 +1,199 @@
+"""Megatron-LM's ``--ckpt-format fsdp_dtensor`` checkpoints of the adapter's model chunks,
+loadable under any TP/PP/VPP/EP/DP layout.
+
+``save_fsdp_dtensor(directory, chunks, optimizer, iteration=...)`` writes what Megatron-LM
+0.16's ``save_checkpoint`` writes for Megatron-FSDP: ``<directory>/iter_<7 digits>/`` a DCP
+checkpoint with sections ``model`` (``module.<path>``: DTensors of the whole model's shapes),
+``optimizer`` (state by the chunk's parameter names, each parameter's group fields under
+``param_to_group_meta``: ``mfsdp_checkpoint.megatron_optim``), ``checkpoint_version`` (3.0),
+``iteration`` and what ``extra`` adds (``args``, ``opt_param_scheduler``, ``rng_state``), and
+``<directory>/latest_checkpointed_iteration.txt``. The directory is written atomically
+(``mfsdp_checkpoint.save``). ``load_fsdp_dtensor`` reads it back, or Megatron-LM's own, at any
+layout: DCP gathers and re-cuts TP slices and data-parallel shards.
+
+Names are the whole model's (``megatron_fsdp.mcore_names``): layers by ``layer_number - 1``,
+experts by global index. Megatron-LM writes experts that way too, but each stage's layers from
+0, so its checkpoints of more than one pipeline stage collide (its ``DistributedOptimizer``
+also refuses several virtual chunks: "Parameter names conflict between model chunks"); at one
+stage its names and ours are the same, and several chunks here save as one model.
+Transformer Engine's ``_extra_state`` entries are left out, as Megatron-LM leaves them out.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_fsdp.mcore_names import WRAPPER, LayoutFreeNames, split_wrappers
+from mfsdp_checkpoint import enable_dcp, load, save
+from mfsdp_checkpoint.megatron_optim import to_group_meta
+
+__all__ = ["TRACKER", "latest_iteration", "load_fsdp_dtensor", "save_fsdp_dtensor"]
+
+TRACKER = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0
+_EXTRA_STATE = "._extra_state"
+
+
+def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """A torch optimizer, several, or Megatron-Core's ``DistributedOptimizer`` (whose torch
+    optimizer, ``.optimizer``, holds the state under Megatron-FSDP)."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        return [inner]
+    if isinstance(optimizer, Sequence):
+        return [o for each in optimizer for o in _torch_optimizers(each)]
+    raise TypeError(
+        "optimizer must be a torch.optim.Optimizer, a list of them, Megatron-Core's "
+        f"DistributedOptimizer or None; got {type(optimizer).__name__}"
+    )
+
+
+class _ChunkState:
+    """The DCP state dict of a list of chunks (and their optimizers) under whole-model names,
+    and the way back to each chunk's and optimizer's own names."""
+
+    def __init__(self, chunks: Sequence[nn.Module], optimizers: list[torch.optim.Optimizer]):
+        if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
+            raise TypeError("chunks must be a non-empty list of the adapter's model chunks")
+        self.chunks = list(chunks)
+        self.names = [LayoutFreeNames(chunk) for chunk in self.chunks]
+        self.optimizers = optimizers
+        self.model_keys: list[dict[str, str]] = []  # per chunk: whole-model key -> own key
+        self.model: dict[str, Any] = {}
+        for chunk, names in zip(self.chunks, self.names, strict=True):
+            own: dict[str, str] = {}
+            for key, value in chunk.state_dict().items():
+                if key.endswith(_EXTRA_STATE):
+                    continue
+                global_key = WRAPPER + names.to_global(split_wrappers(key)[1])
+                own[global_key] = key
+                self.model[global_key] = value
+            self.model_keys.append(own)
+        self.own_names: list[dict[str, str]] = []  # per optimizer: whole-model -> own name
+        self.optimizer_states = [self._optimizer_state(o) for o in optimizers]
+
+    def _global_name(self, name: str) -> str:
+        """An optimizer name (``<chunk index>.<chunk's parameter name>``) as the whole
+        model's, keeping the chunk's wrapper levels as Megatron-Core's optimizer names do."""
+        index, _, own = name.partition(".")
+        wrappers, path = split_wrappers(own)
+        return wrappers + self.names[int(index)].to_global(path)
+
+    def _optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        enable_dcp(nn.ModuleList(self.chunks), optimizer)
+        state = optimizer.state_dict()
+        own = {self._global_name(n): n for g in state["param_groups"] for n in g["params"]}
+        self.own_names.append(own)
+        whole = {n: g for g, n in own.items()}
+        return {
+            "state": {whole[n]: e for n, e in state["state"].items()},
+            "param_groups": [
+                {**g, "params": [whole[n] for n in g["params"]]} for g in state["param_groups"]
+            ],
+        }
+
+    def merged_optimizer(self) -> dict[str, Any]:
+        """One torch-layout optimizer state of every optimizer (the same entry objects)."""
+        merged: dict[str, Any] = {"state": {}, "param_groups": []}
+        for state in self.optimizer_states:
+            merged["state"].update(state["state"])
+            merged["param_groups"].extend(state["param_groups"])
+        return merged
+
+    def load_into_chunks_and_optimizers(self, model: dict[str, Any], strict: bool) -> None:
+        for chunk, own in zip(self.chunks, self.model_keys, strict=True):
+            chunk.load_state_dict({own[k]: model[k] for k in own}, strict=strict)
+        for optimizer, state, own_names in zip(
+            self.optimizers, self.optimizer_states, self.own_names, strict=True
+        ):
+            optimizer.load_state_dict(
+                {
+                    "state": {own_names[n]: e for n, e in state["state"].items()},
+                    "param_groups": [
+                        {**g, "params": [own_names[n] for n in g["params"]]}
+                        for g in state["param_groups"]
+                    ],
+                }
+            )
+
+
+def _iteration_dir(directory: Path, iteration: int | str) -> Path:
+    return directory / ("release" if iteration == "release" else f"iter_{int(iteration):07d}")
+
+
+def save_fsdp_dtensor(
+    directory: str | os.PathLike[str],
+    chunks: Sequence[nn.Module],
+    optimizer: Any = None,
+    *,
+    iteration: int,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Save ``chunks`` (this rank's model chunks) and ``optimizer`` at ``iteration`` as
+    Megatron-LM does with ``--ckpt-format fsdp_dtensor``. Collective over the world. Returns
+    the iteration's directory."""
+    if not isinstance(iteration, int) or iteration < 0:
+        raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
+    reserved = {"model", "optimizer", "checkpoint_version", "iteration"} & set(extra or {})
+    if reserved:
+        raise ValueError(f"extra: {sorted(reserved)} are written by save_fsdp_dtensor itself")
+    chunk_state = _ChunkState(chunks, _torch_optimizers(optimizer))
+    state: dict[str, Any] = {"model": chunk_state.model}
+    if chunk_state.optimizers:
+        state["optimizer"] = to_group_meta(chunk_state.merged_optimizer())
+    state.update(checkpoint_version=CHECKPOINT_VERSION, iteration=iteration, **(extra or {}))
+    root = Path(directory)
+    target = save(state, _iteration_dir(root, iteration))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        staging = root / f"{TRACKER}.partial"
+        staging.write_text(str(iteration))
+        os.replace(staging, root / TRACKER)  # atomic: a reader sees the old or the new number
+    if dist.is_initialized():
+        dist.barrier()
+    return target
+
+
+def latest_iteration(directory: str | os.PathLike[str]) -> int | str:
+    """The iteration ``latest_checkpointed_iteration.txt`` names (an int, or ``"release"``)."""
+    tracker = Path(directory) / TRACKER
+    if not tracker.is_file():
+        raise FileNotFoundError(
+            f"{tracker} does not exist: {directory} holds no Megatron-LM checkpoint; pass the "
+            "directory save_fsdp_dtensor (or Megatron-LM's --save) wrote, or iteration="
+        )
+    text = tracker.read_text().strip()
+    return "release" if text == "release" else int(text)
+
+
+def load_fsdp_dtensor(
+    directory: str | os.PathLike[str],
+    chunks: Sequence[nn.Module],
+    optimizer: Any = None,
+    *,
+    iteration: int | str | None = None,
+    extra: dict[str, Any] | None = None,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Load the checkpoint at ``iteration`` (default: the tracker file's) into ``chunks`` and
+    ``optimizer``, whatever layout wrote it. Collective. Returns ``{"iteration": ...}`` and
+    the ``extra`` sections asked for (their given values are the defaults)."""
+    root = Path(directory)
+    chosen = latest_iteration(root) if iteration is None else iteration
+    chunk_state = _ChunkState(chunks, _torch_optimizers(optimizer))
+    state: dict[str, Any] = {"model": chunk_state.model, "iteration": 0, **(extra or {})}
+    if chunk_state.optimizers:
+        state["optimizer"] = chunk_state.merged_optimizer()
+    load(state, _iteration_dir(root, chosen), strict=strict, partitioned=True)
+    chunk_state.load_into_chunks_and_optimizers(state["model"], strict)
+    return {k: v for k, v in state.items() if k not in ("model", "optimizer")}
