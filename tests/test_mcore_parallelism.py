@@ -3,7 +3,8 @@ with Megatron-Core's parallelisms (issue 29), driven by ``get_forward_backward_f
 ``config.no_sync_func`` and ``config.finalize_model_grads_func`` wired as Megatron-LM's
 ``training.py`` wires them for Megatron-FSDP: pipeline (1F1B), virtual pipeline, HSDP
 (``num_distributed_optimizer_instances=2``), tensor parallelism (FSDP over the DP group, the
-TP group from Megatron-Core), tensor + sequence parallelism (the sequence-parallel norms'
+TP group from Megatron-Core; also with SwiGLU, whose ``linear_fc1`` is a strided partition,
+``partition_stride=2``), tensor + sequence parallelism (the sequence-parallel norms'
 gradients summed over TP by Megatron-Core's ``finalize_model_grads`` on our sharded
 gradients), expert parallelism (a MoE model, its experts sharded over the expert-data-parallel
 group) and TP x PP x DP on 8 ranks; each at ZeRO-3 (``optim_grads_params``) and ZeRO-1
@@ -36,6 +37,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (nox -s mcore)")
 
@@ -57,6 +59,7 @@ from mcore_cpu import CudaOnCpu, define_missing_te_gemm, point_cuda_device_at_cp
 from megatron_fsdp.mcore import FullyShardedDataParallel
 from megatron_fsdp.mcore_checkpoint import load_fsdp_dtensor, save_fsdp_dtensor
 from megatron_fsdp.mcore_grad_norm import clip_grad_norm
+from mfsdp_checkpoint import describe
 from mfsdp_collectives.testing import run_distributed
 
 VOCAB, SEQ, LAYERS, HIDDEN = 64, 16, 4, 32
@@ -89,6 +92,7 @@ class Layout:
     tp: int = 1  # tensor_model_parallel_size
     ep: int = 1  # expert_model_parallel_size (a MoE model with EXPERTS experts when > 1)
     moe: bool = False  # a MoE model at ep=1 (all EXPERTS experts on every rank)
+    swiglu: bool = False  # gated_linear_unit with SiLU: linear_fc1 holds [w; v] per TP rank
     sequence_parallel: bool = False
     groups_from: str = "pg_collection"  # or "parallel_state" (pg_collection=None)
 
@@ -99,12 +103,18 @@ LAYOUTS: dict[str, Layout] = {
     "dp_outer2_dp_shard2": Layout(4, instances=2),
     "tp2_dp2": Layout(4, tp=2, groups_from="parallel_state"),
     "tp2_sp_dp2": Layout(4, tp=2, sequence_parallel=True),
+    "tp2_dp2_swiglu": Layout(4, tp=2, swiglu=True),
     "ep2_dp2": Layout(4, ep=2),
     "tp2_pp2_dp2": Layout(8, stages=2, tp=2),
     "dp4": Layout(4),
 }
 # Layouts only checkpoints resume at (the matrix above covers their kind already).
-RESUME_LAYOUTS = {**LAYOUTS, "moe_dp2": Layout(2, moe=True), "dp2": Layout(2)}
+RESUME_LAYOUTS = {
+    **LAYOUTS,
+    "moe_dp2": Layout(2, moe=True),
+    "dp2": Layout(2),
+    "dp4_swiglu": Layout(4, swiglu=True),
+}
 
 
 class SequenceParallelLayerNorm(torch.nn.LayerNorm):
@@ -149,6 +159,7 @@ def _config(layout: Layout | None = None, moe: bool = False) -> TransformerConfi
         sequence_parallel=layout.sequence_parallel,
         expert_model_parallel_size=layout.ep,
         **(MOE if layout.ep > 1 or layout.moe or moe else {}),
+        **({"gated_linear_unit": True, "activation_func": F.silu} if layout.swiglu else {}),
         pipeline_dtype=torch.float32,
         batch_p2p_comm=False,
     )
@@ -187,12 +198,12 @@ def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _reference_worker(
-    rank: int, world: int, moe: bool, weight_decay: float
+    rank: int, world: int, moe: bool, weight_decay: float, swiglu: bool
 ) -> tuple[list[float], list[float], dict[str, list[Any]]]:
     point_cuda_device_at_cpu()
     define_missing_te_gemm()
     parallel_state.initialize_model_parallel(1, 1)
-    model = _gpt(_config(moe=moe), True, True, None)
+    model = _gpt(_config(Layout(1, swiglu=swiglu), moe=moe), True, True, None)
     initial = {k: v.tolist() for k, v in _tensors(model).items()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=weight_decay)
     losses, norms = [], []
@@ -211,11 +222,12 @@ def _reference_worker(
 
 @functools.cache
 def _reference(
-    moe: bool, weight_decay: float = 0.01
+    moe: bool, weight_decay: float = 0.01, swiglu: bool = False
 ) -> tuple[list[float], list[float], dict[str, list[Any]]]:
-    """One process: the dense model, or the MoE one with all EXPERTS experts local."""
+    """One process: the dense model (SwiGLU or not), or the MoE one with all EXPERTS experts
+    local."""
     result: tuple[list[float], list[float], dict[str, list[Any]]] = run_distributed(
-        _reference_worker, 1, moe, weight_decay, timeout=180
+        _reference_worker, 1, moe, weight_decay, swiglu, timeout=180
     )[0]
     return result
 
@@ -239,7 +251,8 @@ def _global_key(model: GPTModel, key: str) -> str:
 def _stage_from(model: GPTModel, initial: dict[str, list[Any]]) -> None:
     """Load the whole model's initial weights into this stage (``_global_key``), a
     tensor-parallel parameter's slice along its ``partition_dim`` (Megatron-Core's layouts
-    cut evenly there, the fused QKV weight by whole query groups)."""
+    cut evenly there, the fused QKV weight by whole query groups; a strided one, SwiGLU's
+    ``linear_fc1``, in each of its ``partition_stride`` blocks)."""
     tp, tp_rank = (
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_tensor_model_parallel_rank(),
@@ -250,7 +263,9 @@ def _stage_from(model: GPTModel, initial: dict[str, list[Any]]) -> None:
         value = torch.tensor(initial[_global_key(model, key)])
         param = params.get(key)
         if param is not None and getattr(param, "tensor_model_parallel", False):
-            value = value.chunk(tp, dim=param.partition_dim)[tp_rank]
+            dim, blocks = param.partition_dim, getattr(param, "partition_stride", 1)
+            # A strided partition (SwiGLU's [w; v]): this rank's slice of each block.
+            value = torch.cat([b.chunk(tp, dim=dim)[tp_rank] for b in value.chunk(blocks, dim)])
         state[key] = value
     model.load_state_dict(state, strict=False)
 
@@ -407,7 +422,7 @@ def _worker(
 @pytest.mark.parametrize("zero", ["optim_grads_params", "optim"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_gpt_through_the_adapter_matches_one_process(layout: str, zero: str) -> None:
-    want, want_norms, initial = _reference(LAYOUTS[layout].ep > 1)
+    want, want_norms, initial = _reference(LAYOUTS[layout].ep > 1, swiglu=LAYOUTS[layout].swiglu)
     ranks = LAYOUTS[layout].ranks
     results = run_distributed(_worker, ranks, layout, zero, initial, timeout=300)
     for _, norms in results:  # every rank: the whole model's norm, clipped the same way
@@ -431,6 +446,7 @@ RESUMES = [
     ("tp2_dp2", "dp_outer2_dp_shard2"),
     ("pp2_vpp2_dp1", "tp2_pp2_dp2"),
     ("ep2_dp2", "moe_dp2"),
+    ("tp2_dp2_swiglu", "dp4_swiglu"),
 ]
 
 
@@ -444,16 +460,28 @@ def test_a_checkpoint_resumes_at_another_layout(
     within 1e-5: TP slices gathered and re-cut by DCP (TP=2 x DP=2 <-> DP=4), stage-local
     layers renamed by their global number (TP=2 x DP=2 -> PP=2 x DP=2; two virtual chunks on
     two stages -> TP=2 x PP=2 x DP=2), experts by their global index (EP=2 -> every expert on
-    every rank) and TP=2 x DP=2 -> HSDP."""
-    moe = RESUME_LAYOUTS[saved_at].ep > 1
-    assert moe == (RESUME_LAYOUTS[resumed_at].moe or RESUME_LAYOUTS[resumed_at].ep > 1)
-    want, _, initial = _reference(moe)
+    every rank), TP=2 x DP=2 -> HSDP, and a SwiGLU model's linear_fc1 saved as Megatron-LM
+    saves it (``_w`` and ``_v``, each TP rank's halves stacked) from TP=2 to TP=1."""
+    saved, resumed = RESUME_LAYOUTS[saved_at], RESUME_LAYOUTS[resumed_at]
+    moe = saved.ep > 1
+    assert moe == (resumed.moe or resumed.ep > 1) and saved.swiglu == resumed.swiglu
+    want, _, initial = _reference(moe, swiglu=saved.swiglu)
     half, path = STEPS // 2, str(tmp_path / "ckpt")
     ranks = RESUME_LAYOUTS[saved_at].ranks
     zero = "optim_grads_params"
-    run_distributed(_worker, ranks, saved_at, zero, initial, (0, half), None, path, timeout=300)
+    first = run_distributed(
+        _worker, ranks, saved_at, zero, initial, (0, half), None, path, timeout=300
+    )
+    for losses in [losses for losses, _ in first if losses]:  # the writer matches one process
+        got = torch.tensor(losses, dtype=torch.float64)
+        expected = torch.tensor(want[:half], dtype=torch.float64)
+        assert torch.allclose(got, expected, rtol=RTOL, atol=0), (saved_at, got)
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(half)
-    assert (tmp_path / "ckpt" / f"iter_{half:07d}" / ".metadata").is_file()
+    tensors = describe(str(tmp_path / "ckpt" / f"iter_{half:07d}"))["tensors"]
+    keys = [t["key"] for t in tensors if t["key"].startswith("model.")]
+    fc1 = [key for key in keys if ".linear_fc1." in key]
+    suffixes = ("_w", "_v") if saved.swiglu else ("weight", "bias")
+    assert fc1 and all(n.endswith(suffixes) for n in fc1), fc1
     ranks = RESUME_LAYOUTS[resumed_at].ranks
     results = run_distributed(
         _worker, ranks, resumed_at, zero, initial, (half, STEPS), path, None, timeout=300

@@ -22,6 +22,7 @@ Transformer Engine's ``_extra_state`` entries are left out, as Megatron-LM leave
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from torch import nn
 
 from megatron_fsdp.mcore_names import WRAPPER, LayoutFreeNames, split_wrappers
 from mfsdp_checkpoint import enable_dcp, load, save
+from mfsdp_checkpoint.chunks import is_annotated, split_rows
 from mfsdp_checkpoint.megatron_optim import to_group_meta
 
 __all__ = ["TRACKER", "latest_iteration", "load_fsdp_dtensor", "save_fsdp_dtensor"]
@@ -39,6 +41,11 @@ __all__ = ["TRACKER", "latest_iteration", "load_fsdp_dtensor", "save_fsdp_dtenso
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
 _EXTRA_STATE = "._extra_state"
+# Megatron-LM's SwiGLU keys (fsdp_dtensor_checkpoint.is_swiglu_key; GroupedMLP's weight<i>
+# has no local-spec counterpart here).
+_SWIGLU = re.compile(
+    r"\.mlp\.(experts\.local_experts\.\d+\.|shared_experts\.)?linear_fc1\.(weight|bias)$"
+)
 
 
 def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -70,7 +77,7 @@ class _ChunkState:
         self.names = [LayoutFreeNames(chunk) for chunk in self.chunks]
         self.optimizers = optimizers
         self.model_keys: list[dict[str, str]] = []  # per chunk: whole-model key -> own key
-        self.model: dict[str, Any] = {}
+        self.whole_model: dict[str, Any] = {}  # whole-model key -> the chunk's value
         for chunk, names in zip(self.chunks, self.names, strict=True):
             own: dict[str, str] = {}
             for key, value in chunk.state_dict().items():
@@ -78,8 +85,11 @@ class _ChunkState:
                     continue
                 global_key = WRAPPER + names.to_global(split_wrappers(key)[1])
                 own[global_key] = key
-                self.model[global_key] = value
+                self.whole_model[global_key] = value
             self.model_keys.append(own)
+        configs = [getattr(chunk, "config", None) for chunk in chunks]
+        self.swiglu = any(getattr(c, "gated_linear_unit", False) for c in configs)
+        self.model = self._split_swiglu(self.whole_model)
         self.own_names: list[dict[str, str]] = []  # per optimizer: whole-model -> own name
         self.optimizer_states = [self._optimizer_state(o) for o in optimizers]
 
@@ -103,17 +113,46 @@ class _ChunkState:
             ],
         }
 
+    def _split_swiglu(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """Megatron-LM's SwiGLU ``linear_fc1`` (weight and bias) as ``<key>_w`` and
+        ``<key>_v`` (``handle_swiglu_in_state_dict``): each TP rank's rows are ``[w; v]``."""
+        if not self.swiglu:
+            return tensors
+        out: dict[str, Any] = {}
+        for key, value in tensors.items():
+            if _SWIGLU.search(key) and isinstance(value, torch.Tensor):
+                out[f"{key}_w"], out[f"{key}_v"] = split_rows(value, 2, key)
+            else:
+                out[key] = value
+        return out
+
     def merged_optimizer(self) -> dict[str, Any]:
-        """One torch-layout optimizer state of every optimizer (the same entry objects)."""
+        """One torch-layout optimizer state of every optimizer (the same entry objects),
+        SwiGLU state split as Megatron-LM splits it (group fields stay under the name)."""
         merged: dict[str, Any] = {"state": {}, "param_groups": []}
         for state in self.optimizer_states:
             merged["state"].update(state["state"])
             merged["param_groups"].extend(state["param_groups"])
+        if self.swiglu:
+            split: dict[str, Any] = {}
+            for name, entry in merged["state"].items():
+                if not _SWIGLU.search(name):
+                    split[name] = entry
+                    continue
+                halves = {k: v for k, v in entry.items() if not _row_sharded(v)}
+                split[f"{name}_w"], split[f"{name}_v"] = dict(halves), dict(halves)
+                for field, value in entry.items():
+                    if _row_sharded(value):
+                        parts = split_rows(value, 2, f"{name}.{field}")
+                        split[f"{name}_w"][field], split[f"{name}_v"][field] = parts
+            merged["state"] = split
         return merged
 
     def load_into_chunks_and_optimizers(self, model: dict[str, Any], strict: bool) -> None:
+        """After DCP filled ``model`` (and the split SwiGLU views, so the tensors behind them)."""
         for chunk, own in zip(self.chunks, self.model_keys, strict=True):
-            chunk.load_state_dict({own[k]: model[k] for k in own}, strict=strict)
+            values = {own[k]: model.get(k, self.whole_model[k]) for k in own}
+            chunk.load_state_dict(values, strict=strict)
         for optimizer, state, own_names in zip(
             self.optimizers, self.optimizer_states, self.own_names, strict=True
         ):
@@ -126,6 +165,10 @@ class _ChunkState:
                     ],
                 }
             )
+
+
+def _row_sharded(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and is_annotated(value)
 
 
 def _iteration_dir(directory: Path, iteration: int | str) -> Path:

@@ -30,6 +30,7 @@ from mfsdp_hooks import ParameterGroup, ShardingStrategy, local_tensor
 
 _WRITE_ATTR = "__create_write_items__"
 _CHUNKS_ATTR = "__create_chunk_list__"
+_SHARD_ATTR = "__get_tensor_shard__"
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class RowChunk:
     """False for an empty piece: writing it would collide with a neighbour's chunk offset."""
     base: tuple[int, ...] | None = None
     local_shape: torch.Size | None = None
+    stride: int = 1
+    """A strided TP partition (``TPSpec.partition_stride``): the TP-local rows are this many
+    blocks, each at its own place in the global tensor; ``base`` is the first block's."""
 
     @property
     def offsets(self) -> torch.Size:
@@ -64,6 +68,29 @@ class RowChunk:
 
     def storage(self) -> ChunkStorageMetadata:
         return ChunkStorageMetadata(offsets=self.offsets, sizes=self.sizes)
+
+    def pieces(self) -> list[tuple[ChunkStorageMetadata, int, int]]:
+        """Where this rank's rows go: ``(global chunk, first local row, end local row)`` per
+        contiguous run (one unless the TP partition is strided); none for an empty piece."""
+        if not self.writes:
+            return []
+        if self.stride == 1:
+            return [(self.storage(), 0, self.row_end - self.row_start)]
+        rows = (self.local_shape or self.global_shape)[0]
+        block, global_block = rows // self.stride, self.global_shape[0] // self.stride
+        base = self.base or (0,) * len(self.global_shape)
+        out = []
+        for k in range(self.stride):
+            start, end = max(self.row_start, k * block), min(self.row_end, (k + 1) * block)
+            if start >= end:
+                continue
+            row = k * global_block + base[0] + start - k * block
+            storage = ChunkStorageMetadata(
+                offsets=torch.Size([row, *base[1:]]),
+                sizes=torch.Size([end - start, *self.sizes[1:]]),
+            )
+            out.append((storage, start - self.row_start, end - self.row_start))
+        return out
 
 
 _CACHE: weakref.WeakKeyDictionary[ParameterGroup, tuple[RowChunk, ...]] = (
@@ -83,42 +110,60 @@ def group_chunks(group: ParameterGroup) -> tuple[RowChunk, ...]:
         whole, base, local = size, None, None
         if spec is not None:
             whole, base, local = spec.global_shape, spec.local_offset, size
+        stride = spec.partition_stride if spec is not None else 1
         if group.strategy == ShardingStrategy.NO_SHARD:
-            chunks.append(RowChunk(whole, 0, size[0], True, base, local))
+            chunks.append(RowChunk(whole, 0, size[0], True, base, local, stride))
             continue
         piece = group.optim_layout.local_piece(index, rank)
         if size.numel() == 0:
             # Nothing to write anywhere; one rank still records the tensor so it has metadata.
-            chunks.append(RowChunk(whole, 0, size[0], rank == 0, base, local))
+            chunks.append(RowChunk(whole, 0, size[0], rank == 0, base, local, stride))
             continue
         writes = not piece.is_empty
-        chunks.append(RowChunk(whole, piece.row_start, piece.row_end, writes, base, local))
+        row_start, row_end = piece.row_start, piece.row_end
+        chunks.append(RowChunk(whole, row_start, row_end, writes, base, local, stride))
     result = tuple(chunks)
     _CACHE[group] = result
     return result
 
 
 class _WriteItems:
-    """``__create_write_items__`` of one tensor: one SHARD item at the true row offset."""
+    """``__create_write_items__`` of one tensor: a SHARD item at each true row offset."""
 
     def __init__(self, chunk: RowChunk) -> None:
         self.chunk = chunk
 
     def __call__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        if not self.chunk.writes:
-            return []
         local = local_tensor(obj)
         return [
             WriteItem(
-                index=MetadataIndex(fqn, self.chunk.offsets),
+                index=MetadataIndex(fqn, storage.offsets),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
-                    chunk=self.chunk.storage(),
+                    chunk=storage,
                     properties=TensorProperties.create_from_tensor(local),
                     size=self.chunk.global_shape,
                 ),
             )
+            for storage, _, _ in self.chunk.pieces()
         ]
+
+
+class _TensorShard:
+    """``__get_tensor_shard__`` of a tensor whose rows go to several places (a strided TP
+    partition): DCP asks for each piece by its global offsets."""
+
+    def __init__(self, chunk: RowChunk, tensor: torch.Tensor) -> None:
+        self.chunk = chunk
+        self.tensor = weakref.ref(tensor)
+
+    def __call__(self, index: MetadataIndex) -> torch.Tensor:
+        tensor = self.tensor()
+        assert tensor is not None, "the state-dict tensor is gone"
+        for storage, start, end in self.chunk.pieces():
+            if index.offset is not None and tuple(storage.offsets) == tuple(index.offset):
+                return local_tensor(tensor)[start:end]
+        raise ValueError(f"no piece of this tensor starts at {index.offset}")
 
 
 class _ChunkList:
@@ -135,7 +180,7 @@ class _ChunkList:
 
     def __call__(self) -> list[ChunkStorageMetadata]:
         self.on_load()
-        return [self.chunk.storage()] if self.chunk.writes else []
+        return [storage for storage, _, _ in self.chunk.pieces()]
 
 
 def _row_chunk_for(tensor: DTensor, param_chunk: RowChunk) -> RowChunk | None:
@@ -185,6 +230,8 @@ def annotate(
 
     setattr(tensor, _WRITE_ATTR, _WriteItems(own))
     setattr(tensor, _CHUNKS_ATTR, _ChunkList(own, mark_dirty))
+    if own.stride > 1:
+        setattr(tensor, _SHARD_ATTR, _TensorShard(own, tensor))
     return tensor
 
 
@@ -197,14 +244,62 @@ def chunk_of(tensor: torch.Tensor) -> RowChunk | None:
     return found.chunk if isinstance(found, _ChunkList) else None
 
 
+def split_rows(tensor: torch.Tensor, parts: int, what: str) -> list[torch.Tensor]:
+    """``tensor`` (annotated) as ``parts`` tensors: the k-th holds the k-th of ``parts`` equal
+    consecutive blocks of each tensor-parallel rank's rows, stacked over the TP ranks.
+
+    This is how Megatron-LM saves a SwiGLU ``linear_fc1`` (each TP rank's rows are its
+    ``[w; v]``): as ``_w`` and ``_v``, whose layout does not depend on TP. The pieces are views
+    of this rank's rows, so a load into them fills ``tensor``.
+    """
+    found = tensor.__dict__.get(_CHUNKS_ATTR)
+    if not isinstance(found, _ChunkList) or not isinstance(tensor, DTensor):
+        raise TypeError(f"{what}: not a sharded state-dict tensor of mfsdp_checkpoint")
+    chunk = found.chunk
+    local_shape = chunk.local_shape if chunk.local_shape is not None else chunk.global_shape
+    rows = local_shape[0]
+    if rows % parts:
+        raise ValueError(f"{what}: {rows} rows per tensor-parallel rank do not split in {parts}")
+    block, tp = rows // parts, chunk.global_shape[0] // rows
+    tp_rank = (chunk.base[0] if chunk.base else 0) // (rows // chunk.stride)
+    local = local_tensor(tensor)
+    pieces: list[torch.Tensor] = []
+    for k in range(parts):
+        start = min(max(chunk.row_start, k * block), (k + 1) * block)
+        end = max(min(chunk.row_end, (k + 1) * block), start)
+        shape = torch.Size([tp * block, *local_shape[1:]])
+        base = (tp_rank * block, *[0] * (len(shape) - 1)) if tp > 1 else None
+        own = RowChunk(
+            shape,
+            start - k * block,
+            end - k * block,
+            chunk.writes and end > start,
+            base,
+            torch.Size([block, *local_shape[1:]]) if tp > 1 else None,
+        )
+        view = local[start - chunk.row_start : end - chunk.row_start]
+        stride = torch.empty(shape, device="meta").stride()
+        piece = DTensor.from_local(
+            view, tensor.device_mesh, tensor.placements, run_check=False, shape=shape, stride=stride
+        )
+        setattr(piece, _WRITE_ATTR, _WriteItems(own))
+        setattr(piece, _CHUNKS_ATTR, _ChunkList(own, found.on_load))
+        pieces.append(piece)
+    return pieces
+
+
 def copy_dcp_protocol(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Give ``target`` (a copy of ``source``) the DCP methods ``annotate`` gave ``source``.
 
     They live in the instance's ``__dict__``, which no tensor copy carries over; without them
     DCP would fall back to ``torch.chunk`` offsets and write uneven rows to the wrong place.
-    The methods hold only the row range, never the tensor, so sharing them is safe.
+    The write and chunk methods hold only the row range, never the tensor, so sharing them is
+    safe; a strided tensor's ``__get_tensor_shard__`` reads rows, so the copy gets its own.
     """
     for attr in (_WRITE_ATTR, _CHUNKS_ATTR):
         if attr in source.__dict__:
             setattr(target, attr, source.__dict__[attr])
+    shard = source.__dict__.get(_SHARD_ATTR)
+    if isinstance(shard, _TensorShard):  # it reads its own tensor's rows: bind the copy's
+        setattr(target, _SHARD_ATTR, _TensorShard(shard.chunk, target))
     return target

@@ -190,7 +190,7 @@ def _plan_group_meta(
     meta: dict[str, dict[str, Any]] = {}
     for key, path in meta_keys.items():
         meta.setdefault(str(path[2]), {})[str(path[3])] = values[key]
-    plan = plan_group_meta_load(state_dict["optimizer"].get("state", {}), fields, meta)
+    plan = plan_group_meta_load(state_dict["optimizer"], fields, meta)
     model_names = [str(p[1]) for p in paths.values() if len(p) == 2 and p[0] == "model"]
     ours = prefix_of(model_names)
     renamed: dict[str, Any] = {key: values[key] for key in meta_keys}

@@ -100,32 +100,43 @@ class GroupMetaLoad:
                 entry["step"].fill_(float(self.meta[name]["step"]))
 
 
+def _meta_name(name: str) -> str:
+    """Megatron-LM splits a SwiGLU ``linear_fc1``'s state as ``<name>_w``/``<name>_v`` but keeps
+    its group fields under ``<name>``."""
+    return name[:-2] if name.endswith(("_w", "_v")) and "linear_fc1" in name else name
+
+
 def plan_group_meta_load(
-    our_state: Mapping[str, Any],
+    our_optimizer: Mapping[str, Any],
     their_state_fields: Mapping[str, set[str]],
     their_meta: Mapping[str, Mapping[str, Any]],
 ) -> GroupMetaLoad:
-    """Match our optimizer state names to the checkpoint's by :func:`bare` name.
+    """Match our optimizer state (and group) names to the checkpoint's by :func:`bare` name.
 
     ``their_state_fields``: each checkpoint state name and the fields it has; ``their_meta``:
     its ``param_to_group_meta`` (read beforehand: small objects).
     """
     theirs_by_bare: dict[str, str] = {}
-    for name in list(their_state_fields) + list(their_meta):
+    for name in their_state_fields:
         previous = theirs_by_bare.setdefault(bare(name), name)
-        if previous != name and previous in their_state_fields and name in their_state_fields:
+        if previous != name:
             raise StateDictMismatchError(
                 f"the checkpoint's optimizer state names {previous!r} and {name!r} name the "
                 "same parameter under different wrapper prefixes"
             )
+    meta_by_bare = {bare(name): dict(fields) for name, fields in their_meta.items()}
     plan = GroupMetaLoad({}, {})
+    our_state = our_optimizer.get("state", {})
+    group_names = [str(n) for g in our_optimizer.get("param_groups", []) for n in g["params"]]
+    for ours in [*map(str, our_state), *group_names]:
+        meta = meta_by_bare.get(bare(_meta_name(ours)))
+        if meta is not None:
+            plan.meta[ours] = meta
     for ours, entry in our_state.items():
         theirs = theirs_by_bare.get(bare(str(ours)))
         if theirs is None:
             continue
         plan.their_name[str(ours)] = theirs
-        if theirs in their_meta:
-            plan.meta[str(ours)] = dict(their_meta[theirs])
         has_step = "step" in their_state_fields.get(theirs, set())
         if isinstance(entry, Mapping) and "step" in entry and not has_step:
             if "step" not in plan.meta.get(str(ours), {}):

@@ -57,6 +57,11 @@ class TPSpec:
     """Where this rank's TP-local tensor starts in the global parameter, per dim."""
     computes_as_dtensor: bool = True
     """False for a Megatron-style parameter: its layers expect the plain local tensor."""
+    partition_stride: int = 1
+    """Megatron-Core's ``partition_stride`` (dim 0 only): the TP-local rows are this many
+    equal blocks, block ``k`` of rank ``r`` at global row ``k * rows / stride + r * block``
+    (a SwiGLU ``linear_fc1``: each rank holds ``[w_r; v_r]`` of the global ``[w; v]``).
+    ``local_offset`` is where the rank's first block starts."""
 
 
 def _local_offset(param: DTensor) -> tuple[int, ...]:
@@ -79,17 +84,18 @@ def _megatron_spec(param: torch.Tensor, tp_mesh: DeviceMesh) -> TPSpec:
     (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``, as its parallel
     layers set them)."""
     dim, stride = getattr(param, "partition_dim", None), getattr(param, "partition_stride", 1)
-    if not isinstance(dim, int) or not 0 <= dim < param.dim() or stride != 1:
+    strided_ok = stride == 1 or (dim == 0 and param.shape[0] % stride == 0)
+    if not isinstance(dim, int) or not 0 <= dim < param.dim() or not strided_ok:
         raise NotImplementedError(
             f"a tensor_model_parallel parameter of shape {tuple(param.shape)} has "
             f"partition_dim={dim!r}, partition_stride={stride!r}: only contiguous partitions "
-            "(partition_stride=1) along one of its dims can be sharded over DP"
+            "along one dim, or strided ones along dim 0 in equal blocks, can be sharded over DP"
         )
     size, rank = tp_mesh.size(), tp_mesh.get_local_rank()
     shape = list(param.shape)
     offset = [0] * len(shape)
-    offset[dim], shape[dim] = rank * shape[dim], shape[dim] * size
-    return TPSpec(tp_mesh, (Shard(dim),), torch.Size(shape), tuple(offset), False)
+    offset[dim], shape[dim] = rank * shape[dim] // stride, shape[dim] * size
+    return TPSpec(tp_mesh, (Shard(dim),), torch.Size(shape), tuple(offset), False, stride)
 
 
 def tp_spec_of(param: torch.Tensor, tp_mesh: DeviceMesh | None = None) -> TPSpec | None:
@@ -170,4 +176,12 @@ def grad_local(grad: torch.Tensor, spec: TPSpec | None) -> torch.Tensor:
 def tp_full_tensor(local: torch.Tensor, spec: TPSpec) -> torch.Tensor:
     """The whole parameter from this rank's full TP-local tensor (collective over TP)."""
     with torch.no_grad():
-        return sharded_dtensor(local, spec.mesh, spec.global_shape, spec.placements).full_tensor()
+        stacked = sharded_dtensor(local, spec.mesh, spec.global_shape, spec.placements)
+        full = stacked.full_tensor()  # the ranks' local tensors one after the other
+        stride = spec.partition_stride
+        if stride == 1:
+            return full
+        # [rank][block] -> [block][rank]: block k of every rank, then block k + 1.
+        ranks, rest = spec.mesh.size(), full.shape[1:]
+        blocks = full.reshape(ranks, stride, -1, *rest).transpose(0, 1)
+        return blocks.reshape(full.shape).contiguous()
