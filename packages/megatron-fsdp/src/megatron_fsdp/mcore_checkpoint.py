@@ -70,7 +70,11 @@ class _ChunkState:
     """The DCP state dict of a list of chunks (and their optimizers) under whole-model names,
     and the way back to each chunk's and optimizer's own names."""
 
-    def __init__(self, chunks: Sequence[nn.Module], optimizers: list[torch.optim.Optimizer]):
+    def __init__(
+        self, chunks: nn.Module | Sequence[nn.Module], optimizers: list[torch.optim.Optimizer]
+    ):
+        if isinstance(chunks, nn.Module):
+            chunks = [chunks]
         if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
             raise TypeError("chunks must be a non-empty list of the adapter's model chunks")
         self.chunks = list(chunks)
@@ -79,6 +83,7 @@ class _ChunkState:
         self.model_keys: list[dict[str, str]] = []  # per chunk: whole-model key -> own key
         self.whole_model: dict[str, Any] = {}  # whole-model key -> the chunk's value
         for chunk, names in zip(self.chunks, self.names, strict=True):
+            enable_dcp(chunk)  # the adapter did; a fully_shard_model chunk may not have
             own: dict[str, str] = {}
             for key, value in chunk.state_dict().items():
                 if key.endswith(_EXTRA_STATE):
@@ -177,7 +182,7 @@ def _iteration_dir(directory: Path, iteration: int | str) -> Path:
 
 def save_fsdp_dtensor(
     directory: str | os.PathLike[str],
-    chunks: Sequence[nn.Module],
+    chunks: nn.Module | Sequence[nn.Module],
     optimizer: Any = None,
     *,
     iteration: int,
@@ -221,7 +226,7 @@ def latest_iteration(directory: str | os.PathLike[str]) -> int | str:
 
 def load_fsdp_dtensor(
     directory: str | os.PathLike[str],
-    chunks: Sequence[nn.Module],
+    chunks: nn.Module | Sequence[nn.Module],
     optimizer: Any = None,
     *,
     iteration: int | str | None = None,
