@@ -74,7 +74,8 @@ def resolve_unit_modules(specs: Sequence[UnitSpec] | None) -> tuple[type[nn.Modu
 
 class FSDPRootWrapper(nn.Module):
     """Wraps a model: every submodule matching ``fsdp_unit_modules`` and the model itself
-    become FSDP units (children first). The original model stays at ``self.module``.
+    become FSDP units (children first). The original model stays at ``self.module``, and
+    attributes the wrapper does not have are read from it (``wrapper.generate(...)``).
 
     ``options`` (a ``ShardingOptions``; None: its defaults) carries every choice, under the
     seed's names; each unit gets them as explicit arguments of the per-module ``fully_shard``.
@@ -120,6 +121,17 @@ class FSDPRootWrapper(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """What the wrapper lacks, the wrapped model answers (``generate``, ``config``,
+        ``save_pretrained``...), as torch's ``fully_shard`` leaves a model its own class.
+        Dunder names and the wrapper's own state are never forwarded."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__") or name == "module":
+                raise
+            return getattr(super().__getattr__("module"), name)
 
     @property
     def root_unit_module(self) -> FSDPModule:

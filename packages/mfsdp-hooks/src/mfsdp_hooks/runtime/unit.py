@@ -148,6 +148,10 @@ class FSDPUnit:
         self._handles = []
         for member in self.forwards.members:
             member.__dict__[UNIT_ATTR] = self
+            # What torch's fully_shard sets on the modules it manages and Hugging Face's
+            # generate() reads to keep ranks in step (synced_gpus) when they stop apart.
+            for managed in member.modules():
+                managed.__dict__["_is_fsdp_managed_module"] = True
             self._handles += [
                 member.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True),
                 member.register_forward_hook(self.post_forward, always_call=False),

@@ -1,0 +1,75 @@
+"""Hugging Face ``generate()`` on a sharded model (issue 30), through each entry point.
+
+Ranks that stop at different lengths must all return: transformers keeps them in step
+(``synced_gpus``) only for modules marked ``_is_fsdp_managed_module``, as torch's
+``fully_shard`` marks them; unmarked, the rank that stops first leaves the other waiting in
+an all-gather (here: the test's timeout). The seed API's wrapper answers ``generate`` and
+``config`` from the wrapped model. Tokens must equal the unsharded model's greedy ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_fsdp import fully_shard, fully_shard_model
+from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks import fully_shard as fully_shard_module
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = (3, 9)  # per rank: rank 0 stops after 3 new tokens, rank 1 after 9
+PROMPT = torch.tensor([[5, 17, 3, 42, 8, 11]])
+
+
+def _llama() -> Any:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _sharded(api: str) -> tuple[Any, Any]:
+    """(what the user calls ``generate`` on, the sharded model)."""
+    model = _llama()
+    layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+    if api == "seed":
+        optimizer = torch.optim.AdamW(model.parameters())
+        wrapped, _ = fully_shard(model, optimizer, fsdp_unit_modules=[layer])
+        return wrapped, wrapped
+    if api == "fully_shard_model":
+        wrapped = fully_shard_model(model, fsdp_unit_modules=[layer])
+        return wrapped, wrapped
+    for block in model.model.layers:
+        fully_shard_module(block)
+    return fully_shard_module(model), model
+
+
+def _generate(rank: int, world: int, api: str) -> list[int]:
+    caller, _ = _sharded(api)
+    assert caller.config.vocab_size == 64  # the wrapped model's, through the wrapper
+    with torch.no_grad():
+        out = caller.generate(PROMPT, max_new_tokens=NEW_TOKENS[rank], do_sample=False)
+    return [int(t) for t in out[0]]
+
+
+@pytest.mark.parametrize("api", ["seed", "fully_shard_model", "per_module"])
+def test_generate_returns_on_ranks_that_stop_at_different_lengths(api: str) -> None:
+    plain = _llama()
+    with torch.no_grad():
+        want = plain.generate(PROMPT, max_new_tokens=max(NEW_TOKENS), do_sample=False)[0]
+    results = run_distributed(_generate, 2, api, timeout=60)
+    for rank, tokens in enumerate(results):
+        expected = want[: PROMPT.shape[1] + NEW_TOKENS[rank]].tolist()
+        assert tokens == expected, (api, rank, tokens, expected)
