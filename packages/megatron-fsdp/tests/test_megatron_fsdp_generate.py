@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 
-from megatron_fsdp import fully_shard, fully_shard_model
+from megatron_fsdp import FSDPDistributedIndex, MegatronFSDP, fully_shard, fully_shard_model
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import fully_shard as fully_shard_module
 
@@ -51,6 +52,11 @@ def _sharded(api: str) -> tuple[Any, Any]:
     if api == "fully_shard_model":
         wrapped = fully_shard_model(model, fsdp_unit_modules=[layer])
         return wrapped, wrapped
+    if api == "class":
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+        index = FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard")
+        wrapped = MegatronFSDP(model, index, fsdp_unit_modules=[layer])
+        return wrapped, wrapped
     for block in model.model.layers:
         fully_shard_module(block)
     return fully_shard_module(model), model
@@ -64,7 +70,7 @@ def _generate(rank: int, world: int, api: str) -> list[int]:
     return [int(t) for t in out[0]]
 
 
-@pytest.mark.parametrize("api", ["seed", "fully_shard_model", "per_module"])
+@pytest.mark.parametrize("api", ["seed", "fully_shard_model", "class", "per_module"])
 def test_generate_returns_on_ranks_that_stop_at_different_lengths(api: str) -> None:
     plain = _llama()
     with torch.no_grad():
