@@ -17,6 +17,9 @@ experts by global index. Megatron-LM writes experts that way too, but each stage
 also refuses several virtual chunks: "Parameter names conflict between model chunks"); at one
 stage its names and ours are the same, and several chunks here save as one model.
 Transformer Engine's ``_extra_state`` entries are left out, as Megatron-LM leaves them out.
+A SwiGLU ``linear_fc1`` (``config.gated_linear_unit``) is saved as Megatron-LM saves it:
+``<key>_w`` and ``<key>_v``, each TP rank's first and second halves stacked over TP (views of
+the fused tensor, so a load fills it), a layout that does not depend on TP.
 """
 
 from __future__ import annotations
@@ -157,7 +160,14 @@ class _ChunkState:
         """After DCP filled ``model`` (and the split SwiGLU views, so the tensors behind them)."""
         for chunk, own in zip(self.chunks, self.model_keys, strict=True):
             values = {own[k]: model.get(k, self.whole_model[k]) for k in own}
-            chunk.load_state_dict(values, strict=strict)
+            # TE's _extra_state is not in the checkpoint (as in Megatron-LM's): not missing.
+            result = chunk.load_state_dict(values, strict=False)
+            missing = [k for k in result.missing_keys if not k.endswith(_EXTRA_STATE)]
+            if strict and (missing or result.unexpected_keys):
+                raise RuntimeError(
+                    f"load_fsdp_dtensor: the chunk's state dict has missing keys {missing} and "
+                    f"unexpected keys {result.unexpected_keys}"
+                )
         for optimizer, state, own_names in zip(
             self.optimizers, self.optimizer_states, self.own_names, strict=True
         ):
@@ -203,13 +213,25 @@ def save_fsdp_dtensor(
     state.update(checkpoint_version=CHECKPOINT_VERSION, iteration=iteration, **(extra or {}))
     root = Path(directory)
     target = save(state, _iteration_dir(root, iteration))
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        staging = root / f"{TRACKER}.partial"
-        staging.write_text(str(iteration))
-        os.replace(staging, root / TRACKER)  # atomic: a reader sees the old or the new number
-    if dist.is_initialized():
-        dist.barrier()
+    _write_tracker(root, iteration)
     return target
+
+
+def _write_tracker(root: Path, iteration: int) -> None:
+    """Rank 0 names ``iteration`` the latest, atomically (a reader sees the old number or the
+    new); its failure is raised on every rank."""
+    failure: list[str | None] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            staging = root / f"{TRACKER}.partial"
+            staging.write_text(str(iteration))
+            os.replace(staging, root / TRACKER)
+        except OSError as error:
+            failure = [f"{type(error).__name__}: {error}"]
+    if dist.is_initialized():
+        dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise OSError(f"the checkpoint is saved, but {root / TRACKER} is not: {failure[0]}")
 
 
 def latest_iteration(directory: str | os.PathLike[str]) -> int | str:
