@@ -1,4 +1,5 @@
-"""Hugging Face ``generate()`` on a sharded model (issue 30), through each entry point.
+"""Hugging Face ``generate()`` on a sharded model and its export for ``from_pretrained``
+(issue 30), through each entry point.
 
 Ranks that stop at different lengths must all return: transformers keeps them in step
 (``synced_gpus``) only for modules marked ``_is_fsdp_managed_module``, as torch's
@@ -16,6 +17,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp import FSDPDistributedIndex, MegatronFSDP, fully_shard, fully_shard_model
+from mfsdp_checkpoint import save_full_state_dict
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import fully_shard as fully_shard_module
 
@@ -79,3 +81,24 @@ def test_generate_returns_on_ranks_that_stop_at_different_lengths(api: str) -> N
     for rank, tokens in enumerate(results):
         expected = want[: PROMPT.shape[1] + NEW_TOKENS[rank]].tolist()
         assert tokens == expected, (api, rank, tokens, expected)
+
+
+def _export(rank: int, world: int, api: str, out: str) -> list[float]:
+    """The root README's "Export for Hugging Face" snippet; returns the sharded logits."""
+    model, _ = _sharded(api)
+    save_full_state_dict(model, f"{out}/model.safetensors", strip_prefix="module.")
+    if rank == 0:
+        model.config.save_pretrained(out)  # the wrapper answers .config from the model
+    torch.distributed.barrier()
+    with torch.no_grad():
+        return [float(v) for v in model(PROMPT).logits.flatten()]
+
+
+@pytest.mark.parametrize("api", ["seed", "per_module"])
+def test_the_export_snippet_writes_what_from_pretrained_loads(api: str, tmp_path: Any) -> None:
+    out = str(tmp_path / "export")
+    sharded = run_distributed(_export, 2, api, out, timeout=60)[0]
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        logits = reloaded(PROMPT).logits.flatten()
+    torch.testing.assert_close(logits, torch.tensor(sharded), rtol=1e-5, atol=1e-6)

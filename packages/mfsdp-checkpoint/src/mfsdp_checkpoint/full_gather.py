@@ -176,6 +176,7 @@ def save_full_state_dict(
     safetensors output is streamed group by group, so rank 0 never holds the whole model;
     a torch file has to be built in memory first (``torch.save`` cannot stream).
     ``strip_prefix`` removes a wrapper prefix (``"module."``) so plain models load the file.
+    The file's directory is created if it is missing.
     """
     target = Path(path)
     plan = export_plan(model)
@@ -190,6 +191,7 @@ def save_full_state_dict(
     problem: _dist.Problem = None
     if _dist.rank() == 0:
         try:
+            target.parent.mkdir(parents=True, exist_ok=True)  # as save_pretrained does
             if target.suffix == ".safetensors":
                 specs = []
                 for key in plan.keys:
