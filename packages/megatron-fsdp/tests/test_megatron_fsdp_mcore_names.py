@@ -10,7 +10,8 @@ import pytest
 from torch import nn
 
 from megatron_fsdp.mcore_checkpoint import latest_iteration, load_fsdp_dtensor
-from megatron_fsdp.mcore_names import LayoutFreeNames, split_wrappers
+from megatron_fsdp.mcore_names import LayoutFreeNames
+from mfsdp_checkpoint.megatron_optim import split_wrappers
 
 
 class Experts(nn.Module):

@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_fsdp.mcore_names import WRAPPER, LayoutFreeNames, split_wrappers
+from megatron_fsdp.mcore_names import LayoutFreeNames
 from mfsdp_checkpoint import enable_dcp, load, save
 from mfsdp_checkpoint.chunks import is_annotated, split_rows
-from mfsdp_checkpoint.megatron_optim import to_group_meta
+from mfsdp_checkpoint.megatron_optim import WRAPPER_PREFIX, split_wrappers, to_group_meta
 
 __all__ = ["TRACKER", "latest_iteration", "load_fsdp_dtensor", "save_fsdp_dtensor"]
 
@@ -91,7 +91,7 @@ class _ChunkState:
             for key, value in chunk.state_dict().items():
                 if key.endswith(_EXTRA_STATE):
                     continue
-                global_key = WRAPPER + names.to_global(split_wrappers(key)[1])
+                global_key = WRAPPER_PREFIX + names.to_global(split_wrappers(key)[1])
                 own[global_key] = key
                 self.whole_model[global_key] = value
             self.model_keys.append(own)

@@ -16,15 +16,7 @@ from __future__ import annotations
 
 from torch import nn
 
-WRAPPER = "module."
-
-
-def split_wrappers(name: str) -> tuple[str, str]:
-    """``name`` as (its leading ``module.`` levels, the rest)."""
-    rest = name
-    while rest.startswith(WRAPPER):
-        rest = rest[len(WRAPPER) :]
-    return name[: len(name) - len(rest)], rest
+from mfsdp_checkpoint.megatron_optim import split_wrappers
 
 
 class LayoutFreeNames:

@@ -30,14 +30,22 @@ import torch
 from mfsdp_checkpoint.errors import StateDictMismatchError
 
 GROUP_META = "param_to_group_meta"
-_WRAPPER = "module."
+WRAPPER_PREFIX = "module."
+"""What a ``MegatronFSDP`` wrapper (ours, NVIDIA's, Megatron-Core's adapter) puts before the
+inner model's names; Megatron's optimizer names carry it two or three times."""
+
+
+def split_wrappers(name: str) -> tuple[str, str]:
+    """``name`` as (its leading ``module.`` levels, the model's own path)."""
+    rest = name
+    while rest.startswith(WRAPPER_PREFIX):
+        rest = rest[len(WRAPPER_PREFIX) :]
+    return name[: len(name) - len(rest)], rest
 
 
 def bare(name: str) -> str:
     """``name`` without its leading ``module.`` levels: the model's own path."""
-    while name.startswith(_WRAPPER):
-        name = name[len(_WRAPPER) :]
-    return name
+    return split_wrappers(name)[1]
 
 
 def _step_of(entry: Mapping[str, Any]) -> int | None:

@@ -33,11 +33,9 @@ from typing import Any, Literal
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from mfsdp_checkpoint.megatron_optim import GROUP_META, to_group_meta
+from mfsdp_checkpoint.megatron_optim import GROUP_META, WRAPPER_PREFIX, to_group_meta
 
 ObjPath = tuple[str | int, ...]
-WRAPPER_PREFIX = "module."
-"""What a ``MegatronFSDP`` wrapper (ours and NVIDIA's) puts before the inner model's names."""
 
 OptimizerKeys = Literal["by-name", "by-position", "megatron-distributed", "absent"]
 MEGATRON_GROUP_META = GROUP_META
