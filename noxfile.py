@@ -44,7 +44,9 @@ TEST_TOOLS = [
     "hypothesis>=6.100",
     "numpy",
     "safetensors>=0.4",
-    "transformers>=4.40",
+    "transformers>=5.0",
+    # megatron_fsdp.integrations (MegatronFSDPTrainer, MegatronFSDPAccelerator).
+    "accelerate>=1.10",
     # test_megatron_fsdp_options_typing runs mypy on snippets with misspelt options.
     "mypy>=1.10",
     # Float8 training whose tensor-subclass parameters the engine must refuse (and, later,

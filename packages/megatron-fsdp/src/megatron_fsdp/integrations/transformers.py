@@ -1,0 +1,295 @@
+"""``MegatronFSDPTrainer``: ``transformers.Trainer`` training a model sharded by megatron-fsdp.
+
+    trainer = MegatronFSDPTrainer(
+        model=LlamaForCausalLM(config),
+        args=TrainingArguments(...),
+        train_dataset=...,
+        megatron_fsdp=MegatronFSDPConfig(zero_dp_strategy=3),
+    )
+    trainer.train()          # resume_from_checkpoint=... continues the curve exactly
+    trainer.save_model(out)  # config.json + model.safetensors for from_pretrained
+
+What it changes in ``Trainer``, and why:
+
+* **Sharding**, in ``__init__``, before Trainer sees the model: ``MegatronFSDPConfig.api``
+  picks the seed API (``fully_shard_model``, the optimizer given ``fully_shard_optimizer``) or
+  the per-module ``fully_shard`` (FSDP2's). Units: ``fsdp_unit_modules``, else
+  ``args.fsdp_config["transformer_layer_cls_to_wrap"]``, else the model's
+  ``_no_split_modules`` (transformers' list of blocks that must stay whole). Trainer gets the
+  Hugging Face model itself (now the FSDP root unit), so its signature checks, ``config`` and
+  ``generate`` are the model's own. A model the user sharded already is taken as it is.
+* **No DDP**: the accelerator is a ``MegatronFSDPAccelerator`` (autocast, no DDP wrap).
+  Trainer builds ``Accelerator`` by name with no hook for the class, so
+  ``create_accelerator_and_postprocess`` lets Trainer build its accelerator and then carries
+  that accelerator's state over into ours (``MegatronFSDPAccelerator.adopting``).
+* **Optimizer**: built by Trainer on the sharded parameters (``create_optimizer``), or the
+  user's, re-pointed at them (seed API only: the per-module API wants it built after).
+* **Checkpoints**: ``save_model`` writes ``config.json`` + ``model.safetensors`` through
+  ``megatron_fsdp.hf_export.save_pretrained`` (collective, streamed). Trainer saves the
+  optimizer with ``torch.save`` from rank 0 only, which for a sharded optimizer is one rank's
+  shard, and has no public hook for another format, so ``_save_optimizer_and_scheduler``,
+  ``_load_from_checkpoint`` and ``_load_optimizer_and_scheduler`` are overridden: model and
+  optimizer go to ``checkpoint-N/megatron_fsdp/`` as one atomic DCP checkpoint
+  (``mfsdp_checkpoint.save_checkpoint``; it resumes at any world size), the scheduler,
+  RNG and trainer state stay Trainer's own files.
+
+Gradient accumulation (``no_sync`` on the root), clipping (``clip_grad_norm_`` on DTensor
+gradients), LR schedulers, ``evaluate()`` and autocast mixed precision are Trainer's and
+accelerate's own code paths, unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import transformers
+from torch import nn
+from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+
+import mfsdp_checkpoint
+from megatron_fsdp.api import fully_shard_model, fully_shard_optimizer
+from megatron_fsdp.hf_export import save_pretrained
+from megatron_fsdp.integrations.accelerate import MegatronFSDPAccelerator, is_megatron_fsdp_model
+from mfsdp_hooks import FSDPOptimizer, FSDPRootWrapper, MixedPrecisionPolicy, UnitSpec
+from mfsdp_hooks import fully_shard as fully_shard_module
+
+__all__ = ["CHECKPOINT_SUBDIR", "MegatronFSDPConfig", "MegatronFSDPTrainer", "shard_for_trainer"]
+
+CHECKPOINT_SUBDIR = "megatron_fsdp"
+"""Where in Trainer's ``checkpoint-N`` folder the sharded model and optimizer are saved."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronFSDPConfig:
+    """How ``MegatronFSDPTrainer`` shards the model.
+
+    Args:
+        api: ``"seed"`` (``fully_shard_model`` + ``fully_shard_optimizer``) or
+            ``"per_module"`` (``mfsdp_hooks.fully_shard`` on each unit, then the root).
+        fsdp_unit_modules: the unit classes (or import paths). None: the training
+            arguments' ``fsdp_config["transformer_layer_cls_to_wrap"]``, else the model's
+            ``_no_split_modules``.
+        zero_dp_strategy: 0-3 or its name (``fully_shard_model``'s; the per-module API's
+            ``sharding_strategy``).
+        mixed_precision_policy: ``megatron_fsdp.MixedPrecisionPolicy`` (the per-module API's
+            ``mp_policy``). For autocast, use ``TrainingArguments(bf16=True)`` instead.
+        options: further keyword arguments of ``fully_shard_model`` (seed) or of
+            ``mfsdp_hooks.fully_shard`` (per-module), checked by them.
+    """
+
+    api: Literal["seed", "per_module"] = "seed"
+    fsdp_unit_modules: Sequence[UnitSpec] | None = None
+    zero_dp_strategy: int | str = 3
+    mixed_precision_policy: MixedPrecisionPolicy | None = None
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.api not in ("seed", "per_module"):
+            raise ValueError(
+                f"MegatronFSDPConfig.api must be 'seed' or 'per_module', got {self.api!r}"
+            )
+
+
+def _unit_classes(
+    model: nn.Module, config: MegatronFSDPConfig, args: transformers.TrainingArguments
+) -> list[UnitSpec]:
+    if config.fsdp_unit_modules is not None:
+        return list(config.fsdp_unit_modules)
+    fsdp_config = args.fsdp_config if isinstance(args.fsdp_config, dict) else {}
+    from_args = fsdp_config.get("transformer_layer_cls_to_wrap")
+    names: list[str] = list(from_args) if from_args else []
+    if not names:
+        names = list(getattr(model, "_no_split_modules", None) or [])
+    if not names:
+        raise ValueError(
+            f"MegatronFSDPConfig.fsdp_unit_modules: {type(model).__name__} names no blocks "
+            "(no fsdp_config['transformer_layer_cls_to_wrap'], no _no_split_modules); give the "
+            "class of its repeated layers, e.g. fsdp_unit_modules=[LlamaDecoderLayer]"
+        )
+    by_name = {type(m).__name__: type(m) for m in model.modules()}
+    missing = [n for n in names if n not in by_name]
+    if missing and len(missing) == len(names):
+        raise ValueError(
+            f"MegatronFSDPConfig.fsdp_unit_modules: no module of {type(model).__name__} is a "
+            f"{', '.join(missing)}; give the class of its repeated layers"
+        )
+    return [by_name[n] for n in names if n in by_name]
+
+
+def shard_for_trainer(
+    model: nn.Module, config: MegatronFSDPConfig, args: transformers.TrainingArguments
+) -> tuple[nn.Module, FSDPRootWrapper | None]:
+    """Shard ``model`` in place as ``config`` says. Returns (the model, now the FSDP root;
+    the seed API's root wrapper, or None for the per-module API)."""
+    units = _unit_classes(model, config, args)
+    if config.api == "seed":
+        wrapper = fully_shard_model(
+            model,
+            fsdp_unit_modules=units,
+            zero_dp_strategy=config.zero_dp_strategy,
+            mixed_precision_policy=config.mixed_precision_policy,
+            **config.options,
+        )
+        return wrapper.module, wrapper
+    classes = tuple(u for u in units if isinstance(u, type))
+    blocks = [m for m in model.modules() if isinstance(m, classes) and m is not model]
+    kwargs = dict(config.options)
+    kwargs.setdefault("sharding_strategy", config.zero_dp_strategy)
+    kwargs.setdefault("mp_policy", config.mixed_precision_policy)
+    for block in blocks:
+        fully_shard_module(block, **kwargs)
+    fully_shard_module(model, **kwargs)
+    return model, None
+
+
+class MegatronFSDPTrainer(transformers.Trainer):
+    """``transformers.Trainer`` over megatron-fsdp; see the module docstring.
+
+    Takes ``Trainer``'s arguments (by keyword after ``model`` and ``args``) plus
+    ``megatron_fsdp`` (a ``MegatronFSDPConfig``; None: its defaults, ZeRO-3 through the seed
+    API). ``TrainingArguments.fsdp`` (torch FSDP through
+    accelerate) is refused: this trainer is the FSDP.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        args: transformers.TrainingArguments | None = None,
+        *,
+        megatron_fsdp: MegatronFSDPConfig | None = None,
+        **trainer_kwargs: Any,
+    ) -> None:
+        if model is None or args is None:
+            raise ValueError(
+                "MegatronFSDPTrainer needs model= and args= (model_init is not supported: "
+                "the model is sharded once, here)"
+            )
+        if args.fsdp:
+            raise ValueError(
+                f"TrainingArguments.fsdp={args.fsdp!r} asks accelerate for torch FSDP; "
+                "MegatronFSDPTrainer shards the model itself. Leave fsdp unset and choose the "
+                "strategy with megatron_fsdp=MegatronFSDPConfig(zero_dp_strategy=...)"
+            )
+        if args.load_best_model_at_end:
+            raise NotImplementedError(
+                "MegatronFSDPTrainer: load_best_model_at_end is not supported yet; resume "
+                "from the best checkpoint with trainer.train(resume_from_checkpoint=...)"
+            )
+        _ = args.device  # initialises the process group from torchrun's environment
+        self.megatron_fsdp_wrapper: FSDPRootWrapper | None = None
+        """The seed API's root wrapper (None for the per-module API)."""
+        if isinstance(model, FSDPRootWrapper):
+            _refuse_config_for_sharded(megatron_fsdp)
+            self.megatron_fsdp_wrapper, model = model, model.module
+        elif is_megatron_fsdp_model(model):
+            _refuse_config_for_sharded(megatron_fsdp)
+        else:
+            config = megatron_fsdp or MegatronFSDPConfig()
+            optimizer = _user_optimizer(trainer_kwargs)
+            if optimizer is not None and config.api == "per_module":
+                raise ValueError(
+                    "optimizers: with MegatronFSDPConfig(api='per_module') build the optimizer "
+                    "after sharding (as FSDP2 wants), or leave it to the Trainer "
+                    "(optimizer_cls_and_kwargs=...)"
+                )
+            model, self.megatron_fsdp_wrapper = shard_for_trainer(model, config, args)
+            if optimizer is not None:
+                fully_shard_optimizer(optimizer)  # re-pointed at the sharded parameters
+        super().__init__(model, args, **trainer_kwargs)
+
+    # ------------------------------------------------------------------ accelerator
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        self.accelerator = MegatronFSDPAccelerator.adopting(self.accelerator)
+        self.gather_function = self.accelerator.gather_for_metrics
+
+    # ------------------------------------------------------------------ optimizer
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        optimizer: torch.optim.Optimizer = super().create_optimizer(model)
+        if self.megatron_fsdp_wrapper is not None and not isinstance(optimizer, FSDPOptimizer):
+            self.optimizer = optimizer = fully_shard_optimizer(optimizer)
+        return optimizer
+
+    def _root(self) -> nn.Module:
+        """The model Trainer trains: the Hugging Face model, now the FSDP root unit."""
+        assert self.model is not None
+        return self.model
+
+    def _sharded_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer under accelerate's ``AcceleratedOptimizer`` (its public
+        ``.optimizer``), whose ``state_dict`` is name-keyed and DCP-ready."""
+        optimizer = self.optimizer
+        inner = getattr(optimizer, "optimizer", optimizer)
+        assert isinstance(inner, torch.optim.Optimizer)
+        return inner
+
+    # ------------------------------------------------------------------ saving
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``config.json`` + ``model.safetensors`` that ``from_pretrained`` loads. Collective:
+        call it on every rank (Trainer does)."""
+        directory = Path(output_dir if output_dir is not None else str(self.args.output_dir))
+        save_pretrained(self._root(), directory)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(directory)
+            torch.save(self.args, directory / TRAINING_ARGS_NAME)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # Overridden (private in Trainer): Trainer torch.saves rank 0's optimizer shard only.
+        mfsdp_checkpoint.save_checkpoint(
+            Path(output_dir) / CHECKPOINT_SUBDIR, self._root(), self._sharded_optimizer()
+        )
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    # ------------------------------------------------------------------ resuming
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: nn.Module | None = None
+    ) -> None:
+        # Overridden (private in Trainer): the weights come from our DCP checkpoint.
+        mfsdp_checkpoint.load_checkpoint(_checkpoint_dir(resume_from_checkpoint), self._root())
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # Overridden (private in Trainer): the optimizer comes from our DCP checkpoint.
+        if checkpoint is None:
+            return
+        mfsdp_checkpoint.load_checkpoint(
+            _checkpoint_dir(checkpoint), self._root(), self._sharded_optimizer()
+        )
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+
+def _checkpoint_dir(checkpoint: str) -> Path:
+    directory = Path(checkpoint) / CHECKPOINT_SUBDIR
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"resume_from_checkpoint={checkpoint!r} has no {CHECKPOINT_SUBDIR}/ folder: it was "
+            "not written by MegatronFSDPTrainer. To start from a plain Trainer's weights, load "
+            "them with from_pretrained before sharding"
+        )
+    return directory
+
+
+def _refuse_config_for_sharded(config: MegatronFSDPConfig | None) -> None:
+    if config is not None:
+        raise ValueError(
+            "megatron_fsdp: the model is sharded already; leave megatron_fsdp=None (its "
+            "sharding stays as it was made)"
+        )
+
+
+def _user_optimizer(kwargs: dict[str, Any]) -> torch.optim.Optimizer | None:
+    optimizers = kwargs.get("optimizers")
+    if not optimizers:
+        return None
+    optimizer = optimizers[0]
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
