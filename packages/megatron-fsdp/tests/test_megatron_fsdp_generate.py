@@ -102,3 +102,32 @@ def test_the_export_snippet_writes_what_from_pretrained_loads(api: str, tmp_path
     with torch.no_grad():
         logits = reloaded(PROMPT).logits.flatten()
     torch.testing.assert_close(logits, torch.tensor(sharded), rtol=1e-5, atol=1e-6)
+
+
+def _save_pretrained(rank: int, world: int, api: str, out: str) -> list[float]:
+    """``save_pretrained`` on what each API hands the user: the root wrapper's method, or
+    ``megatron_fsdp.hf_export.save_pretrained`` for a per-module root (its own
+    ``save_pretrained`` is Hugging Face's, which cannot read uneven row shards)."""
+    from megatron_fsdp.hf_export import save_pretrained
+
+    model, _ = _sharded(api)
+    if api == "per_module":
+        save_pretrained(model, out)
+    else:
+        model.save_pretrained(out)
+        with pytest.raises(TypeError, match="safe_serialization"):
+            model.save_pretrained(out, safe_serialization=True)
+    with torch.no_grad():
+        return [float(v) for v in model(PROMPT).logits.flatten()]
+
+
+@pytest.mark.parametrize("api", ["seed", "class", "per_module"])
+def test_save_pretrained_writes_what_from_pretrained_loads(api: str, tmp_path: Any) -> None:
+    out = str(tmp_path / "saved")
+    sharded = run_distributed(_save_pretrained, 2, api, out, timeout=60)[0]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded).__name__ == "LlamaForCausalLM"
+    assert reloaded.config.architectures == ["LlamaForCausalLM"]
+    with torch.no_grad():
+        logits = reloaded(PROMPT).logits.flatten()
+    torch.testing.assert_close(logits, torch.tensor(sharded), rtol=1e-5, atol=1e-6)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from hf_cases import PROBE, Tokens, llama
 
 from mfsdp_collectives.testing import run_distributed
 
@@ -24,38 +25,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 STEPS = 10
-PROBE = torch.tensor([[3, 14, 15, 9, 26, 5, 35, 8]])
-
-
-class _Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    """Arithmetic runs (start, start + stride, ...) mod 64: learnable in a few steps."""
-
-    def __init__(self, sequences: int = 80, length: int = 16, seed: int = 0) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        start = torch.randint(0, 64, (sequences, 1), generator=generator)
-        stride = torch.randint(1, 4, (sequences, 1), generator=generator)
-        self.tokens = (start + stride * torch.arange(length)) % 64
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
-
-
-def _llama() -> Any:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
-    return transformers.LlamaForCausalLM(config)
 
 
 def _arguments(out: str, bf16: bool, steps: int = STEPS) -> Any:
@@ -91,11 +60,11 @@ def _train(
     trainer_class: Any, out: str, bf16: bool, resume: str | None = None, **kwargs: Any
 ) -> tuple[Any, list[tuple[float, float]], float]:
     log = _Log()
-    kwargs.setdefault("model", _llama())
+    kwargs.setdefault("model", llama())
     trainer = trainer_class(
         args=_arguments(out, bf16),
-        train_dataset=_Tokens(),
-        eval_dataset=_Tokens(sequences=16, seed=1),
+        train_dataset=Tokens(),
+        eval_dataset=Tokens(sequences=16, seed=1),
         callbacks=[log],
         **kwargs,
     )
@@ -113,7 +82,7 @@ def _ours(api: str, zero: int) -> dict[str, Any]:
     if api in ("seed", "per_module"):
         config = MegatronFSDPConfig(api=api, zero_dp_strategy=zero)  # type: ignore[arg-type]
         return {"megatron_fsdp": config}
-    model = _llama()
+    model = llama()
     units = [transformers.models.llama.modeling_llama.LlamaDecoderLayer]
     if api == "fully_shard":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)

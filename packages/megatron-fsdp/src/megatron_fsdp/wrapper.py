@@ -11,7 +11,8 @@ record, ``mfsdp_hooks.ShardingOptions``, so the two entry points build the same 
 Beyond the engine wrapper's ``no_sync``/``finish_grad_sync``/``zero_grad_buffer``/
 ``install_optimized_model_weights``: ``broadcast_params``, ``scale_gradients``, ``sync``,
 ``set_model_auto_sync``, ``is_last_microbatch``, ``microbatch_count``, ``start_grad_sync``
-and ``start_param_sync``, as the reference has them. ``mixed_precision_context`` raises
+and ``start_param_sync``, as the reference has them; ``save_pretrained`` for a wrapped Hugging
+Face model (collective, what ``from_pretrained`` loads). ``mixed_precision_context`` raises
 ``NotImplementedError`` saying why.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ from torch import nn
 import mfsdp_hooks
 from megatron_fsdp.ddp_config import DistributedDataParallelConfig
 from megatron_fsdp.dist_index import FSDPDistributedIndex
+from megatron_fsdp.hf_export import save_pretrained
 from megatron_fsdp.reference_options import ConfigKeywords, reference_options
 from mfsdp_hooks import MixedPrecisionPolicy, ShardingOptions, UnitSpec, fsdp_units
 
@@ -192,3 +195,18 @@ class MegatronFSDP(mfsdp_hooks.FSDPRootWrapper):
             for group in unit.groups:
                 if group.grads is not None and group.grads.storage is not None:
                     group.grads.storage.mul_(scaling_factor)
+
+    def save_pretrained(
+        self, save_directory: str | Path, *, dtype: torch.dtype | None = None, **unsupported: Any
+    ) -> Path:
+        """The wrapped Hugging Face model's ``save_pretrained``, sharded: ``config.json`` +
+        ``model.safetensors`` that ``from_pretrained`` loads (``megatron_fsdp.hf_export``).
+        Collective: call it on every rank. The model's own ``save_pretrained`` would write
+        each rank's shard, so the wrapper answers this name itself."""
+        if unsupported:
+            raise TypeError(
+                f"save_pretrained({', '.join(sorted(unsupported))}=...): not supported on a "
+                "sharded model; it takes save_directory and dtype (the weights stream into one "
+                "model.safetensors)"
+            )
+        return save_pretrained(self, save_directory, dtype=dtype)
