@@ -78,7 +78,7 @@ def _ddp_and_ours(rank: int, world: int, api: str, out: str) -> Any:
         want = ddp_model.module.state_dict()
         assert set(state) == set(want)
         difference = max(float((state[k] - v).abs().max()) for k, v in want.items())
-    with pytest.raises(NotImplementedError, match="mfsdp_checkpoint.save_checkpoint"):
+    with pytest.raises(NotImplementedError, match=r"mfsdp_checkpoint\.save_checkpoint"):
         accelerator.save_state(out)
     return ddp_losses, losses, difference
 
