@@ -307,6 +307,14 @@ def finetune(session: nox.Session) -> None:
 
 
 @nox.session
+def hf_trainer(session: nox.Session) -> None:
+    """transformers' Trainer over megatron-fsdp: a small Llama on 2 CPU ranks with
+    MegatronFSDPTrainer, checkpoints, resume (``-- --resume``) and a save_model that
+    from_pretrained loads (examples/hf_trainer.py)."""
+    _run_example(session, "hf_trainer.py")
+
+
+@nox.session
 def mcore(session: nox.Session) -> None:
     """Megatron-Core's real GPTModel trained through megatron_fsdp.mcore on 2 CPU ranks and
     compared with one unsharded process (examples/mcore_gpt.py, tests/test_example_mcore_gpt.py),
