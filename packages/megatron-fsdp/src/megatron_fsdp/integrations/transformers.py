@@ -55,10 +55,22 @@ import mfsdp_checkpoint
 from megatron_fsdp.api import fully_shard_model, fully_shard_optimizer
 from megatron_fsdp.hf_export import save_pretrained
 from megatron_fsdp.integrations.accelerate import MegatronFSDPAccelerator, is_megatron_fsdp_model
-from mfsdp_hooks import FSDPOptimizer, FSDPRootWrapper, MixedPrecisionPolicy, UnitSpec
+from mfsdp_hooks import (
+    FSDPOptimizer,
+    FSDPRootWrapper,
+    MixedPrecisionPolicy,
+    UnitSpec,
+    resolve_unit_modules,
+)
 from mfsdp_hooks import fully_shard as fully_shard_module
 
-__all__ = ["CHECKPOINT_SUBDIR", "MegatronFSDPConfig", "MegatronFSDPTrainer", "shard_for_trainer"]
+__all__ = [
+    "CHECKPOINT_SUBDIR",
+    "MegatronFSDPConfig",
+    "MegatronFSDPTrainer",
+    "shard_for_trainer",
+    "unit_classes",
+]
 
 CHECKPOINT_SUBDIR = "megatron_fsdp"
 """Where in Trainer's ``checkpoint-N`` folder the sharded model and optimizer are saved."""
@@ -95,9 +107,12 @@ class MegatronFSDPConfig:
             )
 
 
-def _unit_classes(
+def unit_classes(
     model: nn.Module, config: MegatronFSDPConfig, args: transformers.TrainingArguments
 ) -> list[UnitSpec]:
+    """The FSDP units: ``config.fsdp_unit_modules``, else the class names in
+    ``args.fsdp_config["transformer_layer_cls_to_wrap"]``, else the model's
+    ``_no_split_modules``; names are matched against the model's own modules."""
     if config.fsdp_unit_modules is not None:
         return list(config.fsdp_unit_modules)
     fsdp_config = args.fsdp_config if isinstance(args.fsdp_config, dict) else {}
@@ -126,7 +141,7 @@ def shard_for_trainer(
 ) -> tuple[nn.Module, FSDPRootWrapper | None]:
     """Shard ``model`` in place as ``config`` says. Returns (the model, now the FSDP root;
     the seed API's root wrapper, or None for the per-module API)."""
-    units = _unit_classes(model, config, args)
+    units = unit_classes(model, config, args)
     if config.api == "seed":
         wrapper = fully_shard_model(
             model,
@@ -136,7 +151,7 @@ def shard_for_trainer(
             **config.options,
         )
         return wrapper.module, wrapper
-    classes = tuple(u for u in units if isinstance(u, type))
+    classes = resolve_unit_modules(units)
     blocks = [m for m in model.modules() if isinstance(m, classes) and m is not model]
     kwargs = dict(config.options)
     kwargs.setdefault("sharding_strategy", config.zero_dp_strategy)
@@ -152,8 +167,8 @@ class MegatronFSDPTrainer(transformers.Trainer):
 
     Takes ``Trainer``'s arguments (by keyword after ``model`` and ``args``) plus
     ``megatron_fsdp`` (a ``MegatronFSDPConfig``; None: its defaults, ZeRO-3 through the seed
-    API). ``TrainingArguments.fsdp`` (torch FSDP through
-    accelerate) is refused: this trainer is the FSDP.
+    API). ``TrainingArguments.fsdp`` (torch FSDP through accelerate) is refused: this trainer
+    is the FSDP.
     """
 
     def __init__(
@@ -205,8 +220,9 @@ class MegatronFSDPTrainer(transformers.Trainer):
     # ------------------------------------------------------------------ accelerator
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
+        # Trainer's gather_function stays bound to the accelerator it built: gathering reads
+        # accelerate's shared state only, the same through either object.
         self.accelerator = MegatronFSDPAccelerator.adopting(self.accelerator)
-        self.gather_function = self.accelerator.gather_for_metrics
 
     # ------------------------------------------------------------------ optimizer
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
