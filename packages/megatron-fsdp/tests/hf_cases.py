@@ -30,16 +30,17 @@ class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
 
 
-def llama() -> Any:
+def llama(**config: Any) -> Any:
+    """A seeded 2-layer Llama; ``config`` overrides ``LlamaConfig`` fields."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
-    return transformers.LlamaForCausalLM(config)
+    settings = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32,
+        "tie_word_embeddings": False,
+    }
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**(settings | config)))

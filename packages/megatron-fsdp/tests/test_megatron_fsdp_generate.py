@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from hf_cases import llama
 from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp import FSDPDistributedIndex, MegatronFSDP, fully_shard, fully_shard_model
@@ -28,19 +29,8 @@ PROMPT = torch.tensor([[5, 17, 3, 42, 8, 11]])
 
 
 def _llama() -> Any:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    # No end-of-sequence token: each rank generates exactly its NEW_TOKENS.
+    return llama(eos_token_id=None, pad_token_id=0).eval()
 
 
 def _sharded(api: str) -> tuple[Any, Any]:
