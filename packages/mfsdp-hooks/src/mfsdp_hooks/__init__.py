@@ -1,5 +1,6 @@
 """mfsdp_hooks: the FSDP unit lifecycle, mixed precision and optimizer integration."""
 
+from mfsdp_hooks.api.describe import GroupSummary, ShardingSummary, describe
 from mfsdp_hooks.api.forward_methods import register_fsdp_forward_method
 from mfsdp_hooks.api.fully_shard import (
     FSDPModule,
@@ -34,6 +35,9 @@ from mfsdp_hooks.weights.param_group import ParameterGroup
 __version__ = "1.0.0"
 
 __all__ = [
+    "GroupSummary",
+    "ShardingSummary",
+    "describe",
     "CodecContext",
     "ExpertSharding",
     "GroupCodec",

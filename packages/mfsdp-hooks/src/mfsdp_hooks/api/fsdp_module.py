@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
+from mfsdp_hooks.api.describe import ShardingSummary, describe
 from mfsdp_hooks.api.fsdp2_refusals import FSDP2Refusals
 from mfsdp_hooks.api.module_conversion import managed_params_hidden
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
@@ -139,6 +140,13 @@ class FSDPModule(FSDP2Refusals, TorchFSDPModule):
             root.reset_iteration()
         else:
             self._mfsdp_unit().reset_iteration()
+
+    def describe(self, optimizer: torch.optim.Optimizer | None = None) -> ShardingSummary:
+        """Every unit under this module on this rank: parameters, mesh, dtypes on the wire
+        and bytes by category (``print`` it for a table); ``optimizer`` adds its state.
+        See ``mfsdp_hooks.api.describe``."""
+        module: nn.Module = self  # type: ignore[assignment]
+        return describe(module, optimizer)
 
     @property
     def fsdp_root(self) -> FSDPRoot | None:

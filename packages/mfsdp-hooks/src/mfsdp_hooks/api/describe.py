@@ -1,0 +1,206 @@
+"""``describe(model)``: what sharding made of a model, parameter group by group, on this rank.
+
+FSDP2 users print this with ad-hoc scripts; here the engine answers it from the buffers it
+built. Each row is one parameter group (a unit's parameters of one dtype and
+``requires_grad``): its unit, parameters, the mesh it is sharded over, the dtypes on the wire
+and the bytes it holds on this rank in each category:
+
+* ``compute_weights``: the compute-dtype weights held between steps (the whole buffer under
+  ZeRO-0/1/2; this rank's shard under ZeRO-3; none when ZeRO-3 rebuilds them from main
+  weights of another dtype before each gather).
+* ``main_weights``: the optimizer's weights when their dtype differs from the compute dtype.
+* ``gradients``: the reduced gradient this rank keeps while ``.grad`` holds it (the shard
+  its optimizer steps under ZeRO-1/2/3, the whole buffer under ZeRO-0).
+* ``optimizer_state``: the state tensors of ``optimizer`` for the group's parameters (0 with
+  no optimizer, or before its first step).
+* ``gathered_weights``: the unsharded compute weights that exist only while the unit is
+  gathered (ZeRO-3), not between steps.
+
+Nothing is communicated: every rank describes itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mfsdp_buffers import DataParallelBuffer
+from mfsdp_hooks.runtime.unit import units_under
+from mfsdp_hooks.weights.param_group import ParameterGroup
+
+__all__ = ["CATEGORIES", "GroupSummary", "ShardingSummary", "describe"]
+
+CATEGORIES = (
+    "compute_weights",
+    "main_weights",
+    "gradients",
+    "optimizer_state",
+    "gathered_weights",
+)
+BETWEEN_STEPS = CATEGORIES[:4]
+"""The categories held from one step to the next (``gathered_weights`` is transient)."""
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    """One parameter group on this rank; ``bytes`` by category (see the module docstring)."""
+
+    unit: str
+    """The unit's module path in the described model (``""`` for its root)."""
+    unit_class: str
+    params: tuple[str, ...]
+    numel: int
+    """Elements of the group's parameters, whole (every rank's together, no padding)."""
+    padded_numel: int
+    """Elements of the flat buffer the parameters are packed into, padding included."""
+    requires_grad: bool
+    strategy: str
+    mesh: str
+    gather_dtype: torch.dtype
+    """What the all-gather carries (the compute dtype, or a codec's wire dtype)."""
+    reduce_dtype: torch.dtype | None
+    """What the gradient reduction carries (None for frozen parameters)."""
+    bytes: Mapping[str, int]
+
+    @property
+    def between_steps_bytes(self) -> int:
+        return sum(self.bytes[c] for c in BETWEEN_STEPS)
+
+
+@dataclass(frozen=True)
+class ShardingSummary:
+    """Every parameter group of a model on ``rank``; ``str()`` is a table."""
+
+    rank: int
+    world_size: int
+    groups: tuple[GroupSummary, ...]
+
+    def totals(self) -> dict[str, int]:
+        """Bytes on this rank by category, over every group."""
+        return {c: sum(g.bytes[c] for g in self.groups) for c in CATEGORIES}
+
+    @property
+    def between_steps_bytes(self) -> int:
+        """What the sharded model (and the optimizer, if given) hold between steps."""
+        return sum(g.between_steps_bytes for g in self.groups)
+
+    def __str__(self) -> str:
+        header = ["unit", "params", "numel", "strategy", "mesh", "wire (AG/RS)"]
+        header += [c.replace("_", " ") for c in CATEGORIES]
+        rows = [header]
+        for g in self.groups:
+            wire = f"{_dtype(g.gather_dtype)}/{_dtype(g.reduce_dtype)}"
+            cells = [g.unit or "(root)", str(len(g.params)), f"{g.numel:,}", g.strategy, g.mesh]
+            rows.append(cells + [wire] + [_size(g.bytes[c]) for c in CATEGORIES])
+        totals = self.totals()
+        numel = sum(g.numel for g in self.groups)
+        rows.append(
+            ["total", "", f"{numel:,}", "", "", ""] + [_size(totals[c]) for c in CATEGORIES]
+        )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = [
+            f"megatron-fsdp on rank {self.rank} of {self.world_size}: "
+            f"{_size(self.between_steps_bytes)} held between steps"
+        ]
+        for index, row in enumerate(rows):
+            padded = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+            lines.append("  ".join(padded))
+            if index == 0 or index == len(rows) - 2:
+                lines.append("  ".join("-" * width for width in widths))
+        return "\n".join(line.rstrip() for line in lines)
+
+
+def describe(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> ShardingSummary:
+    """The ``ShardingSummary`` of every unit in ``model`` (a sharded module, or a root wrapper:
+    unit names then start with its ``module.``); ``optimizer`` adds its state's bytes."""
+    names = {id(m): name for name, m in model.named_modules()}
+    groups = [
+        _summarise(group, names[id(unit.module)], type(unit.module).__name__, optimizer)
+        for unit in units_under(model.modules())
+        for group in unit.groups
+    ]
+    if not groups:
+        raise ValueError(
+            f"describe: {type(model).__name__} has no FSDP units; shard it first "
+            "(fully_shard, fully_shard_model)"
+        )
+    rank, world = 0, 1
+    if torch.distributed.is_initialized():
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return ShardingSummary(rank, world, tuple(groups))
+
+
+def _summarise(
+    group: ParameterGroup,
+    unit: str,
+    unit_class: str,
+    optimizer: torch.optim.Optimizer | None,
+) -> GroupSummary:
+    layout = group.model.layout
+    gathered = layout.padded_numel * group.compute_dtype.itemsize if group.model.sharded else 0
+    grads = group.grads
+    sizes = {
+        "compute_weights": _held(group.model),
+        "main_weights": _held(group.main) if group.main is not None else 0,
+        "gradients": grads.numel * grads.dtype.itemsize if grads is not None else 0,
+        "optimizer_state": _optimizer_bytes(group, optimizer),
+        "gathered_weights": gathered,
+    }
+    return GroupSummary(
+        unit=unit,
+        unit_class=unit_class,
+        params=tuple(group.names),
+        numel=sum(p.numel for p in layout.placements),
+        padded_numel=layout.padded_numel,
+        requires_grad=group.requires_grad,
+        strategy=f"ZeRO-{int(group.strategy)}",
+        mesh=_mesh(group),
+        gather_dtype=group.compute_dtype,
+        reduce_dtype=group.reduce_dtype if group.requires_grad else None,
+        bytes=sizes,
+    )
+
+
+def _held(buffer: DataParallelBuffer) -> int:
+    """Bytes a buffer keeps between steps on this rank."""
+    if not buffer.has_persistent_shard:
+        return 0
+    numel = buffer.layout.shard_numel if buffer.sharded else buffer.layout.padded_numel
+    return numel * buffer.dtype.itemsize
+
+
+def _optimizer_bytes(group: ParameterGroup, optimizer: torch.optim.Optimizer | None) -> int:
+    if optimizer is None:
+        return 0
+    total = 0
+    for param in group.dist_params:
+        for value in optimizer.state.get(param, {}).values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    return total
+
+
+def _mesh(group: ParameterGroup) -> str:
+    topology = group.topology
+    parts = [f"dp_shard={topology.shard_size}"]
+    if topology.is_hsdp:
+        kind = "optim" if topology.shards_optimizer_across_outer else "replicate"
+        parts.append(f"dp_outer={topology.outer_size} ({kind})")
+    if topology.tp_mesh is not None:
+        parts.append(f"tp={topology.tp_mesh.size()}")
+    return " x ".join(parts)
+
+
+def _dtype(dtype: torch.dtype | None) -> str:
+    return "-" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
