@@ -120,3 +120,43 @@ def _bad_input(rank: int, world: int, case: str) -> str:
 def test_bad_input_raises_clearly_on_every_rank(case: str, expected: str) -> None:
     messages = run_distributed(_bad_input, 2, case, timeout=60)
     assert all(m.startswith(expected) for m in messages), messages
+
+
+def _described(rank: int, world: int) -> list[dict[str, int]]:
+    """``describe()`` through the seed one-liner, ``fully_shard_model`` and the reference's
+    class, each after one AdamW step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    totals = []
+    for entry in ("seed", "fully_shard_model", "class"):
+        module = _model()
+        units = [Layer]
+        if entry == "seed":
+            model, optimizer = fully_shard(module, torch.optim.AdamW(module.parameters()), units)
+        elif entry == "fully_shard_model":
+            model = fully_shard_model(module, units)
+            optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters()))
+        else:
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+            index = megatron_fsdp.FSDPDistributedIndex(mesh, dp_shard_dim="dp")
+            ddp_config = megatron_fsdp.DistributedDataParallelConfig(
+                data_parallel_sharding_strategy="optim_grads_params"
+            )
+            model = megatron_fsdp.MegatronFSDP(module, index, ddp_config, fsdp_unit_modules=units)
+            optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters()))
+        model(torch.randn(2, 6)).sum().backward()
+        optimizer.step()
+        summary = model.describe(optimizer)
+        assert "ZeRO-3" in str(summary) and summary.world_size == world
+        totals.append(summary.totals())
+    return totals
+
+
+def test_describe_answers_through_every_root_entry_point() -> None:
+    ranks = run_distributed(_described, 2, timeout=60)
+    numel = sum(p.numel() for p in _model().parameters())
+    for entry in range(3):
+        moments = sum(totals[entry]["optimizer_state"] for totals in ranks)
+        steps = len(ranks) * 4 * len(list(_model().parameters()))  # AdamW's 0-d "step"s
+        assert moments - steps == 2 * 4 * numel  # each element's two moments, on one rank
+        assert ranks[0][entry] == ranks[0][0]  # the same sharding, whichever entry point
