@@ -274,11 +274,14 @@ class MegatronFSDPTrainer(transformers.Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         # Overridden (private in Trainer): the optimizer comes from our DCP checkpoint.
+        # The weights were loaded by _load_from_checkpoint, before the optimizer existed.
         if checkpoint is None:
             return
-        mfsdp_checkpoint.load_checkpoint(
-            _checkpoint_dir(checkpoint), self._root(), self._sharded_optimizer()
-        )
+        optimizer = self._sharded_optimizer()
+        mfsdp_checkpoint.enable_dcp(self._root(), optimizer)  # state keyed by parameter name
+        state = {"optimizer": optimizer.state_dict()}
+        mfsdp_checkpoint.load(state, _checkpoint_dir(checkpoint))
+        optimizer.load_state_dict(state["optimizer"])
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
