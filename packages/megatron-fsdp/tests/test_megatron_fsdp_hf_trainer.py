@@ -225,11 +225,6 @@ def _fsdp_config_naming(name: str, tmp_path: Path) -> Any:
     ("arguments", "error", "match"),
     [
         ({"fsdp": "full_shard"}, ValueError, "TrainingArguments.fsdp="),
-        (
-            {"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"},
-            NotImplementedError,
-            "load_best_model_at_end",
-        ),
     ],
 )
 def test_options_it_does_not_take_are_refused_naming_them(
@@ -245,3 +240,33 @@ def test_options_it_does_not_take_are_refused_naming_them(
         pytest.skip(f"transformers refuses it itself: {refused_by_transformers}")
     with pytest.raises(error, match=match):
         MegatronFSDPTrainer(model=llama(), args=args)
+
+
+def _best_model(rank: int, world: int, out: str, save_only_model: bool) -> tuple[float, ...]:
+    """``load_best_model_at_end`` with "best" meaning the highest eval loss, so the best
+    checkpoint is step 5's, not the last: after train() the model must be step 5's again."""
+    from megatron_fsdp.integrations.transformers import MegatronFSDPTrainer
+
+    args = _arguments(out, bf16=False, recompute=False)
+    args.eval_strategy = args.save_strategy = "steps"
+    args.eval_steps = 5
+    args.load_best_model_at_end, args.save_only_model = True, save_only_model
+    args.metric_for_best_model, args.greater_is_better = "eval_loss", True
+    trainer = MegatronFSDPTrainer(
+        model=llama(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(16, seed=1)
+    )
+    trainer.train()
+    logged = [log["eval_loss"] for log in trainer.state.log_history if "eval_loss" in log]
+    assert trainer.state.best_model_checkpoint == f"{out}/checkpoint-5"
+    return logged[0], logged[1], trainer.evaluate()["eval_loss"]
+
+
+@pytest.mark.parametrize("save_only_model", [False, True])
+def test_load_best_model_at_end_brings_back_the_best_checkpoint(
+    save_only_model: bool, tmp_path: Path
+) -> None:
+    at_5, at_10, after = run_distributed(
+        _best_model, 2, str(tmp_path), save_only_model, timeout=120
+    )[0]
+    assert at_5 > at_10  # it learned: step 5 is "best" only by this metric
+    assert after == pytest.approx(at_5, rel=1e-6)

@@ -27,11 +27,14 @@ What it changes in ``Trainer``, and why:
 * **Checkpoints**: ``save_model`` writes ``config.json`` + ``model.safetensors`` through
   ``megatron_fsdp.hf_export.save_pretrained`` (collective, streamed). Trainer saves the
   optimizer with ``torch.save`` from rank 0 only, which for a sharded optimizer is one rank's
-  shard, and has no public hook for another format, so ``_save_optimizer_and_scheduler``,
-  ``_load_from_checkpoint`` and ``_load_optimizer_and_scheduler`` are overridden: model and
-  optimizer go to ``checkpoint-N/megatron_fsdp/`` as one atomic DCP checkpoint
-  (``mfsdp_checkpoint.save_checkpoint``; it resumes at any world size), the scheduler,
-  RNG and trainer state stay Trainer's own files.
+  shard, and loads weights as full tensors; it has no public hook for either, so four private
+  methods are overridden: ``_save_optimizer_and_scheduler`` writes model and optimizer to
+  ``checkpoint-N/megatron_fsdp/`` as one atomic DCP checkpoint
+  (``mfsdp_checkpoint.save_checkpoint``; it resumes at any world size), the scheduler, RNG
+  and trainer state staying Trainer's own files; ``_load_from_checkpoint`` and
+  ``_load_best_model`` (``load_best_model_at_end``) read the weights from it, or from the
+  folder's ``model.safetensors`` where there is none (``save_only_model=True``);
+  ``_load_optimizer_and_scheduler`` reads the optimizer.
 
 Gradient accumulation (``no_sync`` on the root), clipping (``clip_grad_norm_`` on DTensor
 gradients), LR schedulers, ``evaluate()`` and autocast mixed precision are Trainer's and
@@ -53,7 +56,7 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 import mfsdp_checkpoint
 from megatron_fsdp.api import fully_shard_model, fully_shard_optimizer
-from megatron_fsdp.hf_export import save_pretrained
+from megatron_fsdp.hf_export import WEIGHTS_FILE, save_pretrained
 from megatron_fsdp.integrations.accelerate import MegatronFSDPAccelerator, is_megatron_fsdp_model
 from mfsdp_hooks import (
     FSDPOptimizer,
@@ -190,11 +193,6 @@ class MegatronFSDPTrainer(transformers.Trainer):
                 "MegatronFSDPTrainer shards the model itself. Leave fsdp unset and choose the "
                 "strategy with megatron_fsdp=MegatronFSDPConfig(zero_dp_strategy=...)"
             )
-        if args.load_best_model_at_end:
-            raise NotImplementedError(
-                "MegatronFSDPTrainer: load_best_model_at_end is not supported yet; resume "
-                "from the best checkpoint with trainer.train(resume_from_checkpoint=...)"
-            )
         _ = args.device  # initialises the process group from torchrun's environment
         self.megatron_fsdp_wrapper: FSDPRootWrapper | None = None
         """The seed API's root wrapper (None for the per-module API)."""
@@ -269,8 +267,13 @@ class MegatronFSDPTrainer(transformers.Trainer):
     def _load_from_checkpoint(
         self, resume_from_checkpoint: str, model: nn.Module | None = None
     ) -> None:
-        # Overridden (private in Trainer): the weights come from our DCP checkpoint.
-        mfsdp_checkpoint.load_checkpoint(_checkpoint_dir(resume_from_checkpoint), self._root())
+        # Overridden (private in Trainer): Trainer would load full tensors into our shards.
+        _load_weights(self._root(), resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        # Overridden (private in Trainer), for load_best_model_at_end: as above.
+        assert self.state.best_model_checkpoint is not None
+        _load_weights(self._root(), self.state.best_model_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         # Overridden (private in Trainer): the optimizer comes from our DCP checkpoint.
@@ -287,13 +290,30 @@ class MegatronFSDPTrainer(transformers.Trainer):
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
 
 
+def _load_weights(model: nn.Module, checkpoint: str) -> None:
+    """The weights of a ``checkpoint-N`` folder: our DCP checkpoint, or, where there is none
+    (``save_only_model=True``, a plain Trainer's folder), its ``model.safetensors``, read
+    into the shards without any rank holding the whole model."""
+    if (Path(checkpoint) / CHECKPOINT_SUBDIR).is_dir():
+        mfsdp_checkpoint.load_checkpoint(_checkpoint_dir(checkpoint), model)
+        return
+    weights = Path(checkpoint) / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(
+            f"{checkpoint!r} has neither {CHECKPOINT_SUBDIR}/ nor {WEIGHTS_FILE}: it is not a "
+            "checkpoint folder of a Trainer"
+        )
+    mfsdp_checkpoint.load_full_state_dict(model, weights)
+
+
 def _checkpoint_dir(checkpoint: str) -> Path:
     directory = Path(checkpoint) / CHECKPOINT_SUBDIR
     if not directory.is_dir():
         raise FileNotFoundError(
-            f"resume_from_checkpoint={checkpoint!r} has no {CHECKPOINT_SUBDIR}/ folder: it was "
-            "not written by MegatronFSDPTrainer. To start from a plain Trainer's weights, load "
-            "them with from_pretrained before sharding"
+            f"resume_from_checkpoint={checkpoint!r} has no {CHECKPOINT_SUBDIR}/ folder, so no "
+            "optimizer state: it was not written by MegatronFSDPTrainer (or with "
+            "save_only_model=True). To start from its weights alone, load them with "
+            "from_pretrained before sharding"
         )
     return directory
 
