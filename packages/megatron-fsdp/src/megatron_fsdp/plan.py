@@ -31,8 +31,13 @@ import torch
 from torch import nn
 
 from mfsdp_buffers import BucketKey, FlatLayout, build_buckets
-from mfsdp_hooks import MixedPrecisionPolicy, UnitSpec, parse_strategy, resolve_unit_modules
-from mfsdp_hooks.weights.param_group import DEFAULT_ALIGNMENT
+from mfsdp_hooks import (
+    DEFAULT_ALIGNMENT,
+    MixedPrecisionPolicy,
+    UnitSpec,
+    parse_strategy,
+    resolve_unit_modules,
+)
 
 __all__ = ["MODEL_STATE_CATEGORIES", "ModelStatesPlan", "plan_model_states"]
 

@@ -30,11 +30,12 @@ from mfsdp_hooks.optim.optimizer import FSDPOptimizer, attach_optimizer, optimiz
 from mfsdp_hooks.runtime.training_state import TrainingState
 from mfsdp_hooks.runtime.unit import FSDPUnit
 from mfsdp_hooks.weights.lookup import ParamLocation, dist_param_of, locate, owning_model
-from mfsdp_hooks.weights.param_group import ParameterGroup
+from mfsdp_hooks.weights.param_group import DEFAULT_ALIGNMENT, ParameterGroup
 
 __version__ = "1.0.0"
 
 __all__ = [
+    "DEFAULT_ALIGNMENT",
     "GroupSummary",
     "ShardingSummary",
     "describe",
