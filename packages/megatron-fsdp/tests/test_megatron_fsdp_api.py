@@ -146,7 +146,7 @@ def _described(rank: int, world: int) -> list[dict[str, int]]:
             optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters()))
         model(torch.randn(2, 6)).sum().backward()
         optimizer.step()
-        summary = model.describe(optimizer)
+        summary = model.describe_sharding(optimizer)
         assert "ZeRO-3" in str(summary) and summary.world_size == world
         totals.append(summary.totals())
     return totals

@@ -56,7 +56,7 @@ def _engine(rank: int, world: int) -> list[dict[str, int]]:
         optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
         model(torch.randint(0, 37, (2, 5))).float().sum().backward()
         optimizer.step()
-        totals = model.describe(optimizer).totals()
+        totals = model.describe_sharding(optimizer).totals()
         held.append({c: totals[c] for c in MODEL_STATE_CATEGORIES})
     return held
 

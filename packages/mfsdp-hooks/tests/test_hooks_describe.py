@@ -52,7 +52,7 @@ def _describe(rank: int, world: int, strategy: int, bf16: bool) -> tuple[Shardin
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(3, 8)).float().sum().backward()
     optimizer.step()
-    summary = model.describe(optimizer)  # type: ignore[operator]
+    summary = model.describe_sharding(optimizer)  # type: ignore[operator]
     return summary, str(summary)
 
 
@@ -100,13 +100,13 @@ def _through_root_wrapper(rank: int, world: int) -> tuple[list[str], str]:
     model = _model()
     wrapper = FSDPRootWrapper(model, [Block], ShardingOptions())
     summary = describe(wrapper)
-    return [g.unit for g in summary.groups], str(wrapper.describe())
+    return [g.unit for g in summary.groups], str(wrapper.describe_sharding())
 
 
 def test_the_root_wrapper_answers_describe_and_names_follow_the_module() -> None:
     units, table = run_distributed(_through_root_wrapper, 2, timeout=60)[0]
     assert units == ["module", "module.1", "module.2"]
-    assert "(root)" in table  # wrapper.describe() is the wrapped model's: its own names
+    assert "(root)" in table  # wrapper.describe_sharding() is the wrapped model's: its own names
 
 
 def test_an_unsharded_model_is_refused_naming_the_fix() -> None:

@@ -1,4 +1,5 @@
-"""``describe(model)``: what sharding made of a model, parameter group by group, on this rank.
+"""``describe(model)``, ``FSDPModule.describe_sharding()``: what sharding made of a model,
+parameter group by group, on this rank.
 
 FSDP2 users print this with ad-hoc scripts; here the engine answers it from the buffers it
 built. Each row is one parameter group (a unit's parameters of one dtype and

@@ -141,10 +141,11 @@ class FSDPModule(FSDP2Refusals, TorchFSDPModule):
         else:
             self._mfsdp_unit().reset_iteration()
 
-    def describe(self, optimizer: torch.optim.Optimizer | None = None) -> ShardingSummary:
+    def describe_sharding(self, optimizer: torch.optim.Optimizer | None = None) -> ShardingSummary:
         """Every unit under this module on this rank: parameters, mesh, dtypes on the wire
         and bytes by category (``print`` it for a table); ``optimizer`` adds its state.
-        See ``mfsdp_hooks.api.describe``."""
+        See ``mfsdp_hooks.api.describe``. (Not ``describe``: the class it is mixed into
+        comes after ``FSDPModule`` and may have a method of that name.)"""
         module: nn.Module = self  # type: ignore[assignment]
         return describe(module, optimizer)
 
