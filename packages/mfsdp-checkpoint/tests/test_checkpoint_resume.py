@@ -128,6 +128,12 @@ def _load_world(
             dcp.load(state, checkpoint_id=path)
             model.load_state_dict(state["model"], strict=False)
             optimizer.load_state_dict(state["optimizer"])
+        elif api == "split":  # optimizer first (weights untouched), then the weights
+            before = mc.gather_full_state_dict(model)
+            mc.load_checkpoint(path, model, optimizer, weights=False)
+            after = mc.gather_full_state_dict(model)
+            assert all(torch.equal(after[k], v) for k, v in before.items())
+            mc.load_checkpoint(path, model)
         else:
             mc.load_checkpoint(path, model, optimizer)
         full = pack(mc.gather_full_state_dict(model))
@@ -158,19 +164,22 @@ def _check(
 def test_resume_same_world_is_exact_and_reshards_across_strategies(
     saved: dict[int, dict[str, Any]],
 ) -> None:
-    """2 ranks: same strategy (exact), 3 -> 2 and 3 -> 0; 4 -> 2 ranks."""
+    """2 ranks: same strategy (exact), 3 -> 2 and 3 -> 0; 4 -> 2 ranks; and the optimizer
+    alone (``weights=False``, leaving the weights as they are) before the weights."""
     two, four = saved[2], saved[4]
     loads = [
         (two["path"], 3, "seed"),
         (two["path"], 2, "seed"),
         (two["path"], 0, "helpers"),
         (four["path"], 3, "seed"),
+        (two["path"], 3, "split"),
     ]
     results = run_distributed(_load_world, 2, loads, timeout=180)[0]
     _check(two, results[0], SAME_WORLD_RTOL, "2 -> 2 ranks")
     _check(two, results[1], OTHER_WORLD_RTOL, "strategy 3 -> 2")
     _check(two, results[2], OTHER_WORLD_RTOL, "strategy 3 -> 0")
     _check(four, results[3], OTHER_WORLD_RTOL, "4 -> 2 ranks")
+    _check(two, results[4], SAME_WORLD_RTOL, "2 -> 2 ranks, optimizer then weights")
 
 
 @pytest.mark.parametrize("world", [3, 1])

@@ -21,11 +21,16 @@ from mfsdp_checkpoint.naming import SaveNaming, named_for
 
 
 def checkpoint_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: dict[str, Any] | None,
+    *,
+    weights: bool = True,
 ) -> dict[str, Any]:
-    """The DCP state dict of a checkpoint: sections ``model``, ``optimizer``, ``extra``."""
+    """The DCP state dict of a checkpoint: sections ``model`` (with ``weights``),
+    ``optimizer``, ``extra``."""
     enable_dcp(model, optimizer)
-    state: dict[str, Any] = {"model": model.state_dict()}
+    state: dict[str, Any] = {"model": model.state_dict()} if weights else {}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
     if extra is not None:
@@ -63,15 +68,20 @@ def load_checkpoint(
     extra: dict[str, Any] | None = None,
     process_group: dist.ProcessGroup | None = None,
     strict: bool = True,
+    weights: bool = True,
 ) -> dict[str, Any]:
     """Load what ``save_checkpoint`` wrote (or any DCP checkpoint with these sections).
 
     Works across world sizes and sharding strategies. ``extra`` gives the keys (and default
     values) to read back from the ``"extra"`` section; the loaded values are returned.
+    ``weights=False`` leaves the model's weights as they are and reads only the optimizer
+    (and ``extra``): ``model`` then only names the optimizer state (a trainer that loads the
+    weights before it builds the optimizer reads them once).
     """
-    state = checkpoint_state(model, optimizer, extra)
+    state = checkpoint_state(model, optimizer, extra, weights=weights)
     load(state, path, process_group=process_group, strict=strict)
-    model.load_state_dict(state["model"], strict=strict)
+    if weights:
+        model.load_state_dict(state["model"], strict=strict)
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     result: dict[str, Any] = state.get("extra", {})

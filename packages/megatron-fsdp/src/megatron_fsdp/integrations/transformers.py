@@ -280,11 +280,9 @@ class MegatronFSDPTrainer(transformers.Trainer):
         # The weights were loaded by _load_from_checkpoint, before the optimizer existed.
         if checkpoint is None:
             return
-        optimizer = self._sharded_optimizer()
-        mfsdp_checkpoint.enable_dcp(self._root(), optimizer)  # state keyed by parameter name
-        state = {"optimizer": optimizer.state_dict()}
-        mfsdp_checkpoint.load(state, _checkpoint_dir(checkpoint))
-        optimizer.load_state_dict(state["optimizer"])
+        mfsdp_checkpoint.load_checkpoint(
+            _checkpoint_dir(checkpoint), self._root(), self._sharded_optimizer(), weights=False
+        )
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
@@ -294,8 +292,9 @@ def _load_weights(model: nn.Module, checkpoint: str) -> None:
     """The weights of a ``checkpoint-N`` folder: our DCP checkpoint, or, where there is none
     (``save_only_model=True``, a plain Trainer's folder), its ``model.safetensors``, read
     into the shards without any rank holding the whole model."""
-    if (Path(checkpoint) / CHECKPOINT_SUBDIR).is_dir():
-        mfsdp_checkpoint.load_checkpoint(_checkpoint_dir(checkpoint), model)
+    directory = Path(checkpoint) / CHECKPOINT_SUBDIR
+    if directory.is_dir():
+        mfsdp_checkpoint.load_checkpoint(directory, model)
         return
     weights = Path(checkpoint) / WEIGHTS_FILE
     if not weights.is_file():

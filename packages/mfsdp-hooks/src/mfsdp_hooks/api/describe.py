@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from mfsdp_buffers import DataParallelBuffer
+from mfsdp_hooks.dtensor.dtensor_views import local_tensor
 from mfsdp_hooks.runtime.unit import units_under
 from mfsdp_hooks.weights.param_group import ParameterGroup
 
@@ -180,7 +181,7 @@ def _optimizer_bytes(group: ParameterGroup, optimizer: torch.optim.Optimizer | N
     for param in group.dist_params:
         for value in optimizer.state.get(param, {}).values():
             if isinstance(value, torch.Tensor):
-                local = value.to_local() if hasattr(value, "to_local") else value
+                local = local_tensor(value)
                 total += local.numel() * local.element_size()
     return total
 
