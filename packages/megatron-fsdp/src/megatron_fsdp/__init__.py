@@ -3,7 +3,7 @@
 from megatron_fsdp.api import fully_shard, fully_shard_model, fully_shard_optimizer
 from megatron_fsdp.ddp_config import DistributedDataParallelConfig
 from megatron_fsdp.dist_index import FSDPDistributedIndex
-from megatron_fsdp.plan import ModelStatesPlan, plan_model_states
+from megatron_fsdp.plan import MemoryPlan, ModelStatesPlan, plan_memory, plan_model_states
 from megatron_fsdp.wrapper import MegatronFSDP
 from mfsdp_hooks import MixedPrecisionPolicy, ShardingStrategy
 
@@ -14,11 +14,13 @@ __all__ = [
     "FSDPDistributedIndex",
     "MegatronFSDP",
     "MixedPrecisionPolicy",
+    "MemoryPlan",
     "ModelStatesPlan",
     "ShardingStrategy",
     "__version__",
     "fully_shard",
     "fully_shard_model",
     "fully_shard_optimizer",
+    "plan_memory",
     "plan_model_states",
 ]

@@ -131,11 +131,19 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     subtracted and the tracker can be re-entered with a consistent count.
     """
 
-    def __init__(self, attribute: bool = False, skip_sites: Sequence[str] = ()) -> None:
+    def __init__(
+        self, attribute: bool = False, skip_sites: Sequence[str] = (), *, fake: bool = False
+    ) -> None:
         """``attribute``: record allocation sites; ``skip_sites``: more file-name parts to look
-        past when attributing (e.g. another dispatch mode stacked on this one)."""
+        past when attributing (e.g. another dispatch mode stacked on this one); ``fake``:
+        count meta storages too, which back ``FakeTensorMode``'s tensors, to measure a run
+        that allocates nothing (open the tracker inside the fake mode)."""
         super().__init__()  # type: ignore[no-untyped-call]
         self.attribute = attribute
+        self._count_meta = fake
+        self._snapshot_sites = attribute
+        # Held, so that their ids stay theirs.
+        self._ignored: dict[int, torch.UntypedStorage] = {}
         self._skip = _SKIP_PARTS + tuple(skip_sites)
         self._lock = threading.RLock()  # a finalizer may fire while we hold it (GC)
         self._sizes: dict[int, int] = {}
@@ -176,9 +184,29 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._observe_storage(tensor.untyped_storage())
         return out
 
+    def ignore(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Never count these tensors' storages, even when an op returns a view of them: a
+        storage made before the tracker opened (a parameter) is otherwise counted the first
+        time a view of it (``weight.t()``) passes by."""
+        with self._lock:
+            for tensor in _plain_tensors(list(tensors)):
+                storage = tensor.untyped_storage()
+                self._ignored[id(storage)] = storage
+
+    def charge(self, nbytes: int, site: str) -> None:
+        """Count ``nbytes`` (negative: release them) that are no tensor of this process, under
+        ``site``: a planner lays the buffers it plans over a measured run this way. Marks
+        then report the charged sites at each peak (``peak_by_site``), and with
+        ``attribute=True`` the allocation sites of the tensors too."""
+        with self._lock:
+            self._snapshot_sites = True
+            self._add(nbytes, site)
+
     # ------------------------------------------------------------------ accounting
     def _observe_storage(self, storage: torch.UntypedStorage) -> None:
-        if storage.device.type == "meta":
+        if storage.device.type == "meta" and not self._count_meta:
+            return
+        if self._ignored.get(id(storage)) is storage:
             return
         key = id(storage)
         nbytes = storage.nbytes()
@@ -207,7 +235,7 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.peak = self.live
         if self.live > self.phase_peak:
             self.phase_peak = self.live
-            if self.attribute:
+            if self._snapshot_sites:
                 self._phase_peak_by_site = {k: v for k, v in self._by_site.items() if v}
 
     # ------------------------------------------------------------------ phases
@@ -220,7 +248,7 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def mark(self, name: str) -> PhaseMark:
         """Close the current phase: record live bytes and the phase's peak, start the next."""
         with self._lock:
-            by_site = dict(self._phase_peak_by_site) if self.attribute else None
+            by_site = dict(self._phase_peak_by_site) if self._snapshot_sites else None
             mark = PhaseMark(name, self.live, self.phase_peak, by_site)
             self.marks.append(mark)
             self.reset_phase()
