@@ -52,6 +52,8 @@ TEST_TOOLS = [
     # Float8 training whose tensor-subclass parameters the engine must refuse (and, later,
     # shard); it runs on CPU with torch's own _scaled_mm.
     "torchao==0.18.0",  # pinned: each torchao release targets particular torch versions
+    # test_megatron_fsdp_trace checks the timeline's JSON against a Trace Event Format schema.
+    "jsonschema>=4",
 ]
 # NVIDIA's megatron-fsdp, whose checkpoints we load and which loads ours (nox -s reference).
 REFERENCE = "megatron-fsdp==0.6.1"

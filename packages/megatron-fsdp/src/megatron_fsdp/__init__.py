@@ -4,6 +4,7 @@ from megatron_fsdp.api import fully_shard, fully_shard_model, fully_shard_optimi
 from megatron_fsdp.ddp_config import DistributedDataParallelConfig
 from megatron_fsdp.dist_index import FSDPDistributedIndex
 from megatron_fsdp.plan import MemoryPlan, ModelStatesPlan, plan_memory, plan_model_states
+from megatron_fsdp.trace import OverlapReport, Timeline, trace
 from megatron_fsdp.wrapper import MegatronFSDP
 from mfsdp_hooks import MixedPrecisionPolicy, ShardingStrategy
 
@@ -23,4 +24,7 @@ __all__ = [
     "fully_shard_optimizer",
     "plan_memory",
     "plan_model_states",
+    "OverlapReport",
+    "Timeline",
+    "trace",
 ]

@@ -27,6 +27,13 @@ from mfsdp_hooks.dtensor.dtensor_views import dtensor_like, local_tensor
 from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor, row_sharded
 from mfsdp_hooks.dtensor.tensor_parallel import TPSpec, tp_full_tensor
 from mfsdp_hooks.optim.optimizer import FSDPOptimizer, attach_optimizer, optimizer_groups
+from mfsdp_hooks.runtime.timeline import TimelineRecorder, record_timeline
+from mfsdp_hooks.runtime.timeline_events import (
+    HOST_CATEGORIES,
+    EventKind,
+    TimelineEvent,
+    TimelineStep,
+)
 from mfsdp_hooks.runtime.training_state import TrainingState
 from mfsdp_hooks.runtime.unit import FSDPUnit
 from mfsdp_hooks.weights.lookup import ParamLocation, dist_param_of, locate, owning_model
@@ -79,6 +86,12 @@ __all__ = [
     "owning_model",
     "parse_strategy",
     "resolve_unit_modules",
+    "EventKind",
+    "HOST_CATEGORIES",
+    "TimelineEvent",
+    "TimelineRecorder",
+    "TimelineStep",
+    "record_timeline",
 ]
 
 # The root wrapper under the name that says what it is, and the options record it takes

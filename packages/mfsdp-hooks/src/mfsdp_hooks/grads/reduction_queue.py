@@ -5,16 +5,46 @@ oldest first and bounds how many are in flight (``max_inflight_reductions``, cou
 reductions, never in elements), so the gradients of at most that many groups are alive
 beyond the one being computed. Nothing else holds a ``PendingReduction``: a reducer about to
 reuse its buffer asks the queue to ``settle`` it first.
+
+A timeline trace (``runtime.timeline``, a wing above) sees each launch and each wait that
+blocks the caller through the one ``ReductionObserver`` installed by ``observe_reductions``;
+with none installed (no trace) each point costs one read of ``_OBSERVER``.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol
 
 from mfsdp_collectives import CommStreams
 from mfsdp_hooks.grads.grad_reducer import GradReducer, PendingReduction
 
-__all__ = ["ReductionQueue"]
+__all__ = ["ReductionObserver", "ReductionQueue", "ReductionSpan", "observe_reductions"]
+
+
+class ReductionSpan(Protocol):
+    """One observed launch or wait; ``end()`` when it returns."""
+
+    def end(self) -> None: ...
+
+
+class ReductionObserver(Protocol):
+    """What a trace sees of the queues: a span around each launch (``waiting=False``) and
+    each wait for a reduction not yet done (``waiting=True``); None when it ignores it."""
+
+    def reduction_span(
+        self, reducer: GradReducer, streams: CommStreams | None, *, waiting: bool
+    ) -> ReductionSpan | None: ...
+
+
+_OBSERVER: ReductionObserver | None = None
+
+
+def observe_reductions(observer: ReductionObserver | None) -> None:
+    """Show every queue's launches and waits to ``observer`` (None: to nobody). One at a time,
+    process-wide, as the trace that installs it: autograd may reduce on another thread."""
+    global _OBSERVER
+    _OBSERVER = observer
 
 
 class ReductionQueue:
@@ -33,19 +63,37 @@ class ReductionQueue:
     ) -> None:
         """Launch ``reducer``'s reduction, keeping at most ``window`` in flight."""
         self.settle(reducer)
+        observer = _OBSERVER
+        span = None
+        if observer is not None:
+            span = observer.reduction_span(reducer, streams, waiting=False)
         pending = reducer.launch(streams, ends_cycle=ends_cycle)
+        if span is not None:
+            span.end()
         if not self._overlap:
-            pending.wait()
+            self._finish(pending)
             return
         self._in_flight.append(pending)
         while len(self._in_flight) > self._window:
-            self._in_flight.popleft().wait()
+            self._finish(self._in_flight.popleft())
+
+    @staticmethod
+    def _finish(pending: PendingReduction) -> None:
+        """Wait for ``pending`` (a no-op once done), in the observer's sight when one is."""
+        observer = _OBSERVER
+        if observer is None or pending.done:
+            pending.wait()
+            return
+        span = observer.reduction_span(pending.reducer, None, waiting=True)
+        pending.wait()
+        if span is not None:
+            span.end()
 
     def settle(self, reducer: GradReducer) -> None:
         """Finish ``reducer``'s reduction in flight, if any (its buffer is about to be reused)."""
         for pending in self._in_flight:
             if pending.reducer is reducer:
-                pending.wait()  # stays queued, done: popping it later is a no-op
+                self._finish(pending)  # stays queued, done: popping it later is a no-op
 
     def in_flight(self, reducer: GradReducer) -> bool:
         return any(p.reducer is reducer and not p.done for p in self._in_flight)
@@ -57,9 +105,9 @@ class ReductionQueue:
         of the in-flight window, i.e. through all of that unit's backward.
         """
         while self._reap_early and self._in_flight and self._in_flight[0].handle.is_completed():
-            self._in_flight.popleft().wait()
+            self._finish(self._in_flight.popleft())
 
     def drain(self) -> None:
         """Finish every reduction in flight, oldest first."""
         while self._in_flight:
-            self._in_flight.popleft().wait()
+            self._finish(self._in_flight.popleft())

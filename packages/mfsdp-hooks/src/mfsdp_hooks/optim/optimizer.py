@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from mfsdp_hooks.optim.contiguous_step import ContiguousStepper, supports_contiguous_step
+from mfsdp_hooks.runtime import timeline
 from mfsdp_hooks.weights.lookup import locate
 from mfsdp_hooks.weights.param_group import GroupRoot, ParameterGroup
 
@@ -95,6 +96,23 @@ class FSDPOptimizer(torch.optim.Optimizer):
         sync_grad_before_optimizer_step: bool = True,
         install_optimized_model_weights: bool = True,
         **kwargs: Any,
+    ) -> Any:
+        recorder = timeline.ACTIVE
+        if recorder is None:
+            return self._fsdp_step(
+                args, kwargs, sync_grad_before_optimizer_step, install_optimized_model_weights
+            )
+        with recorder.attached_step(self):  # a timeline times all of it as the optimizer's
+            return self._fsdp_step(
+                args, kwargs, sync_grad_before_optimizer_step, install_optimized_model_weights
+            )
+
+    def _fsdp_step(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        sync_grad_before_optimizer_step: bool,
+        install_optimized_model_weights: bool,
     ) -> Any:
         current = optimizer_groups(self)
         if sync_grad_before_optimizer_step:

@@ -10,10 +10,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from mfsdp_collectives import CommStreams
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.config.unit_options import UnitOptions
 from mfsdp_hooks.dtensor.tensor_parallel import grad_local
 from mfsdp_hooks.grads.grad_sync import SyncFlags
+from mfsdp_hooks.runtime import timeline
 from mfsdp_hooks.runtime.backward_prefetch import BackwardPrefetch
 from mfsdp_hooks.runtime.input_grad_trigger import route_inputs_through_trigger
 from mfsdp_hooks.runtime.member_forwards import MemberForwards
@@ -25,7 +27,8 @@ from mfsdp_hooks.runtime.unit_groups import build_groups
 from mfsdp_hooks.weights.lookup import register_group_params, replaced_by_unit
 from mfsdp_hooks.weights.param_group import ParameterGroup, Waitable
 
-# Per-unit pre/post forward and backward events at DEBUG (as FSDP2's TORCH_LOGS=+fsdp).
+# Per-unit pre/post forward and backward events at DEBUG (as FSDP2's TORCH_LOGS=+fsdp); with
+# a timeline recording (``timeline.ACTIVE``), the spans of forward, backward, gathers.
 
 
 def unit_of(module: nn.Module) -> FSDPUnit | None:
@@ -56,6 +59,44 @@ def _cast_inputs(
         (args, kwargs),
     )
     return cast
+
+
+def _cast_outputs(policy: MixedPrecisionPolicy, output: Any) -> Any:
+    """Floating-point outputs in the policy's output dtype (the root's), when it has one."""
+    dtype = policy.output_dtype
+    if dtype is None:
+        return output
+    return tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+        output,
+    )
+
+
+def _issue_gathers(unit: FSDPUnit, pending: list[Waitable], streams: CommStreams | None) -> None:
+    """Start ``unit``'s all-gathers that are needed, adding each to ``pending`` as it is
+    issued (a timeline sees the issue)."""
+    recorder = timeline.ACTIVE
+    span = None if recorder is None else recorder.gather_issue(unit, streams)
+    before = len(pending)
+    for group in unit.groups:
+        handle = group.unshard(streams)
+        if handle is not None:
+            pending.append(handle)
+    if span is not None:
+        span.end(keep=len(pending) > before)  # nothing issued: its time was the caller's
+
+
+def _await_gathers(unit: FSDPUnit, handles: list[Waitable]) -> None:
+    """Wait for ``unit``'s all-gathers in flight: the part of a gather the compute thread
+    pays (a timeline sees the wait)."""
+    if not handles:
+        return
+    recorder = timeline.ACTIVE
+    span = None if recorder is None else recorder.gather_wait(unit)
+    for handle in handles:
+        handle.wait()
+    if span is not None:
+        span.end()
 
 
 def _refuse_params_of_other_units(unit: str, slots: SlotMap) -> None:
@@ -186,15 +227,11 @@ class FSDPUnit:
     def unshard_async(self) -> None:
         """Issue this unit's all-gathers (if needed) without waiting for them."""
         streams = self.root.streams if self.root is not None else None
-        for group in self.groups:
-            handle = group.unshard(streams)
-            if handle is not None:
-                self._pending_unshard.append(handle)
+        _issue_gathers(self, self._pending_unshard, streams)
 
     def wait_unshard(self) -> None:
         handles, self._pending_unshard = self._pending_unshard, []
-        for handle in handles:
-            handle.wait()
+        _await_gathers(self, handles)
         self._swap(use_unsharded=True)
 
     def request_unshard(self) -> None:
@@ -209,9 +246,8 @@ class FSDPUnit:
         self.wait_unshard()
 
     def reshard(self) -> None:
-        for handle in self._pending_unshard:
-            handle.wait()
-        self._pending_unshard = []
+        handles, self._pending_unshard = self._pending_unshard, []
+        _await_gathers(self, handles)
         for group in self.groups:
             group.reshard()
         self._swap(use_unsharded=False)
@@ -227,6 +263,8 @@ class FSDPUnit:
         assert self.root is not None
         recomputing = in_backward_pass()
         log_event(self, "pre_forward (recompute)" if recomputing else "pre_forward")
+        if (recorder := timeline.ACTIVE) is not None:
+            recorder.forward_begins(self, root=self.root.root_unit is self, recompute=recomputing)
         if self.root.root_unit is self and not recomputing:
             self.root.pre_root_forward()
         if not recomputing:
@@ -261,14 +299,9 @@ class FSDPUnit:
             for unit in self.root.units:  # units some member of which did not run
                 if unit.forwards.abandon():
                     unit._end_forward(is_root=False)
-        if is_root and self.options.policy.output_dtype is not None:
-            dtype = self.options.policy.output_dtype
-            output = tree_map(
-                lambda t: (
-                    t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                ),
-                output,
-            )
+        output = _cast_outputs(self.options.policy, output) if is_root else output
+        if (recorder := timeline.ACTIVE) is not None:
+            recorder.forward_ends(self)
         return output
 
     def _end_forward(self, is_root: bool) -> None:
@@ -288,6 +321,8 @@ class FSDPUnit:
             return  # another output's hook, or a late one after the unit's backward
         self._move_to(TrainingState.PRE_BACKWARD)
         log_event(self, "pre_backward")
+        if (recorder := timeline.ACTIVE) is not None:
+            recorder.backward_begins(self)
         self.unshard_async()
         self.wait_unshard()
         targets = self.root.order.backward_targets(self, self.backward_prefetch)
@@ -339,6 +374,8 @@ class FSDPUnit:
             # No forward, no gradient: grads stay None (as torch's), not zeros Adam steps.
             if reducer is not None and (self._took_part or reducer.has_grads):
                 sync.reduce_after_backward(reducer, group.strategy, self.sync_flags, streams)
+        if (recorder := timeline.ACTIVE) is not None:
+            recorder.backward_ends(self)
 
     def reset_iteration(self) -> None:
         """FSDP2's ``reset_iter_state``: an exception ended the iteration midway."""

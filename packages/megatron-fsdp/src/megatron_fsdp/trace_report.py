@@ -1,0 +1,181 @@
+"""``Timeline.overlap_report()``: per unit and per step, where the host's time went.
+
+Two kinds of numbers, kept apart because they answer different questions:
+
+* **host time** (``compute_ns``, ``all_gather_exposed_ns``, ``reduce_exposed_ns``,
+  ``optimizer_ns``, ``other_ns``): a partition of the steps' wall time on the host. Each
+  instant belongs to the innermost thing running then, so these add up to ``step_ns``
+  exactly. "Exposed" communication is the time the compute thread spent issuing collectives
+  or blocked waiting for them: what overlap failed to hide.
+* **in flight** (``all_gather_ns``, ``reduce_ns`` per unit): how long each unit's
+  collectives took from issue to the moment the compute thread saw them done. They run
+  beside compute, so they are not part of the partition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mfsdp_hooks import HOST_CATEGORIES, EventKind, TimelineStep
+
+__all__ = ["OverlapReport", "UnitTimes", "build_overlap_report"]
+
+# Which per-unit field each event adds to, and whether with its self time or its duration.
+_UNIT_FIELD: dict[EventKind, tuple[str, bool]] = {
+    EventKind.FORWARD: ("forward_ns", True),
+    EventKind.BACKWARD: ("backward_ns", True),
+    EventKind.RECOMPUTE: ("backward_ns", True),
+    EventKind.ALL_GATHER: ("all_gather_ns", False),
+    EventKind.ALL_GATHER_ISSUE: ("all_gather_exposed_ns", True),
+    EventKind.ALL_GATHER_WAIT: ("all_gather_exposed_ns", True),
+    EventKind.REDUCE: ("reduce_ns", False),
+    EventKind.REDUCE_ISSUE: ("reduce_exposed_ns", True),
+    EventKind.REDUCE_WAIT: ("reduce_exposed_ns", True),
+}
+
+
+@dataclass(frozen=True)
+class UnitTimes:
+    """One unit's nanoseconds, summed over the reported steps."""
+
+    unit: str
+    forward_ns: int = 0
+    """Its forward on the host, without its child units' forwards or its waits."""
+    backward_ns: int = 0
+    """Its backward (and recompute), the same way."""
+    all_gather_ns: int = 0
+    """Its all-gathers in flight: issue until found ready."""
+    all_gather_exposed_ns: int = 0
+    """Time the compute thread spent issuing its all-gathers or blocked waiting for them."""
+    reduce_ns: int = 0
+    """Its gradient reductions in flight: issue until the wait that completed them."""
+    reduce_exposed_ns: int = 0
+    """Time the compute thread spent issuing its reductions or blocked waiting for them."""
+
+    @property
+    def exposed_ns(self) -> int:
+        return self.all_gather_exposed_ns + self.reduce_exposed_ns
+
+
+@dataclass(frozen=True)
+class OverlapReport:
+    """Where the reported steps' host time went; ``str()`` is a table (per step means)."""
+
+    rank: int
+    steps: int
+    units: tuple[UnitTimes, ...]
+    step_ns: int
+    """The steps' wall time on the host, summed: the five shares below add up to it."""
+    compute_ns: int
+    all_gather_exposed_ns: int
+    reduce_exposed_ns: int
+    optimizer_ns: int
+    """The optimizer's step (an attached optimizer's whole ``step()``, weight install
+    included), less the reduction waits it finishes first (counted as exposed)."""
+    other_ns: int
+    """Host time outside every unit and the optimizer: data, loss, autograd glue, hooks."""
+
+    @property
+    def exposed_communication_ns(self) -> int:
+        return self.all_gather_exposed_ns + self.reduce_exposed_ns
+
+    @property
+    def communication_ns(self) -> int:
+        """Every unit's collectives in flight, summed (they may overlap one another)."""
+        return sum(u.all_gather_ns + u.reduce_ns for u in self.units)
+
+    @property
+    def overlap_efficiency(self) -> float | None:
+        """The share of communication hidden behind other work:
+        ``1 - exposed_communication_ns / communication_ns``, i.e. of the time collectives
+        were in flight, the part in which the compute thread was neither issuing nor
+        waiting for them. 1.0 is perfect overlap; None when nothing was communicated."""
+        if self.communication_ns == 0:
+            return None
+        return 1.0 - self.exposed_communication_ns / self.communication_ns
+
+    @property
+    def most_exposed_unit(self) -> str | None:
+        """The unit whose collectives kept the compute thread waiting longest (None when
+        none did)."""
+        worst = max(self.units, key=lambda u: u.exposed_ns, default=None)
+        return None if worst is None or worst.exposed_ns == 0 else worst.unit
+
+    def __str__(self) -> str:
+        return "\n".join(self._table() + self._summary())
+
+    def _ms(self, ns: int) -> str:
+        return f"{ns / 1e6 / self.steps:.2f}"
+
+    def _table(self) -> list[str]:
+        width = max([len("unit"), *(len(u.unit) for u in self.units)])
+        head = ["forward", "backward", "all-gather", "AG exposed", "reduce", "RS exposed"]
+        lines = [
+            f"Timeline, rank {self.rank}: {self.steps} step(s), ms per step",
+            f"{'unit':<{width}}  " + "  ".join(f"{h:>10}" for h in head),
+        ]
+        for u in self.units:
+            cells = (
+                u.forward_ns,
+                u.backward_ns,
+                u.all_gather_ns,
+                u.all_gather_exposed_ns,
+                u.reduce_ns,
+                u.reduce_exposed_ns,
+            )
+            lines.append(f"{u.unit:<{width}}  " + "  ".join(f"{self._ms(c):>10}" for c in cells))
+        return lines
+
+    def _summary(self) -> list[str]:
+        def share(name: str, ns: int) -> str:
+            return f"  {name:<20} {self._ms(ns):>9} ms  {100 * ns / max(self.step_ns, 1):5.1f}%"
+
+        efficiency = self.overlap_efficiency
+        hidden = "n/a (no communication)" if efficiency is None else f"{100 * efficiency:.1f}%"
+        worst = self.most_exposed_unit
+        return [
+            f"step time            {self._ms(self.step_ns):>9} ms",
+            share("compute", self.compute_ns),
+            share("exposed all-gather", self.all_gather_exposed_ns),
+            share("exposed reduce", self.reduce_exposed_ns),
+            share("optimizer", self.optimizer_ns),
+            share("other", self.other_ns),
+            f"overlap efficiency: {hidden} of communication time hidden",
+            f"most exposed unit: {worst or 'none'}",
+        ]
+
+
+def build_overlap_report(
+    steps: Sequence[TimelineStep], units: Sequence[str], rank: int
+) -> OverlapReport:
+    """The report over ``steps``; ``units`` gives the table's order (module order)."""
+    if not steps:
+        raise ValueError(
+            "steps: the timeline holds no complete step to report on; run at least one "
+            "forward of the traced model's root inside trace() (and skip fewer warm-up steps)"
+        )
+    fields = {name for name, _ in _UNIT_FIELD.values()}
+    by_unit = {unit: dict.fromkeys(fields, 0) for unit in units}
+    shares = dict.fromkeys(HOST_CATEGORIES, 0)
+    for step in steps:
+        for category, ns in step.host_time().items():
+            shares[category] += ns
+        for event in step.events:
+            field = _UNIT_FIELD.get(event.kind)
+            if field is None or event.unit is None:
+                continue
+            name, own = field
+            times = by_unit.setdefault(event.unit, dict.fromkeys(fields, 0))
+            times[name] += event.self_ns if own else event.duration_ns
+    return OverlapReport(
+        rank=rank,
+        steps=len(steps),
+        units=tuple(UnitTimes(unit, **times) for unit, times in by_unit.items()),
+        step_ns=sum(step.duration_ns for step in steps),
+        compute_ns=shares["compute"],
+        all_gather_exposed_ns=shares["all_gather_exposed"],
+        reduce_exposed_ns=shares["reduce_exposed"],
+        optimizer_ns=shares["optimizer"],
+        other_ns=shares["other"],
+    )

@@ -1,0 +1,300 @@
+"""``megatron_fsdp.trace``: the per-unit timeline through every entry point, its report, its
+Chrome trace file, and its ranges inside a ``torch.profiler`` trace (2 gloo ranks).
+
+The report's shares must add up to the steps' wall time (a partition, not estimates), the
+file must be what Perfetto's JSON importer reads (checked against a schema of the Trace Event
+Format written here, and for slices that nest on every lane), and tracing must not change a
+single loss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import megatron_fsdp
+from megatron_fsdp import (
+    FSDPDistributedIndex,
+    MegatronFSDP,
+    Timeline,
+    fully_shard_model,
+    fully_shard_optimizer,
+)
+from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks import EventKind
+from mfsdp_hooks import fully_shard as fully_shard_module
+from mfsdp_hooks.testing import Block, loss_fn, make_batches, make_model
+
+STEPS = 3
+ENTRIES = ["fully_shard", "model+optimizer", "MegatronFSDP", "per-module"]
+
+
+def _build(entry: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A 2-block toy model (a root with a frozen layer and tied weights), sharded ZeRO-3."""
+    if entry == "fully_shard":
+        original = make_model(n_blocks=2)
+        return megatron_fsdp.fully_shard(
+            original, torch.optim.AdamW(original.parameters(), lr=1e-2), fsdp_unit_modules=[Block]
+        )
+    model: nn.Module
+    if entry == "model+optimizer":
+        model = fully_shard_model(make_model(n_blocks=2), fsdp_unit_modules=[Block])
+    elif entry == "MegatronFSDP":
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+        index = FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard")
+        model = MegatronFSDP(make_model(n_blocks=2), index, fsdp_unit_modules=[Block])
+    else:
+        toy = make_model(n_blocks=2)
+        for block in toy.blocks:
+            fully_shard_module(block)
+        fully_shard_module(toy)
+        trainable = [p for p in toy.parameters() if p.requires_grad]
+        return toy, torch.optim.AdamW(trainable, lr=1e-2)  # a bare torch optimizer
+    return model, fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+def _train(
+    model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, steps: int
+) -> list[float]:
+    losses = []
+    for tokens, targets in make_batches(steps, global_batch=4, seed=rank + 1):
+        loss = loss_fn(model(tokens), targets)
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _check_steps(timeline: Timeline) -> dict[str, Any]:
+    units = timeline.units
+    for step in timeline.steps:
+        assert sum(step.host_time().values()) == step.duration_ns
+        for unit in units:
+            assert len(step.of_kind(EventKind.FORWARD, unit)) == 1, (unit, step.index)
+            assert len(step.of_kind(EventKind.BACKWARD, unit)) == 1, (unit, step.index)
+            assert len(step.of_kind(EventKind.REDUCE, unit)) == 1, (unit, step.index)
+            for gather in step.of_kind(EventKind.ALL_GATHER, unit):
+                issues = step.of_kind(EventKind.ALL_GATHER_ISSUE, unit)
+                assert gather.start_ns in {issue.start_ns for issue in issues}
+                assert gather.start_ns < gather.end_ns
+        (optimizer,) = step.of_kind(EventKind.OPTIMIZER)
+        assert optimizer.end_ns == step.end_ns  # the step ends with the optimizer's
+    report = timeline.overlap_report()
+    shares = (
+        report.compute_ns,
+        report.all_gather_exposed_ns,
+        report.reduce_exposed_ns,
+        report.optimizer_ns,
+        report.other_ns,
+    )
+    assert sum(shares) == report.step_ns == sum(s.duration_ns for s in timeline.steps)
+    assert all(share >= 0 for share in shares)
+    assert report.most_exposed_unit in units
+    efficiency = report.overlap_efficiency
+    assert efficiency is not None and efficiency <= 1.0
+    text = str(report)
+    assert all(unit in text for unit in units) and "overlap efficiency" in text
+    return {
+        "units": units,
+        "gathers": [len(s.of_kind(EventKind.ALL_GATHER)) for s in timeline.steps],
+        "warm_report_steps": timeline.overlap_report(warmup_steps=1).steps,
+    }
+
+
+def _entry_worker(rank: int, world: int, entry: str) -> dict[str, Any]:
+    untraced = _train(*_build(entry), rank, STEPS)
+    model, optimizer = _build(entry)
+    with megatron_fsdp.trace(model, optimizer) as timeline:
+        losses = _train(model, optimizer, rank, STEPS)
+    recorded = timeline.steps
+    _train(model, optimizer, rank, 1)  # after the block: nothing more is recorded
+    found = _check_steps(timeline)
+    found["same_losses"] = losses == untraced
+    found["steps"] = len(recorded)
+    found["nothing_after"] = timeline.steps == recorded
+    found["hooks_left"] = len(optimizer._optimizer_step_pre_hooks) + len(
+        optimizer._optimizer_step_post_hooks
+    )
+    return found
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_trace_through_every_entry_point(entry: str) -> None:
+    for found in run_distributed(_entry_worker, 2, entry, timeout=120):
+        assert found["same_losses"]
+        assert found["steps"] == STEPS and found["nothing_after"]
+        assert found["hooks_left"] == 0
+        assert found["units"] == ["<root> (ToyModel)", "blocks.0 (Block)", "blocks.1 (Block)"]
+        # ZeRO-3: each unit gathers for forward, the blocks again for backward.
+        assert found["gathers"] == [5] * STEPS
+        assert found["warm_report_steps"] == STEPS - 1
+
+
+# ----------------------------------------------------------------- the Chrome trace file
+
+_COMPLETE = {
+    "type": "object",
+    "required": ["name", "ph", "ts", "dur", "pid", "tid"],
+    "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "cat": {"type": "string"},
+        "ph": {"const": "X"},
+        "ts": {"type": "number", "minimum": 0},
+        "dur": {"type": "number", "minimum": 0},
+        "pid": {"type": "integer", "minimum": 0},
+        "tid": {"type": "integer", "minimum": 0},
+        "args": {"type": "object"},
+    },
+}
+_METADATA = {
+    "type": "object",
+    "required": ["name", "ph", "pid", "tid", "args"],
+    "properties": {
+        "name": {
+            "enum": [
+                "process_name",
+                "process_labels",
+                "process_sort_index",
+                "thread_name",
+                "thread_sort_index",
+            ]
+        },
+        "ph": {"const": "M"},
+        "pid": {"type": "integer", "minimum": 0},
+        "tid": {"type": "integer", "minimum": 0},
+        "args": {
+            "type": "object",
+            "minProperties": 1,
+            "properties": {"name": {"type": "string"}, "sort_index": {"type": "integer"}},
+            "additionalProperties": False,
+        },
+    },
+}
+TRACE_EVENT_FORMAT = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "required": ["traceEvents"],
+    "properties": {
+        "traceEvents": {"type": "array", "minItems": 1, "items": {"oneOf": [_COMPLETE, _METADATA]}},
+        "displayTimeUnit": {"enum": ["ms", "ns"]},
+    },
+}
+
+
+def _save_worker(rank: int, world: int, directory: str) -> str:
+    model, optimizer = _build("fully_shard")
+    with megatron_fsdp.trace(model, optimizer) as timeline:
+        _train(model, optimizer, rank, 2)
+    return str(timeline.save(os.path.join(directory, f"rank{rank}.json")))
+
+
+def _slices_nest(events: list[dict[str, Any]]) -> bool:
+    """On each lane, a slice that starts inside another ends inside it (what a track draws)."""
+    lanes: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for e in events:
+        start = round(e["ts"] * 1000)
+        lanes.setdefault((e["pid"], e["tid"]), []).append((start, start + round(e["dur"] * 1000)))
+    for slices in lanes.values():
+        open_ends: list[int] = []
+        for start, end in sorted(slices, key=lambda s: (s[0], -s[1])):
+            while open_ends and open_ends[-1] <= start:
+                open_ends.pop()
+            if open_ends and end > open_ends[-1]:
+                return False
+            open_ends.append(end)
+    return True
+
+
+def test_saved_trace_is_trace_event_format_json(tmp_path: Any) -> None:
+    paths = run_distributed(_save_worker, 2, str(tmp_path), timeout=120)
+    assert sorted(os.listdir(tmp_path)) == ["rank0.json", "rank1.json"]  # no temporaries
+    for rank, path in enumerate(paths):
+        with open(path) as f:
+            trace = json.load(f)
+        jsonschema.validate(trace, TRACE_EVENT_FORMAT)
+        assert trace["displayTimeUnit"] == "ms"
+        events = trace["traceEvents"]
+        slices = [e for e in events if e["ph"] == "X"]
+        assert {e["pid"] for e in events} == {rank}
+        lanes = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+        assert {"steps", "compute", "optimizer", "all-gather"} <= set(lanes.values())
+        assert any(name.startswith("reduce-scatter") for name in lanes.values())
+        assert {e["tid"] for e in slices} <= set(lanes)
+        assert [e["name"] for e in slices if lanes[e["tid"]] == "steps"] == ["step 0", "step 1"]
+        names = {e["name"] for e in slices}
+        assert {"forward blocks.0 (Block)", "backward <root> (ToyModel)", "optimizer"} <= names
+        assert _slices_nest(slices)
+
+
+# ----------------------------------------------------------------- torch.profiler
+
+
+def _profiler_worker(rank: int, world: int) -> list[str]:
+    model, optimizer = _build("fully_shard")
+    _train(model, optimizer, rank, 1)
+    with megatron_fsdp.trace(model, optimizer), torch.profiler.profile() as profile:
+        _train(model, optimizer, rank, 1)
+    return sorted({e.name for e in profile.events() if e.name.startswith("mfsdp:")})
+
+
+def test_profiler_trace_holds_the_timeline_ranges() -> None:
+    for names in run_distributed(_profiler_worker, 2, timeout=120):
+        for wanted in (
+            "mfsdp:forward blocks.0 (Block)",
+            "mfsdp:backward blocks.1 (Block)",
+            "mfsdp:all_gather_wait blocks.1 (Block)",
+            "mfsdp:reduce_issue <root> (ToyModel)",
+            "mfsdp:optimizer",
+        ):
+            assert wanted in names, (wanted, names)
+
+
+# ----------------------------------------------------------------- refusals
+
+
+def _refusals_worker(rank: int, world: int) -> list[str]:
+    model, optimizer = _build("per-module")
+    other, other_optimizer = _build("per-module")
+    _train(model, optimizer, rank, 1)  # the root exists: a block alone is refused
+    cases: list[tuple[type[Exception], Callable[[], object]]] = [
+        (ValueError, lambda: megatron_fsdp.trace(nn.Linear(2, 2)).__enter__()),
+        (TypeError, lambda: megatron_fsdp.trace("model").__enter__()),  # type: ignore[arg-type]
+        (TypeError, lambda: megatron_fsdp.trace(model, "adam").__enter__()),  # type: ignore[arg-type]
+        (ValueError, lambda: megatron_fsdp.trace(model, other_optimizer).__enter__()),
+        (ValueError, lambda: megatron_fsdp.trace(model.get_submodule("blocks.0")).__enter__()),
+    ]
+    messages = []
+    for error, call in cases:
+        with pytest.raises(error) as raised:
+            call()
+        messages.append(str(raised.value))
+    with megatron_fsdp.trace(model) as timeline:
+        with pytest.raises(RuntimeError) as nested, megatron_fsdp.trace(model):
+            pass
+        messages.append(str(nested.value))
+    with pytest.raises(ValueError) as empty:
+        timeline.overlap_report()
+    messages.append(str(empty.value))
+    del other
+    return messages
+
+
+def test_what_cannot_be_traced_is_refused_naming_the_argument() -> None:
+    for messages in run_distributed(_refusals_worker, 2, timeout=120):
+        no_units, not_module, not_optimizer, foreign, part, nested, empty = messages
+        assert no_units.startswith("model: Linear has no FSDP units")
+        assert "nn.Module" in not_module
+        assert not_optimizer.startswith("optimizer must be a torch.optim.Optimizer")
+        assert foreign.startswith("optimizer steps none of the traced model's")
+        assert part.startswith("model: FSDPBlock is inside a larger FSDP model")
+        assert "one at a time" in nested
+        assert empty.startswith("steps: the timeline holds no complete step")
