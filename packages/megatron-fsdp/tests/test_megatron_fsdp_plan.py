@@ -10,10 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard_model, fully_shard_optimizer
-from megatron_fsdp.plan import MODEL_STATE_CATEGORIES, plan_model_states
+from megatron_fsdp.plan import MODEL_STATE_CATEGORIES, plan_memory, plan_model_states
 from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks.testing.moe import MOE_WIDTH, MoEBlock, moe_model
+from mfsdp_hooks.testing.tp import TP_WIDTH, MLPBlock, megatron_tp_model, tp_model
 
 
 class Block(nn.Module):
@@ -101,3 +104,102 @@ def test_bad_arguments_name_themselves() -> None:
         plan_model_states(model, world_size=0)
     with pytest.raises(ValueError, match="optimizer='lamb'"):
         plan_model_states(model, world_size=2, optimizer="lamb")
+
+
+def _parallel_engine(rank: int, world: int) -> list[tuple[dict[str, int], dict[str, int]]]:
+    """(plan of this rank, what it holds) for torch TP, Megatron-style TP and EP, each on 4
+    ranks; the plan is made from the model this rank holds before it is sharded."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    dense = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    experts = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "ep"))
+    tp_args = dict(device_mesh=mesh, dp_shard_dim="dp_shard", tp_dim="tp")
+    cases = [
+        (tp_model("mlp", mesh["tp"]), [MLPBlock], 3, False, tp_args, 2, 1),
+        (megatron_tp_model(mesh["tp"]), [MLPBlock], 1, True, tp_args, 2, 1),
+        (
+            moe_model(experts["ep"].get_group()),
+            [MoEBlock],
+            3,
+            False,
+            dict(device_mesh=dense, dp_shard_dim="dp_shard", expt_device_mesh=experts),
+            1,
+            2,
+        ),
+    ]
+    held = []
+    for model, units, strategy, bf16, mesh_args, tp, ep in cases:
+        plan = plan_model_states(
+            model,
+            world_size=world,
+            fsdp_unit_modules=units,
+            zero_dp_strategy=strategy,
+            mixed_precision_policy=_policy(bf16),
+            tp_size=tp,
+            ep_size=ep,
+        )
+        sharded = fully_shard_model(
+            model,
+            units,
+            zero_dp_strategy=strategy,
+            mixed_precision_policy=_policy(bf16),
+            **mesh_args,  # type: ignore[arg-type]
+        )
+        optimizer = fully_shard_optimizer(torch.optim.AdamW(sharded.parameters(), lr=1e-3))
+        x = torch.randn(3, MOE_WIDTH if ep > 1 else TP_WIDTH)
+        sharded(x).float().sum().backward()
+        optimizer.step()
+        totals = sharded.describe_sharding(optimizer).totals()
+        dp_rank = rank // tp
+        held.append((plan.per_rank[dp_rank], {c: totals[c] for c in MODEL_STATE_CATEGORIES}))
+    return held
+
+
+def test_tensor_and_expert_parallel_plans_are_what_each_rank_holds() -> None:
+    for rank, cases in enumerate(run_distributed(_parallel_engine, 4, timeout=120)):
+        for case, (planned, held) in enumerate(cases):
+            assert planned == held, (rank, case, planned, held)
+
+
+def _float8_engine(rank: int, world: int) -> list[tuple[dict[str, int], dict[str, int]]]:
+    from mfsdp_te.float8_testing import Float8Block, float8_model, float8_step
+
+    held = []
+    for strategy in (3, 1):
+        model = float8_model()
+        plan = plan_model_states(
+            model, world_size=world, fsdp_unit_modules=[Float8Block], zero_dp_strategy=strategy
+        )
+        sharded = fully_shard_model(model, [Float8Block], zero_dp_strategy=strategy)
+        optimizer = fully_shard_optimizer(torch.optim.AdamW(sharded.parameters(), lr=1e-2))
+        float8_step(sharded, optimizer, 0, world, sharded=True)
+        totals = sharded.describe_sharding(optimizer).totals()
+        held.append((plan.per_rank[rank], {c: totals[c] for c in MODEL_STATE_CATEGORIES}))
+    return held
+
+
+def test_float8_weights_are_planned_as_they_travel() -> None:
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (nox installs it)")
+    for rank, cases in enumerate(run_distributed(_float8_engine, 2, timeout=120)):
+        for case, (planned, held) in enumerate(cases):
+            assert planned == held, (rank, case, planned, held)
+    from mfsdp_te.float8_testing import Float8Block, float8_model
+
+    model = float8_model()
+    plain = plan_memory(
+        float8_model(float8_all_gather=False),
+        world_size=2,
+        fsdp_unit_modules=[Float8Block],
+        device="cpu",
+    )
+    fp8 = plan_memory(model, world_size=2, fsdp_unit_modules=[Float8Block], device="cpu")
+    # The claimed weights gather one byte per element (plus their fp32 main weights).
+    gathered = {p.phase: p.categories["gathered_weights"] for p in fp8.phases}
+    assert max(gathered.values()) < max(p.categories["gathered_weights"] for p in plain.phases)
+    assert any(p.categories["codec_buffers"] for p in fp8.phases)
+    with pytest.raises(NotImplementedError, match="torchao float8 weights"):
+        plan_memory(
+            model,
+            world_size=2,
+            fsdp_unit_modules=[Float8Block],
+            example_inputs=(torch.randn(4, 16),),
+        )

@@ -220,9 +220,13 @@ def test_the_command_line_prints_the_plan(capsys: pytest.CaptureFixture[str]) ->
 def test_options_it_cannot_plan_are_refused_by_name() -> None:
     with torch.device("meta"):
         meta = GPT()
-    with pytest.raises(NotImplementedError, match=r"\['tp_dim'\]"):
+    with pytest.raises(NotImplementedError, match=r"\['tp_dim'\].*tp_size="):
         plan_memory(meta, world_size=2, fsdp_unit_modules=[Block], tp_dim="tp")
-    with pytest.raises(ValueError, match="outer_dp_size=3 must divide world_size=4"):
+    with pytest.raises(NotImplementedError, match=r"\['fsdp_double_buffer'\]"):
+        plan_memory(meta, world_size=2, fsdp_unit_modules=[Block], fsdp_double_buffer=True)
+    with pytest.raises(ValueError, match="ep_size=4 must divide"):
+        plan_memory(meta, world_size=4, tp_size=2, ep_size=4)
+    with pytest.raises(ValueError, match="outer_dp_size=3 x tp_size=1 must divide world_size=4"):
         plan_memory(meta, world_size=4, outer_dp_size=3)
     with pytest.raises(ValueError, match="needs zero_dp_strategy=3"):
         plan_memory(
@@ -235,3 +239,40 @@ def test_options_it_cannot_plan_are_refused_by_name() -> None:
     # A builder instead of a model: called under the meta device.
     plan = plan_memory(GPT, world_size=2, fsdp_unit_modules=[Block], device="cpu")
     assert plan.peak_bytes >= plan.between_steps_bytes > 0
+
+
+class Reversed(GPT):
+    """Runs its blocks last to first: prefetch must follow the order they really run in."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(idx)
+        for block in reversed(self.blocks):
+            x = block(x)
+        out: torch.Tensor = self.head(self.norm(x))
+        return out
+
+
+def test_units_are_followed_in_the_order_they_run() -> None:
+    with torch.device("meta"):
+        meta = Reversed()
+    tokens, targets = _batch(0)
+    plan = plan_memory(
+        meta,
+        world_size=2,
+        example_inputs=(tokens,),
+        loss_fn=lambda out: _loss(out, targets),
+        fsdp_unit_modules=[Block],
+        device="cpu",
+    )
+    forwards = [p.phase for p in plan.phases if p.phase.startswith("forward of blocks")]
+    backwards = [p.phase for p in plan.phases if p.phase.startswith("backward of blocks")]
+    assert (
+        forwards[0] == f"forward of blocks.{DEPTH - 1}" and backwards[0] == "backward of blocks.0"
+    )
+    # blocks.0 runs last: nothing is prefetched during it, its weights and the root's only
+    # (in registration order blocks.1 would have been prefetched).
+    gathered = {p.phase: p.categories["gathered_weights"] for p in plan.phases}
+    root_and_a_block = plan.phases[0].categories["gathered_weights"]  # blocks.7 prefetched
+    assert plan.phases[0].phase == "forward of <root>"
+    assert gathered["forward of blocks.0"] == root_and_a_block
+    assert gathered["forward of blocks.1"] > root_and_a_block

@@ -59,6 +59,7 @@ class TorchaoFloat8Codec:
     """Claims torchao's ``WeightWithDynamicFloat8CastTensor`` weights (tensorwise scaling)."""
 
     name = "torchao-float8"
+    wire_dtype = torch.uint8  # Float8GroupCodec's
 
     def claims(self, param: torch.Tensor) -> bool:
         if not type(param).__module__.startswith("torchao."):
@@ -98,7 +99,7 @@ class Float8GroupCodec:
     """The codec of one group of torchao float8 weights (see the module docstring)."""
 
     decodes = True
-    wire_dtype = torch.uint8
+    wire_dtype = TorchaoFloat8Codec.wire_dtype
 
     def __init__(self, params: Sequence[nn.Parameter], context: CodecContext) -> None:
         self._context = context

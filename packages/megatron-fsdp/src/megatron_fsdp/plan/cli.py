@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--zero", type=int, default=3, choices=(0, 1, 2, 3))
     parser.add_argument("--outer-dp-size", type=int, default=1, help="HSDP replicas")
     parser.add_argument("--hfsdp", action="store_true", help="outer_dp_sharding_strategy=optim")
+    parser.add_argument("--tp-size", type=int, default=1, help="the model is one TP rank's")
+    parser.add_argument("--ep-size", type=int, default=1, help="its experts are one EP rank's")
     parser.add_argument("--compute-dtype", choices=sorted(_DTYPES), default="fp32")
     parser.add_argument("--optimizer", default="adamw", choices=("adam", "adamw", "sgd"))
     parser.add_argument("--seq-len", type=int, help="example input: tokens per sequence")
@@ -93,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             mixed_precision_policy=policy,
             outer_dp_size=args.outer_dp_size,
             outer_dp_sharding_strategy="optim" if args.hfsdp else 0,
+            tp_size=args.tp_size,
+            ep_size=args.ep_size,
             device=args.device,
             **example,
         )

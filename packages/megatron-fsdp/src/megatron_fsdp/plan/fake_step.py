@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from mfsdp_buffers import LiveTensorTracker
@@ -67,6 +68,20 @@ def run_fake_step(
     floating outputs when ``loss_fn`` is None) on a fake copy of ``module``, counted by
     ``tracker`` (``fake=True``, not yet open), telling ``events`` the boundaries of the units
     in ``owners`` (``(path, parameters it owns)``; ``""`` is ``module`` itself)."""
+    if any(type(p).__module__.startswith("torchao.") for p in module.parameters()):
+        raise NotImplementedError(
+            "example_inputs with torchao float8 weights: their forward is not run on a fake "
+            "copy yet (the engine computes with float8 views of the gathered bytes, a fake "
+            "copy would cast the weights again). Plan without example_inputs, or plan the "
+            "activations with the model before convert_to_float8_training"
+        )
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        raise NotImplementedError(
+            "example_inputs with DTensor (torch tensor-parallel) parameters: their forward "
+            "is not run on a fake copy yet. Plan the activations with the model one rank "
+            "holds built from plain local layers (as Megatron-Core's), or plan without "
+            "example_inputs"
+        )
     # Tensors the model keeps outside parameters and buffers are copied as they are, real:
     # the fake mode converts them where they meet fake ones.
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)

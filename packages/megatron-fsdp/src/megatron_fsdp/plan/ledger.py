@@ -5,7 +5,8 @@ Rules (those of ``mfsdp_hooks``' units, roots and reducers):
 
 * Model states (compute and main weights, optimizer state) are live throughout; the
   gradients were freed by the last ``zero_grad()``.
-* ZeRO-3 gathers a unit's weights at its pre-forward and pre-backward unless prefetched,
+* ZeRO-3 gathers a unit's weights (a codec's encode temporaries a moment before) at its
+  pre-forward and pre-backward unless prefetched,
   frees them after its forward and after its backward; the root's stay from its forward to
   the end of backward. With ``overlap_param_gather`` the next unit in forward order is
   gathered at a unit's pre-forward, and in backward the next unit in backward order once
@@ -31,11 +32,12 @@ from dataclasses import dataclass
 
 from mfsdp_buffers import LiveTensorTracker, PhaseMark
 
-__all__ = ["EngineLedger", "UnitBuffers", "OrderRecorder"]
+__all__ = ["EngineLedger", "UnitBuffers"]
 
 GATHERED = "gathered_weights"
 UNREDUCED = "unreduced_gradients"
 GRADIENTS = "gradients"
+CODEC = "codec_buffers"
 
 
 @dataclass(frozen=True)
@@ -52,35 +54,9 @@ class UnitBuffers:
     grad_shard: int
     partial: int = 0
     """HFSDP: the compute-shard partial a reduction writes before crossing the replicas."""
-
-
-class OrderRecorder:
-    """A ``StepEvents`` that only records the order in which units run (a first pass)."""
-
-    def __init__(self) -> None:
-        self.forward: list[str] = []
-        self.backward: list[str] = []
-        self._in_backward = False
-
-    def forward_start(self, unit: str) -> None:
-        if not self._in_backward and unit not in self.forward:
-            self.forward.append(unit)
-
-    def forward_end(self, unit: str) -> None:
-        pass
-
-    def loss_start(self) -> None:
-        self._in_backward = True
-
-    def backward_start(self, unit: str) -> None:
-        if unit not in self.backward:
-            self.backward.append(unit)
-
-    def grad_arrived(self, unit: str, param: int) -> None:
-        pass
-
-    def backward_end(self) -> None:
-        pass
+    codec_scratch: int = 0
+    """A codec's temporaries while it encodes this rank's slot for a gather (float8: the
+    largest weight's local rows, their absolute values for the scale, their float8 bytes)."""
 
 
 class EngineLedger:
@@ -103,7 +79,7 @@ class EngineLedger:
         self.overlap, self.in_place = overlap, in_place
         self.prefetch_fraction, self.window = prefetch_fraction, window
         self.phases: list[tuple[str, PhaseMark]] = []
-        self._phase = "forward of <root>"
+        self._phase: str | None = None  # before the root's forward: nothing to report
         self._stack: list[str] = []
         self._in_backward = False
         self._gathered: set[str] = set()
@@ -112,10 +88,14 @@ class EngineLedger:
         self._prefetched: set[str] = set()
         self._done: set[str] = set()
         self._in_flight: list[str] = []
+        self.forward_seen: list[str] = []
+        """Units in the order their forwards started (not recomputations)."""
 
     # ----------------------------------------------------------------- phases
     def _close(self, next_phase: str) -> None:
-        self.phases.append((self._phase, self.tracker.mark(self._phase)))
+        mark = self.tracker.mark(self._phase or "")
+        if self._phase is not None:
+            self.phases.append((self._phase, mark))
         self._phase = next_phase
 
     def _name(self, unit: str) -> str:
@@ -127,6 +107,10 @@ class EngineLedger:
             return
         self._gathered.add(unit)
         self.tracker.charge(self.units[unit].gathered, GATHERED)
+        scratch = self.units[unit].codec_scratch
+        if scratch:  # encoded into the gathered buffer's slot, then freed
+            self.tracker.charge(scratch, CODEC)
+            self.tracker.charge(-scratch, CODEC)
 
     def _reshard(self, unit: str) -> None:
         if unit in self._gathered:
@@ -145,6 +129,8 @@ class EngineLedger:
             self._gather(unit)
             return
         self._close(f"forward of {self._name(unit)}")
+        if unit not in self.forward_seen:
+            self.forward_seen.append(unit)
         self._stack.append(unit)
         self._gather(unit)
         self._gather(self._next(self.forward_order, unit))
@@ -161,6 +147,11 @@ class EngineLedger:
     def loss_start(self) -> None:
         self._close("loss")
         self._in_backward = True
+
+    @property
+    def backward_seen(self) -> list[str]:
+        """Units in the order their backwards started."""
+        return list(self._arrived)
 
     # ----------------------------------------------------------------- backward
     def backward_start(self, unit: str) -> None:

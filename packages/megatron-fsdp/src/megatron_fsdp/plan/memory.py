@@ -1,32 +1,26 @@
 """``plan_memory``: each rank's peak bytes through a training step, and where it occurs,
 before a run: no process group, no parameter memory, any world size.
 
-The plan walks one steady-state training step (forward, backward, optimizer step; the
-gradients freed by ``zero_grad()``) segment by segment. A segment is a stretch in which one
-FSDP unit computes (``activations.py`` cuts the step at the units' boundaries) and in it the
-engine holds:
+The plan follows one steady-state training step (forward, backward, optimizer step; the
+gradients freed by the previous ``zero_grad()``):
 
-* the model states (``model_states.py``): compute and main weights, optimizer state, and
-  the reduced gradient shards of the units whose reductions were launched so far;
-* ``gathered_weights`` (ZeRO-3): the root's unsharded weights, kept from its forward to the
-  end of backward, the running unit's and the next unit's, prefetched one ahead
-  (``overlap_param_gather``; the backward prefetch counted from the segment's start, the
-  most it can hold);
-* ``unreduced_gradients``: the running unit's gradients, the root's (they arrive from the
-  first to the last op of backward), and the reduction in flight (one: the window of
-  ``max_inflight_reductions``). Where the shared-memory transport reduces in place (CPU)
-  these are autograd's per-parameter gradients in the compute dtype; elsewhere the unit's
-  padded reduce buffer in the reduce dtype. Under ZeRO-0 the reduce buffer becomes the
-  gradient: it is counted in ``gradients``;
-* ``activations``: the segment's highest count in the fake run of the example input.
+* the model states (``model_states.py``): compute and main weights and optimizer state,
+  live throughout, packed into the layouts ``fully_shard_model`` builds (HSDP, HFSDP, TP,
+  EP and float8 codec groups included);
+* forward and backward: one pass of the example input on a fake copy of the model
+  (``fake_step.py``) counts the activations, and at every unit boundary ``ledger.py``
+  charges the engine's buffers into the same count by the engine's rules (gathered
+  weights at the prefetch depth, codec temporaries, unreduced gradients in the reduction
+  window, gradient shards as reductions launch), so both peak together in the order they
+  really interleave. Without an input the units run in registration order and the
+  activations are absent;
+* the optimizer step: every gradient, the state and the update's temporaries (three
+  chunk-sized tensors for Adam/AdamW: the contiguous step's chunks on a CPU, a whole run on
+  accelerators).
 
-The optimizer step holds every gradient, the state (created during the first step, while
-one run's state key is held twice) and the update's temporaries (three chunk-sized
-tensors for Adam/AdamW: the contiguous step's chunks, a whole run on accelerators).
-
-The peak is the largest segment total on the largest rank (ranks differ only in their
-optimizer-state rows). Not planned (refused by name): tensor and expert parallelism,
-FP8/codec weights, fine-grained gathers, double buffers, NCCL user buffers.
+The peak is the largest phase total on the largest rank (ranks differ only in their
+optimizer-state rows). Refused by name: fine-grained gathers, double buffers, NCCL user
+buffers; an example input with DTensor or torchao float8 weights (plan those without one).
 """
 
 from __future__ import annotations
@@ -41,15 +35,16 @@ from torch import nn
 from megatron_fsdp.hybrid import parse_outer_strategy
 from megatron_fsdp.plan.fake_step import LossFn, StepEvents, run_fake_step
 from megatron_fsdp.plan.ledger import (
+    CODEC,
     GATHERED,
     GRADIENTS,
     UNREDUCED,
     EngineLedger,
-    OrderRecorder,
     UnitBuffers,
 )
 from megatron_fsdp.plan.model_states import (
     MODEL_STATE_CATEGORIES,
+    ExpertPredicate,
     ModelStatesPlan,
     PlannedUnit,
     StateBytes,
@@ -58,8 +53,14 @@ from megatron_fsdp.plan.model_states import (
     plan_model_states,
     topology_of,
 )
-from mfsdp_buffers import LiveTensorTracker, PhaseMark
-from mfsdp_hooks import MixedPrecisionPolicy, UnitSpec, parse_strategy
+from mfsdp_buffers import FlatLayout, LiveTensorTracker, PhaseMark
+from mfsdp_hooks import (
+    MixedPrecisionPolicy,
+    UnitSpec,
+    is_megatron_expert,
+    local_tensor,
+    parse_strategy,
+)
 
 __all__ = ["MEMORY_CATEGORIES", "MemoryPlan", "PhaseBytes", "plan_memory"]
 
@@ -69,6 +70,7 @@ MEMORY_CATEGORIES = (
     "optimizer_state",
     "gradients",
     "gathered_weights",
+    "codec_buffers",
     "unreduced_gradients",
     "optimizer_temporaries",
     "activations",
@@ -168,6 +170,9 @@ def plan_memory(
     outer_dp_sharding_strategy: int | str = 0,
     overlap_param_gather: bool = True,
     backward_prefetch_grad_fraction: float = 0.5,
+    tp_size: int = 1,
+    ep_size: int = 1,
+    is_expert: ExpertPredicate = is_megatron_expert,
     device: torch.device | str = "cuda",
     host_transport: str = "auto",
     **fully_shard_model_arguments: Any,
@@ -181,9 +186,10 @@ def plan_memory(
     or meta tensors); with them the activations are measured on a fake copy and
     ``loss_fn(output)`` (default: the sum of the floating outputs) is backpropagated;
     without them the plan has no activation category and assumes the units run in the
-    order they are registered. ``device``: where the ranks train (``"cuda"``: gradients
-    reduced through a buffer; ``"cpu"``: in place through shared memory unless
-    ``host_transport="gloo"``).
+    order they are registered. ``tp_size``/``ep_size``/``is_expert``: tensor and expert
+    parallelism, with ``module`` the model one rank holds (``plan_model_states``).
+    ``device``: where the ranks train (``"cuda"``: gradients reduced through a buffer;
+    ``"cpu"``: in place through shared memory unless ``host_transport="gloo"``).
     """
     _check_arguments(fully_shard_model_arguments)
     if not isinstance(module, nn.Module):
@@ -191,7 +197,7 @@ def plan_memory(
             module = module()
     strategy = int(parse_strategy(zero_dp_strategy, "zero_dp_strategy"))
     outer = parse_outer_strategy(outer_dp_sharding_strategy, strategy)
-    topology = topology_of(world_size, outer_dp_size, outer)
+    topology = topology_of(world_size, outer_dp_size, outer, tp_size, ep_size)
     policy = mixed_precision_policy or MixedPrecisionPolicy()
     states = plan_model_states(
         module,
@@ -202,6 +208,9 @@ def plan_memory(
         optimizer=optimizer,
         outer_dp_size=outer_dp_size,
         outer_dp_sharding_strategy=outer,
+        tp_size=tp_size,
+        ep_size=ep_size,
+        is_expert=is_expert,
     )
     target = torch.device(device)
     in_place = target.type == "cpu" and strategy != 0 and host_transport != "gloo"
@@ -213,19 +222,24 @@ def plan_memory(
 
     with_input = example_inputs is not None or example_kwargs is not None
     run = _step_runner(module, owners, example_inputs, example_kwargs, policy, loss_fn, target)
-    order = OrderRecorder()
-    run(order, LiveTensorTracker(fake=True))
-    tracker = LiveTensorTracker(fake=True)
-    walked = EngineLedger(
-        tracker,
-        sizes,
-        forward_order=order.forward,
-        backward_order=order.backward,
-        overlap=overlap_param_gather,
-        in_place=in_place,
-        prefetch_fraction=backward_prefetch_grad_fraction,
-    )
-    run(walked, tracker)
+    # Prefetch follows the order the units ran in the previous step: start from the
+    # registration order, and run again in the order seen if the model runs otherwise.
+    forward = [name for name, _ in reversed(owners)]
+    backward = ["", *reversed(forward[1:])]
+    for _ in range(2):
+        walked = EngineLedger(
+            LiveTensorTracker(fake=True),
+            sizes,
+            forward_order=forward,
+            backward_order=backward,
+            overlap=overlap_param_gather,
+            in_place=in_place,
+            prefetch_fraction=backward_prefetch_grad_fraction,
+        )
+        run(walked, walked.tracker)
+        if (walked.forward_seen, walked.backward_seen) == (forward, backward):
+            break
+        forward, backward = walked.forward_seen, walked.backward_seen
     phases = [_phase_bytes(name, mark, states, with_input) for name, mark in walked.phases]
     phases += _optimizer_phases(states, sizes, optimizer, target, with_input)
     return MemoryPlan(states, tuple(phases), has_activations=with_input)
@@ -277,9 +291,10 @@ def _check_arguments(arguments: dict[str, Any]) -> None:
     unplanned = sorted(set(arguments) - _MEMORY_NEUTRAL)
     if unplanned:
         raise NotImplementedError(
-            f"plan_memory does not plan {unplanned} yet (tensor/expert parallelism, FP8, "
-            "fine-grained gathers, double buffers and NCCL user buffers are not modelled): "
-            "plan without them, or measure with mfsdp_buffers.LiveTensorTracker"
+            f"plan_memory does not take {unplanned}: tensor and expert parallelism are "
+            "planned from sizes (tp_size=, ep_size=, with the model one rank holds), and "
+            "FP8 weights, fine-grained gathers, double buffers and NCCL user buffers are not "
+            "modelled yet: plan without them, or measure with mfsdp_buffers.LiveTensorTracker"
         )
 
 
@@ -290,12 +305,16 @@ def _unit_buffers(
     strategy: int,
     policy: MixedPrecisionPolicy,
 ) -> UnitBuffers:
-    gathered = reduce_buffer = shard = partial = 0
+    gathered = reduce_buffer = shard = partial = scratch = 0
     for group in unit.groups:
         layout = group.layout(topology)
-        compute = policy.compute_dtype(group.dtype)
+        compute = group.compute_dtype(policy)
         if strategy == 3:
             gathered += layout.padded_numel * compute.itemsize
+            if group.wire_dtype is not None:  # abs() in the main dtype, then the bytes
+                rows = _largest_piece(layout)
+                main = policy.optimizer_dtype(group.dtype).itemsize
+                scratch = max(scratch, rows * (main + group.wire_dtype.itemsize))
         if not group.requires_grad:
             continue
         reduce_buffer += layout.padded_numel * policy.grad_reduce_dtype(group.dtype).itemsize
@@ -304,14 +323,27 @@ def _unit_buffers(
         shard += numel * policy.grad_dtype(group.dtype).itemsize
         if topology.hfsdp:
             partial += layout.shard_numel * policy.grad_dtype(group.dtype).itemsize
-    grads = [p for p in params if p.requires_grad]
+    grads = [local_tensor(p).numel() for p in params if p.requires_grad]  # TP: this rank's
+    itemsizes = [policy.compute_dtype(p.dtype).itemsize for p in params if p.requires_grad]
     return UnitBuffers(
         gathered=gathered,
-        grad_bytes=tuple(p.numel() * policy.compute_dtype(p.dtype).itemsize for p in grads),
-        grad_elements=tuple(p.numel() for p in grads),
+        grad_bytes=tuple(n * size for n, size in zip(grads, itemsizes, strict=True)),
+        grad_elements=tuple(grads),
         reduce_buffer=reduce_buffer,
         grad_shard=shard,
         partial=partial,
+        codec_scratch=scratch,
+    )
+
+
+def _largest_piece(layout: FlatLayout) -> int:
+    """The most elements of one parameter in one rank's shard."""
+    size = layout.shard_numel
+    if size == 0:
+        return 0
+    return max(
+        (min(size, p.numel, p.end - (p.offset // size) * size) for p in layout.placements),
+        default=0,
     )
 
 
@@ -352,7 +384,7 @@ def _phase_bytes(
     """A phase's peak by category: the model states, what the ledger charged at that
     moment, and the rest of the tracker's count, the activations."""
     by_site = mark.peak_by_site or {}
-    charged = {site: by_site.get(site, 0) for site in (GATHERED, UNREDUCED, GRADIENTS)}
+    charged = {site: by_site.get(site, 0) for site in (GATHERED, CODEC, UNREDUCED, GRADIENTS)}
     model = states.categories
     categories = {
         "compute_weights": model["compute_weights"],
@@ -360,6 +392,7 @@ def _phase_bytes(
         "optimizer_state": model["optimizer_state"],
         "gradients": charged[GRADIENTS],
         "gathered_weights": charged[GATHERED],
+        "codec_buffers": charged[CODEC],
         "unreduced_gradients": charged[UNREDUCED],
         "optimizer_temporaries": 0,
     }
@@ -383,6 +416,7 @@ def _optimizer_phases(
     chunk = min(run, CPU_STEP_CHUNK) if device.type == "cpu" else run
     categories = {name: model[name] for name in MODEL_STATE_CATEGORIES}
     categories["gathered_weights"] = categories["unreduced_gradients"] = 0
+    categories["codec_buffers"] = 0
     categories["optimizer_temporaries"] = 0 if stateless else 3 * chunk * 4
     if with_activations:
         categories["activations"] = 0

@@ -115,6 +115,12 @@ class ParamClassCodec(Protocol):
         """Short and the same on every rank: part of the group's bucket key."""
         ...
 
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """What its groups' compute buffers hold and all-gathers move (its bound codecs'
+        ``wire_dtype``): a planner sizes the buffers from it before anything is bound."""
+        ...
+
     def claims(self, param: torch.Tensor) -> bool:
         """Whether this codec handles ``param`` (the same answer on every rank)."""
         ...
