@@ -49,6 +49,7 @@ from megatron_fsdp.plan.model_states import (
     PlannedUnit,
     StateBytes,
     Topology,
+    format_bytes,
     owned_parameters,
     plan_model_states,
     topology_of,
@@ -147,11 +148,11 @@ class MemoryPlan:
         lines = [
             f"memory per rank at world size {s.world_size}, ZeRO-{s.strategy} "
             f"(largest: rank {s.largest_rank})",
-            f"  peak {_gib(self.peak_bytes)} in {self.peak_phase}:",
+            f"  peak {format_bytes(self.peak_bytes)} in {self.peak_phase}:",
         ]
         for name, nbytes in self.categories.items():
-            lines.append(f"    {name:<22} {_gib(nbytes)}")
-        lines.append(f"  between steps {_gib(self.between_steps_bytes)}")
+            lines.append(f"    {name:<22} {format_bytes(nbytes)}")
+        lines.append(f"  between steps {format_bytes(self.between_steps_bytes)}")
         return "\n".join(lines)
 
 
@@ -421,7 +422,3 @@ def _optimizer_phases(
     if with_activations:
         categories["activations"] = 0
     return [PhaseBytes("optimizer step", categories)]
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:,.3f} GiB ({nbytes:,} B)"

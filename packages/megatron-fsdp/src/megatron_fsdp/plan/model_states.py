@@ -56,6 +56,7 @@ __all__ = [
     "Topology",
     "plan_model_states",
     "owned_parameters",
+    "format_bytes",
     "planned_units",
     "state_bytes_of",
     "topology_of",
@@ -101,8 +102,8 @@ class ModelStatesPlan:
             f"(largest: rank {self.largest_rank})"
         ]
         for name in MODEL_STATE_CATEGORIES:
-            lines.append(f"  {name:<16} {_gib(self.categories[name])}")
-        lines.append(f"  {'total':<16} {_gib(self.between_steps_bytes)}")
+            lines.append(f"  {name:<16} {format_bytes(self.categories[name])}")
+        lines.append(f"  {'total':<16} {format_bytes(self.between_steps_bytes)}")
         return "\n".join(lines)
 
 
@@ -402,5 +403,11 @@ def _collect(
         _collect(child, is_unit, seen, out, top=False)
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:,.3f} GiB ({nbytes:,} B)"
+def format_bytes(nbytes: int) -> str:
+    """``1.377 GiB (1,478,364,160 B)``: a size read at a glance, and exactly."""
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024:
+            return f"{nbytes:,} B" if unit == "B" else f"{size:,.3f} {unit} ({nbytes:,} B)"
+        size /= 1024
+    return f"{size:,.3f} TiB ({nbytes:,} B)"
