@@ -231,3 +231,52 @@ def test_micro_batches_auto_sync_and_counters_as_the_reference(strategy: str) ->
                 (True, 0),  # after the step: finish_grad_sync reset the count
             ]
             assert seen == expected, (step, seen)
+
+
+def _param_sync_worker(
+    rank: int, world: int, strategy: str, gather_in_sync: bool
+) -> tuple[list[float], list[int]]:
+    """Megatron-Core's loop with a bare optimizer: step, then ``start_param_sync``."""
+    config = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=strategy,
+        fsdp_all_gather_in_start_param_sync=gather_in_sync,
+    )
+    model = MegatronFSDP(make_model(), _index(world), config, fsdp_unit_modules=[Block])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, gathers = [], []
+    for tokens, targets in make_batches(STEPS):
+        x, y = local_slice(tokens, rank, world), local_slice(targets, rank, world)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        model.finish_grad_sync()
+        optimizer.step()
+        with CommTracer() as tracer:
+            model.start_param_sync()
+        gathers.append(tracer.calls("all_gather"))
+        optimizer.zero_grad()
+        total = loss.detach() * x.shape[0]
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / tokens.shape[0])
+    return losses, gathers
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim"])
+def test_start_param_sync_may_leave_the_gathers_to_the_forward(world: int, strategy: str) -> None:
+    reference = make_model()
+    want = train_single_process(
+        reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), make_batches(STEPS)
+    )
+    for gather_in_sync in (True, False):
+        for losses, gathers in run_distributed(
+            _param_sync_worker, world, strategy, gather_in_sync, timeout=180
+        ):
+            errors = [abs(a - b) / abs(b) for a, b in zip(losses, want, strict=True)]
+            assert max(errors) <= 1e-5, (gather_in_sync, errors)
+            # ZeRO-1/2 keep whole compute weights: True gathers the stepped shards into them
+            # here, False leaves it to each unit's next forward. ZeRO-3 keeps none between
+            # steps: its forward gathers either way.
+            if strategy == "optim" and gather_in_sync:
+                assert all(g > 0 for g in gathers), gathers
+            else:
+                assert gathers == [0] * STEPS, gathers

@@ -75,7 +75,6 @@ NOT_YET: dict[str, NotYet] = {
     "suggested_communication_unit_size": NotYet(
         "ddp_config", None, "a communication unit size (units are)"
     ),
-    "fsdp_all_gather_in_start_param_sync": NotYet("ddp_config", True, "start_param_sync"),
     "fsdp_db_use_persist_buf_on_alloc_fail": NotYet(
         "ddp_config", False, "the double buffer's fallback"
     ),

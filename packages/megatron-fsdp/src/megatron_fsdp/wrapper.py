@@ -110,6 +110,10 @@ class MegatronFSDP(mfsdp_hooks.FSDPRootWrapper):
                 )
         super().__init__(module, fsdp_unit_modules, options)
         self.ddp_config, self.dist_index = config, dist_index
+        # False: start_param_sync leaves the gathers to each unit's next forward.
+        self._gather_in_start_param_sync = (
+            config is None or config.fsdp_all_gather_in_start_param_sync
+        )
 
     # ------------------------------------------------------------ the reference's methods
     def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
@@ -130,10 +134,13 @@ class MegatronFSDP(mfsdp_hooks.FSDPRootWrapper):
             self.set_model_auto_sync(False)
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False, **_: Any) -> None:
-        """Bring the compute weights up to date with the optimizer's now (the engine would
-        at the next forward); ``force_sync`` is implied: the gathers are waited on."""
-        del unused, force_sync
-        self.install_optimized_model_weights()
+        """Bring the compute weights up to date with the optimizer's now; the gathers are
+        waited on. With ``ddp_config.fsdp_all_gather_in_start_param_sync=False`` nothing is
+        gathered here unless ``force_sync``: each unit's next forward installs the stepped
+        weights as it gathers them (the engine tracks which are stale)."""
+        del unused
+        if self._gather_in_start_param_sync or force_sync:
+            self.install_optimized_model_weights()
 
     def start_grad_sync(self, *unused: Any) -> None:
         """Launch the reductions ``no_sync`` micro-batches left local, without waiting
