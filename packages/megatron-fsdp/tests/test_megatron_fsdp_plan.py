@@ -203,3 +203,19 @@ def test_float8_weights_are_planned_as_they_travel() -> None:
             fsdp_unit_modules=[Float8Block],
             example_inputs=(torch.randn(4, 16),),
         )
+
+
+def test_frozen_and_tied_parameters_plan_through_a_step() -> None:
+    with torch.device("meta"):
+        meta = Net()  # a frozen gate in each block, the head tied to the embedding
+    tokens = torch.randint(0, 37, (2, 5))
+    for inputs in ((tokens,), None):
+        plan = plan_memory(
+            meta, world_size=2, fsdp_unit_modules=[Block], example_inputs=inputs, device="cpu"
+        )
+        held = max(p.categories["unreduced_gradients"] for p in plan.phases)
+        # A block's trainable weights (13x29 + 29 + 29x13 + 13, fp32) arrive in place,
+        # with the one in flight before it and the root's (the tied 37x13 embedding).
+        block = (13 * 29 + 29 + 29 * 13 + 13) * 4
+        assert block <= held <= 2 * block + 37 * 13 * 4
+        assert plan.peak_bytes >= plan.between_steps_bytes

@@ -47,7 +47,8 @@ class StepEvents(Protocol):
     def backward_start(self, unit: str) -> None: ...
 
     def grad_arrived(self, unit: str, param: int) -> None:
-        """Parameter ``param`` (its index among the unit's own) got its gradient."""
+        """Parameter ``param`` (its index among the unit's own that require grad) got its
+        gradient."""
 
     def backward_end(self) -> None: ...
 
@@ -93,7 +94,8 @@ def run_fake_step(
     handles = []
     for name, params in owners:
         handles += _unit_hooks(modules[name], name, events, policy)
-        for index, param in enumerate(params):
+        trainable = [p for p in params if p.requires_grad]
+        for index, param in enumerate(trainable):  # indices among those that get gradients
             hook = _grad_hook(events, name, index)
             handles.append(memo[id(param)].register_post_accumulate_grad_hook(hook))
     with fake_mode, tracker:

@@ -189,6 +189,9 @@ class EngineLedger:
         self.tracker.charge(nbytes, UNREDUCED)
 
     def _end_backward(self, unit: str) -> None:
+        """Its backward is over (once): reshard, launch its reduction."""
+        if unit in self._done:  # a gradient arriving after the next unit's backward began
+            return
         self._done.add(unit)
         self._reshard(unit)
         if not self.units[unit].grad_elements:

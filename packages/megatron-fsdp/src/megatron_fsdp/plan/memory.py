@@ -358,7 +358,7 @@ def _registered_step(
     position = {id(p): i for i, p in enumerate(module.parameters())}
     unit_positions = [position[id(p)] for name, params in owners if name for p in params]
     first_unit = min(unit_positions, default=len(position))
-    root = [(i, p) for i, p in enumerate(dict(owners)[""]) if p.requires_grad]
+    root = list(enumerate(p for p in dict(owners)[""] if p.requires_grad))
     late = [i for i, p in root if position[id(p)] < first_unit]
     events.forward_start("")
     for name in inner:
