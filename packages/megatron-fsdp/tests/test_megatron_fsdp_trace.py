@@ -31,7 +31,7 @@ from megatron_fsdp import (
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import EventKind
 from mfsdp_hooks import fully_shard as fully_shard_module
-from mfsdp_hooks.testing import Block, loss_fn, make_batches, make_model
+from mfsdp_hooks.testing import Block, make_batches, make_model, train_single_process
 
 STEPS = 3
 ENTRIES = ["fully_shard", "model+optimizer", "MegatronFSDP", "per-module"]
@@ -64,14 +64,9 @@ def _build(entry: str) -> tuple[nn.Module, torch.optim.Optimizer]:
 def _train(
     model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, steps: int
 ) -> list[float]:
-    losses = []
-    for tokens, targets in make_batches(steps, global_batch=4, seed=rank + 1):
-        loss = loss_fn(model(tokens), targets)
-        loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    """``steps`` plain steps on this rank's own batches (a seed per rank)."""
+    batches = make_batches(steps, global_batch=4, seed=rank + 1)
+    return train_single_process(model, optimizer, batches)
 
 
 def _check_steps(timeline: Timeline) -> dict[str, Any]:

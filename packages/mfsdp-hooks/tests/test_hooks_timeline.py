@@ -198,20 +198,29 @@ def test_zero1_gathers_weights_only_to_install_a_step(attached: bool) -> None:
                 assert recorded == collectives == (0 if step == 0 else 3)
 
 
-def _recompute_worker(rank: int, world: int) -> list[tuple[int, int, int]]:
-    from mfsdp_hooks.testing import Block as ToyBlock
-    from mfsdp_hooks.testing import loss_fn, make_batches, make_model
+def _traced_two_steps(model: torch.nn.Module, device: torch.device) -> Any:
+    """Shard ``model``'s blocks and root per module, train two SGD steps under a timeline."""
+    from mfsdp_hooks.testing import loss_fn, make_batches
 
-    model = make_model(n_blocks=2, checkpoint="non_reentrant")
-    for block in model.blocks:
+    for block in model.blocks:  # type: ignore[union-attr]
         fully_shard(block)
     fully_shard(model)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     with record_timeline(fsdp_units(model), optimizer) as recorder:
         for tokens, targets in make_batches(2, global_batch=4):
-            loss_fn(model(tokens), targets).backward()  # type: ignore[no-untyped-call]
+            loss = loss_fn(model(tokens.to(device)), targets.to(device))
+            loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
             optimizer.zero_grad()
+    return recorder
+
+
+def _recompute_worker(rank: int, world: int) -> list[tuple[int, int, int]]:
+    from mfsdp_hooks.testing import Block as ToyBlock
+    from mfsdp_hooks.testing import make_model
+
+    model = make_model(n_blocks=2, checkpoint="non_reentrant")
+    recorder = _traced_two_steps(model, torch.device("cpu"))
     units = recorder.unit_labels()
     blocks = [u for u in units if f"({ToyBlock.__name__})" in u]
     found = []
@@ -320,19 +329,11 @@ def test_tracing_off_builds_nothing() -> None:
 
 
 def _cuda_worker(rank: int, world: int) -> tuple[int, int, bool]:
-    from mfsdp_hooks.testing import loss_fn, make_batches, make_model
+    from mfsdp_hooks.testing import make_model
 
     device = torch.device("cuda", torch.cuda.current_device())
     model = make_model(n_blocks=2).to(device)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    with record_timeline(fsdp_units(model), optimizer) as recorder:
-        for tokens, targets in make_batches(2, global_batch=4):
-            loss_fn(model(tokens.to(device)), targets.to(device)).backward()  # type: ignore[no-untyped-call]
-            optimizer.step()
-            optimizer.zero_grad()
+    recorder = _traced_two_steps(model, device)
     issues = [
         e
         for s in recorder.steps
