@@ -80,6 +80,7 @@ COLS = (
     "dcp_resume",
     "to_device",
     "train_eval",
+    "decoupled_grad",
 )
 
 STEPS = 10
@@ -301,6 +302,7 @@ class MCoreDDPConfigStandIn:
     grad_reduce_in_fp32: bool = False
     num_buckets: int | None = None
     align_param_gather: bool = False
+    megatron_fsdp_use_decoupled_grad: bool = False
 
 
 @dataclass
@@ -334,11 +336,58 @@ def _seed_kwargs(col: str, layout: Layout) -> dict[str, Any]:
         kwargs["mixed_precision_policy"] = BF16
     if col == "cpu_offload":  # the seed API has no offload argument: refused by name
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    if col == "decoupled_grad":
+        kwargs["use_decoupled_grad"] = True
     return kwargs
 
 
 def _adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR)
+
+
+class DecoupledAdamW(torch.optim.AdamW):
+    """AdamW that reads ``decoupled_grad`` and never ``.grad``, as Transformer Engine's
+    ``FusedAdam(use_decoupled_grad=True)`` does (and clears it in ``zero_grad``)."""
+
+    use_decoupled_grad = True
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        params = self._params()
+        for param in params:
+            assert param.grad is None, "use_decoupled_grad: a gradient was put in .grad"
+            param.grad = getattr(param, "decoupled_grad", None)
+        try:
+            return super().step(closure)
+        finally:
+            for param in params:
+                param.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for param in self._params():
+            if set_to_none:
+                param.decoupled_grad = None  # type: ignore[attr-defined]
+
+
+def _optimizer(col: str, params: Any) -> torch.optim.Optimizer:
+    """The cell's optimizer on the wrapped model's parameters."""
+    if col == "decoupled_grad":
+        return DecoupledAdamW(params, lr=LR)
+    return _adamw(params)
+
+
+def _refuses_grad_reader(wrapped: nn.Module) -> None:
+    """decoupled_grad: torch's AdamW would read an empty ``.grad`` and silently not step,
+    so ``fully_shard_optimizer`` refuses it (checked before the real optimizer is built)."""
+    try:
+        fully_shard_optimizer(_adamw(wrapped.parameters()))
+    except ValueError as error:
+        assert "decoupled_grad" in str(error), error
+    else:
+        raise AssertionError("fully_shard_optimizer took torch's AdamW on decoupled gradients")
 
 
 def build(row: str, col: str, layout: Layout, seed: int = 0) -> Built:
@@ -349,25 +398,27 @@ def build(row: str, col: str, layout: Layout, seed: int = 0) -> Built:
     if row == "seed":
         wrapped, optimizer = megatron_fsdp.fully_shard(
             module,
-            _adamw(module.parameters()),
+            _optimizer(col, module.parameters()),
             fsdp_unit_modules=units,
             **_seed_kwargs(col, layout),
         )
         return Built(wrapped, optimizer, wrapped, wrapped.module)
     if row == "model_optimizer":
         wrapped = fully_shard_model(module, fsdp_unit_modules=units, **_seed_kwargs(col, layout))
-        optimizer = fully_shard_optimizer(_adamw(wrapped.parameters()))
+        if col == "decoupled_grad":
+            _refuses_grad_reader(wrapped)
+        optimizer = fully_shard_optimizer(_optimizer(col, wrapped.parameters()))
         return Built(wrapped, optimizer, wrapped, wrapped.module)
     if row == "class":
         wrapped = _class_api(module, col, layout, units)
-        optimizer = fully_shard_optimizer(_adamw(wrapped.parameters()))
+        optimizer = fully_shard_optimizer(_optimizer(col, wrapped.parameters()))
         return Built(wrapped, optimizer, wrapped, wrapped.module)
     if row == "per_module":
         _per_module(module, col, layout, units[0])
-        return Built(module, _adamw(module.parameters()), module, module)
+        return Built(module, _optimizer(col, module.parameters()), module, module)
     if row == "mcore":
         chunk = _mcore(module, col, layout, units)
-        return Built(chunk, _adamw(chunk.parameters()), chunk, chunk.module.module)
+        return Built(chunk, _optimizer(col, chunk.parameters()), chunk, chunk.module.module)
     raise ValueError(f"unknown row {row!r}")
 
 
@@ -391,6 +442,7 @@ def _class_api(
         outer_dp_sharding_strategy="optim" if layout.outer_optim else "no_shard",
         overlap_grad_reduce=True,
         overlap_param_gather=True,
+        megatron_fsdp_use_decoupled_grad=col == "decoupled_grad",
     )
     kwargs: dict[str, Any] = {"fsdp_unit_modules": units}
     if col == "meta_init":
@@ -407,6 +459,8 @@ def _per_module(module: nn.Module, col: str, layout: Layout, unit: type[nn.Modul
     options: dict[str, Any] = {"mesh": layout.per_module_mesh, "sharding_strategy": strategy(col)}
     if col == "bf16":
         options["mp_policy"] = BF16
+    if col == "decoupled_grad":
+        options["mp_policy"] = MixedPrecisionPolicy(use_decoupled_grad=True)
     if col == "cpu_offload":
         options["offload_policy"] = CPUOffloadPolicy()
     if family(col) == "float8":
@@ -438,6 +492,7 @@ def _mcore(module: nn.Module, col: str, layout: Layout, units: list[type[nn.Modu
         use_distributed_optimizer=True,
         use_megatron_fsdp=True,
         grad_reduce_in_fp32=col == "bf16",
+        megatron_fsdp_use_decoupled_grad=col == "decoupled_grad",
     )
     if col == "bf16":  # Megatron-Core's Float16Module: the model itself in bf16
         module = module.bfloat16()
@@ -483,10 +538,12 @@ def train_step(built: Built, row: str, col: str, step: int, layout: Layout) -> f
         model.finish_grad_sync(force_all_reduce=False)  # type: ignore[operator]
         if micro > 1:
             model.scale_gradients(1 / micro)  # type: ignore[operator]
+        _check_decoupled(built, col)
         optimizer.step()
         model.param_and_grad_buffer.copy_main_weights_to_model_weights()  # type: ignore[union-attr]
         model.start_param_sync()  # type: ignore[operator]
     else:
+        _check_decoupled(built, col)
         optimizer.step()
         optimizer.zero_grad()
     dist.all_reduce(total)
@@ -502,6 +559,18 @@ def eval_loss(built: Built, col: str, layout: Layout) -> float:
     built.model.train()
     dist.all_reduce(total)
     return total.item() / dist.get_world_size()
+
+
+def _check_decoupled(built: Built, col: str) -> None:
+    """decoupled_grad: after a backward, every trainable parameter's reduced gradient is in
+    ``decoupled_grad`` and ``.grad`` is None (the engine put nothing there)."""
+    if col != "decoupled_grad":
+        return
+    for name, param in built.model.named_parameters():
+        if param.requires_grad:
+            assert param.grad is None, f"{name}: .grad was set"
+            held = getattr(param, "decoupled_grad", None)
+            assert held is not None and held.shape == param.shape, name
 
 
 def _check_tied_and_frozen(built: Built, col: str, trained: bool) -> None:

@@ -71,6 +71,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("seed", "dcp_resume"): PARITY,
     ("seed", "to_device"): PARITY,
     ("seed", "train_eval"): PARITY,
+    ("seed", "decoupled_grad"): PARITY,
     # ---- fully_shard_model(...) + fully_shard_optimizer(...)
     ("model_optimizer", "zero0"): PARITY,
     ("model_optimizer", "zero1"): PARITY,
@@ -93,6 +94,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("model_optimizer", "dcp_resume"): PARITY,
     ("model_optimizer", "to_device"): PARITY,
     ("model_optimizer", "train_eval"): PARITY,
+    ("model_optimizer", "decoupled_grad"): PARITY,
     # ---- MegatronFSDP(module, FSDPDistributedIndex(...), DistributedDataParallelConfig(...))
     ("class", "zero0"): PARITY,
     ("class", "zero1"): PARITY,
@@ -115,6 +117,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("class", "dcp_resume"): PARITY,
     ("class", "to_device"): PARITY,
     ("class", "train_eval"): PARITY,
+    ("class", "decoupled_grad"): PARITY,
     # ---- mfsdp_hooks.fully_shard on each block, then the root (FSDP2's pattern)
     ("per_module", "zero0"): PARITY,
     ("per_module", "zero1"): PARITY,
@@ -137,6 +140,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("per_module", "dcp_resume"): PARITY,
     ("per_module", "to_device"): PARITY,
     ("per_module", "train_eval"): PARITY,
+    ("per_module", "decoupled_grad"): PARITY,
     # ---- megatron_fsdp.mcore.FullyShardedDataParallel (Megatron-Core's loop)
     ("mcore", "zero0"): PARITY,
     ("mcore", "zero1"): PARITY,
@@ -159,6 +163,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("mcore", "dcp_resume"): PARITY,
     ("mcore", "to_device"): PARITY,
     ("mcore", "train_eval"): PARITY,
+    ("mcore", "decoupled_grad"): PARITY,
 }
 
 # The plain-pytest cross-section: every row and every column at least once, 2 ranks where
@@ -174,6 +179,7 @@ CI_CELLS: tuple[tuple[str, str], ...] = (
     ("model_optimizer", "meta_init"),
     ("model_optimizer", "hfsdp"),
     ("model_optimizer", "bf16"),
+    ("model_optimizer", "decoupled_grad"),  # and torch's AdamW refused on it
     ("class", "zero1"),
     ("class", "hsdp"),
     ("class", "cp"),  # was an engine bug (flattened dim refused by the index)

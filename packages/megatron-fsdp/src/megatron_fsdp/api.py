@@ -58,6 +58,7 @@ def fully_shard_model(
     fsdp_manual_registration: bool = False,
     disable_symmetric_registration: bool = False,
     fsdp_double_buffer: bool = False,
+    use_decoupled_grad: bool = False,
     host_transport: str = "auto",
     backward_prefetch_grad_fraction: float = 0.5,
 ) -> MegatronFSDP:
@@ -129,6 +130,11 @@ def fully_shard_model(
             ``nccl_ub``. Not supported yet.
         fsdp_double_buffer: persistent double buffers for the gradient reduce-scatter
             inputs instead of per-reduction allocations.
+        use_decoupled_grad: hand the reduced gradients to the optimizer in each parameter's
+            ``decoupled_grad`` instead of ``.grad`` (for optimizers that read it, e.g.
+            Transformer Engine's ``FusedAdam(use_decoupled_grad=True)``; torch's built-in
+            optimizers are refused by ``fully_shard_optimizer``). The same as
+            ``MixedPrecisionPolicy(use_decoupled_grad=True)``.
         host_transport: how CPU collectives travel: "auto" (shared memory when every rank
             of the shard group is on this host, else gloo), "shm" or "gloo".
         backward_prefetch_grad_fraction: in backward, a unit prefetches the next unit's
@@ -164,6 +170,7 @@ def fully_shard_model(
         fsdp_manual_registration=fsdp_manual_registration,
         disable_symmetric_registration=disable_symmetric_registration,
         fsdp_double_buffer=fsdp_double_buffer,
+        use_decoupled_grad=use_decoupled_grad,
         host_transport=host_transport,
         backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
     )
@@ -247,6 +254,7 @@ def fully_shard(
     fsdp_manual_registration: bool = False,
     disable_symmetric_registration: bool = False,
     fsdp_double_buffer: bool = False,
+    use_decoupled_grad: bool = False,
     host_transport: str = "auto",
     backward_prefetch_grad_fraction: float = 0.5,
 ) -> tuple[MegatronFSDP, torch.optim.Optimizer]:
@@ -302,6 +310,7 @@ def fully_shard(
         fsdp_manual_registration=fsdp_manual_registration,
         disable_symmetric_registration=disable_symmetric_registration,
         fsdp_double_buffer=fsdp_double_buffer,
+        use_decoupled_grad=use_decoupled_grad,
         host_transport=host_transport,
         backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
     )

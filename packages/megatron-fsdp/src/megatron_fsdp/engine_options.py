@@ -9,6 +9,7 @@ root wrapper takes as it is.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -136,6 +137,7 @@ def sharding_options(
     fsdp_manual_registration: bool = False,
     disable_symmetric_registration: bool = False,
     fsdp_double_buffer: bool = False,
+    use_decoupled_grad: bool = False,
     host_transport: str = "auto",
     backward_prefetch_grad_fraction: float = 0.5,
 ) -> ShardingOptions:
@@ -160,6 +162,8 @@ def sharding_options(
     strategy = parse_strategy(zero_dp_strategy, "zero_dp_strategy")
     _check_units_for(strategy, fsdp_unit_modules)
     policy = _policy(mixed_precision_policy, grad_reduce_in_fp32, preserve_fp32_weights)
+    if use_decoupled_grad:
+        policy = dataclasses.replace(policy, use_decoupled_grad=True)
     if device is not None and not init_model_with_meta_device:
         module.to(device)  # in place: an nn.Module's .to() returns the module itself
     outer_strategy = parse_outer_strategy(outer_dp_sharding_strategy, int(strategy))

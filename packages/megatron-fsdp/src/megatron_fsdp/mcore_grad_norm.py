@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from mfsdp_hooks import optimizer_grad
+
 __all__ = ["clip_grad_norm"]
 
 
@@ -86,7 +88,8 @@ def clip_grad_norm(
 
 
 def _grads(params: Iterable[torch.nn.Parameter]) -> Iterable[torch.Tensor]:
-    return (p.grad for p in params if p.grad is not None)
+    grads = (optimizer_grad(p) for p in params)  # ``.grad`` or ``decoupled_grad``
+    return (g for g in grads if g is not None)
 
 
 def _global_norm(parts: list[torch.Tensor], norm_type: float) -> torch.Tensor:

@@ -139,4 +139,5 @@ def reference_options(
         fsdp_manual_registration=config.fsdp_manual_registration,
         disable_symmetric_registration=config.disable_symmetric_registration,
         fsdp_double_buffer=config.fsdp_double_buffer,
+        use_decoupled_grad=config.megatron_fsdp_use_decoupled_grad,
     )

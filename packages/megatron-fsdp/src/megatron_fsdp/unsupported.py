@@ -78,7 +78,6 @@ NOT_YET: dict[str, NotYet] = {
     "fsdp_db_use_persist_buf_on_alloc_fail": NotYet(
         "ddp_config", False, "the double buffer's fallback"
     ),
-    "megatron_fsdp_use_decoupled_grad": NotYet("ddp_config", False, "decoupled gradients"),
     "megatron_fsdp_cuda_graph_mode": NotYet("ddp_config", False, "CUDA-graph mode"),
     "megatron_fsdp_enable_fine_grained_param_gather": NotYet(
         "ddp_config", False, "fine-grained all-gather"

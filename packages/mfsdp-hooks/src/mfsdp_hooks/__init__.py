@@ -36,7 +36,13 @@ from mfsdp_hooks.runtime.timeline_events import (
 )
 from mfsdp_hooks.runtime.training_state import TrainingState
 from mfsdp_hooks.runtime.unit import FSDPUnit
-from mfsdp_hooks.weights.lookup import ParamLocation, dist_param_of, locate, owning_model
+from mfsdp_hooks.weights.lookup import (
+    ParamLocation,
+    dist_param_of,
+    locate,
+    optimizer_grad,
+    owning_model,
+)
 from mfsdp_hooks.weights.param_group import DEFAULT_ALIGNMENT, ParameterGroup
 
 __version__ = "1.0.0"
@@ -83,6 +89,7 @@ __all__ = [
     "make_grad_allocator",
     "register_fsdp_forward_method",
     "optimizer_groups",
+    "optimizer_grad",
     "owning_model",
     "parse_strategy",
     "resolve_unit_modules",

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+DECOUPLED_GRAD = "decoupled_grad"
+"""The attribute ``use_decoupled_grad`` puts the reduced gradients in (the reference's name)."""
+
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -21,6 +24,10 @@ class MixedPrecisionPolicy:
     ``None`` follows the optimizer-facing weights, as the optimizer requires.
     ``output_dtype``: cast floating-point forward outputs of the root to this dtype.
     ``cast_forward_inputs``: cast floating-point forward inputs to ``param_dtype``.
+    ``use_decoupled_grad``: hand the reduced gradients to the optimizer in each parameter's
+    ``decoupled_grad`` attribute instead of ``.grad`` (the reference's option, for optimizers
+    that read it, e.g. Transformer Engine's ``FusedAdam(use_decoupled_grad=True)``); ``.grad``
+    then stays None.
     """
 
     param_dtype: torch.dtype | None = None
@@ -29,6 +36,7 @@ class MixedPrecisionPolicy:
     main_grads_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    use_decoupled_grad: bool = False
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "main_params_dtype", "main_grads_dtype"):
@@ -40,6 +48,11 @@ class MixedPrecisionPolicy:
                     f"MixedPrecisionPolicy.{name} must be a floating-point torch.dtype or None, "
                     f"got {value!r}"
                 )
+
+    @property
+    def grad_attribute(self) -> str:
+        """The parameter attribute that holds the reduced gradient the optimizer reads."""
+        return DECOUPLED_GRAD if self.use_decoupled_grad else "grad"
 
     def compute_dtype(self, original: torch.dtype) -> torch.dtype:
         return self.param_dtype or original

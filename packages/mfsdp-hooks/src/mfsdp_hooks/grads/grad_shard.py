@@ -4,6 +4,11 @@ The storage is allocated when a backward first reduces into it and is referenced
 the ``.grad`` DTensors of the distributed parameters (the group keeps a weak reference), so
 ``optimizer.zero_grad()`` (``set_to_none=True``) frees it at once, as with plain torch and
 FSDP2, instead of keeping a persistent gradient buffer alive through the next forward.
+
+With ``MixedPrecisionPolicy(use_decoupled_grad=True)`` the attribute is ``decoupled_grad``
+instead (the reference's name, read by optimizers built for it): this class is the one
+place that installs, reads and clears it; ``.grad`` of the distributed parameters then
+stays None.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class GradShard:
         device: torch.device,
         sharded: bool,
         make_dtensor: DTensorMaker,
+        attribute: str = "grad",
     ) -> None:
         self.layout = layout
         self.rank = rank
@@ -46,6 +52,29 @@ class GradShard:
         self._make_dtensor = make_dtensor
         self.numel = layout.shard_numel if sharded else layout.padded_numel
         self._storage: weakref.ref[torch.Tensor] | None = None
+        self.attribute = attribute
+        """The parameter attribute the optimizer reads the gradient from."""
+
+    @property
+    def decoupled(self) -> bool:
+        """Whether the gradients are handed over in ``decoupled_grad`` instead of ``.grad``."""
+        return self.attribute != "grad"
+
+    def held(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The gradient ``param`` holds for the optimizer (its ``.grad`` or ``decoupled_grad``)."""
+        value = getattr(param, self.attribute, None)
+        return value if isinstance(value, torch.Tensor) else None
+
+    def clear(self, params: Sequence[nn.Parameter], *, set_to_none: bool) -> None:
+        """What ``optimizer.zero_grad`` does to ``.grad``, for the decoupled attribute."""
+        for param in params:
+            if set_to_none:
+                setattr(param, self.attribute, None)
+            else:
+                held = self.held(param)
+                if held is not None:
+                    with torch.no_grad():
+                        held.zero_()
 
     @property
     def storage(self) -> torch.Tensor | None:
@@ -75,7 +104,7 @@ class GradShard:
         Torch's rule: gradients the user kept are added to; cleared ones start afresh. The
         parameters' ``.grad`` are pointed at the returned storage before it is filled.
         """
-        present = [p.grad is not None for p in params]
+        present = [self.held(p) is not None for p in params]
         current = self.storage
         if current is not None and all(present):
             return current, True
@@ -88,16 +117,15 @@ class GradShard:
         flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for index, param in enumerate(params):
-                if param.grad is not None:
-                    kept = param.grad
-                    local = local_tensor(kept)
-                    self.local_rows(flat, index).copy_(local)
+                kept = self.held(param)
+                if kept is not None:
+                    self.local_rows(flat, index).copy_(local_tensor(kept))
         self._install(flat, params, range(len(params)))
         return flat, True
 
     def _install(self, flat: torch.Tensor, params: Sequence[nn.Parameter], which: range) -> None:
         for index in which:
-            params[index].grad = self._dtensor(flat, index)
+            setattr(params[index], self.attribute, self._dtensor(flat, index))
         self._storage = weakref.ref(flat)
 
     def zero_(self) -> None:

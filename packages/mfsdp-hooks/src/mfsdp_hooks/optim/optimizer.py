@@ -140,6 +140,8 @@ class FSDPOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True, *, zero_grad_buffer: bool = True) -> None:
         super().zero_grad(set_to_none)
+        for group in optimizer_groups(self):
+            group.clear_optimizer_grads(set_to_none=set_to_none)  # ``decoupled_grad``
         if zero_grad_buffer:
             for group in optimizer_groups(self):
                 group.zero_main_grads()
@@ -150,6 +152,29 @@ class FSDPOptimizer(torch.optim.Optimizer):
 # Ours calls the optimizer class's own step, which is wrapped: marked so, step hooks run once,
 # inside it, where they see what the step sees.
 FSDPOptimizer.step.hooked = True  # type: ignore[attr-defined]
+
+
+def _check_reads_decoupled_grads(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that would read ``.grad`` of parameters whose gradients are in
+    ``decoupled_grad``: it would see no gradient and silently skip them. Torch's built-in
+    optimizers read ``.grad``; others say so with ``use_decoupled_grad`` (Transformer
+    Engine's ``FusedAdam``), or are trusted to read ``decoupled_grad``."""
+    decoupled = [
+        g for g in optimizer_groups(optimizer) if g.grads is not None and g.grads.decoupled
+    ]
+    if not decoupled:
+        return
+    reads_grad = type(optimizer).__module__.startswith("torch.optim") or (
+        getattr(optimizer, "use_decoupled_grad", True) is False
+    )
+    if reads_grad:
+        raise ValueError(
+            f"optimizer: {type(optimizer).__name__} reads .grad, but {decoupled[0].names[0]!r} "
+            "(and every parameter of a model sharded with MixedPrecisionPolicy("
+            "use_decoupled_grad=True)) hands its gradient over in .decoupled_grad; use an "
+            "optimizer that reads decoupled_grad (e.g. Transformer Engine's FusedAdam("
+            "use_decoupled_grad=True)), or leave use_decoupled_grad False"
+        )
 
 
 def _fsdp_optimizer_class(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
@@ -193,6 +218,7 @@ def attach_optimizer(
             "scheduler does this); call attach_optimizer / fully_shard_optimizer right after "
             "building the optimizer, before creating schedulers"
         )
+    _check_reads_decoupled_grads(optimizer)
     stepper = _stepper_for(optimizer, contiguous_step, step_chunk_numel)
     for group in optimizer_groups(optimizer):
         group.freshness.attach_stepper()

@@ -73,6 +73,7 @@ def grad_shard(
     grad_dtype: torch.dtype,
     optimizer_dtype: torch.dtype,
     make_dtensor: DTensorMaker,
+    attribute: str = "grad",
 ) -> GradShard:
     if grad_dtype != optimizer_dtype:
         raise NotImplementedError(
@@ -87,6 +88,7 @@ def grad_shard(
         device=cuts.topology.device,
         sharded=strategy.shards_optimizer_state,
         make_dtensor=make_dtensor,
+        attribute=attribute,
     )
 
 

@@ -102,3 +102,13 @@ def owning_model(group: ParameterGroup) -> nn.Module | None:
     """The outermost module wrapped around ``group`` so far (None once it is gone)."""
     ref = getattr(group, _MODEL_ATTR, None)
     return ref() if ref is not None else None
+
+
+def optimizer_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The reduced gradient the optimizer reads for ``param``: its ``.grad``, or its
+    ``decoupled_grad`` when its group was built with ``use_decoupled_grad`` (grad-norm and
+    clipping code reads gradients through this, whichever attribute holds them)."""
+    location = locate(param)
+    if location is None or location.group.grads is None:
+        return param.grad
+    return location.group.grads.held(location.dist_param)

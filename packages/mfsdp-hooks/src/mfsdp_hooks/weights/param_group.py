@@ -147,6 +147,7 @@ class ParameterGroup:
                 grad_dtype=policy.grad_dtype(self.original_dtype),
                 optimizer_dtype=optimizer_dtype,
                 make_dtensor=self.cuts.dtensor,
+                attribute=policy.grad_attribute,
             )
         fill_buffers(self.model, self.main, values, encoded=bound is not None)
         self.unsharded_params = adopt_params(self.model, params, self.tp_specs, bound)
@@ -293,6 +294,12 @@ class ParameterGroup:
         """Say the optimizer-facing weights changed outside ``optimizer.step()`` (e.g. a load):
         the compute weights are re-installed at the next unshard."""
         self.freshness.mark_dirty()
+
+    def clear_optimizer_grads(self, *, set_to_none: bool) -> None:
+        """``optimizer.zero_grad``'s work on a decoupled gradient attribute (torch's own
+        ``zero_grad`` does ``.grad``)."""
+        if self.grads is not None and self.grads.decoupled:
+            self.grads.clear(self.dist_params, set_to_none=set_to_none)
 
     def zero_main_grads(self) -> None:
         """Zero the reduced gradients in place, if the parameters still hold them."""
