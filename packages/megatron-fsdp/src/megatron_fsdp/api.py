@@ -58,6 +58,7 @@ def fully_shard_model(
     fsdp_manual_registration: bool = False,
     disable_symmetric_registration: bool = False,
     fsdp_double_buffer: bool = False,
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
     use_decoupled_grad: bool = False,
     host_transport: str = "auto",
     backward_prefetch_grad_fraction: float = 0.5,
@@ -129,7 +130,11 @@ def fully_shard_model(
         disable_symmetric_registration: no NCCL window (symmetric) registration for
             ``nccl_ub``. Not supported yet.
         fsdp_double_buffer: persistent double buffers for the gradient reduce-scatter
-            inputs instead of per-reduction allocations.
+            inputs instead of per-reduction allocations (slots per buffer size; a request
+            they cannot serve is allocated afresh).
+        fsdp_db_use_persist_buf_on_alloc_fail: with ``fsdp_double_buffer``, a request the
+            double buffer cannot serve gets a buffer kept for its unit instead of a fresh
+            allocation (registrable memory, at the cost of keeping it).
         use_decoupled_grad: hand the reduced gradients to the optimizer in each parameter's
             ``decoupled_grad`` instead of ``.grad`` (for optimizers that read it, e.g.
             Transformer Engine's ``FusedAdam(use_decoupled_grad=True)``; torch's built-in
@@ -170,6 +175,7 @@ def fully_shard_model(
         fsdp_manual_registration=fsdp_manual_registration,
         disable_symmetric_registration=disable_symmetric_registration,
         fsdp_double_buffer=fsdp_double_buffer,
+        fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
         use_decoupled_grad=use_decoupled_grad,
         host_transport=host_transport,
         backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
@@ -254,6 +260,7 @@ def fully_shard(
     fsdp_manual_registration: bool = False,
     disable_symmetric_registration: bool = False,
     fsdp_double_buffer: bool = False,
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
     use_decoupled_grad: bool = False,
     host_transport: str = "auto",
     backward_prefetch_grad_fraction: float = 0.5,
@@ -310,6 +317,7 @@ def fully_shard(
         fsdp_manual_registration=fsdp_manual_registration,
         disable_symmetric_registration=disable_symmetric_registration,
         fsdp_double_buffer=fsdp_double_buffer,
+        fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
         use_decoupled_grad=use_decoupled_grad,
         host_transport=host_transport,
         backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,

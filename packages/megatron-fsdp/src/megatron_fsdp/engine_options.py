@@ -20,8 +20,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from megatron_fsdp.expert_mesh import expert_sharding
 from megatron_fsdp.hybrid import hybrid_topology, parse_outer_strategy
 from megatron_fsdp.unsupported import refuse_unsupported
+from mfsdp_buffers import OnFull
 from mfsdp_collectives import FSDPTopology
 from mfsdp_hooks import (
+    DoubleBuffer,
     MixedPrecisionPolicy,
     ShardingOptions,
     ShardingStrategy,
@@ -31,7 +33,7 @@ from mfsdp_hooks import (
 )
 from mfsdp_te import float8_codecs
 
-__all__ = ["sharding_options"]
+__all__ = ["grad_buffer_choice", "sharding_options"]
 
 
 def _topology(
@@ -107,6 +109,30 @@ def _policy(
     )
 
 
+def grad_buffer_choice(
+    fsdp_double_buffer: bool, fsdp_db_use_persist_buf_on_alloc_fail: bool, *, max_pool: bool
+) -> str | DoubleBuffer:
+    """The reduce buffers' allocator for the reference's double-buffer options.
+
+    Persistent double buffers serve the reduce-scatter inputs (gathered weights keep one
+    storage per unit whose bytes are freed after use: autograd holds views of it). A request
+    no slot can serve is allocated afresh, as the reference's dynamic allocator does, or
+    (``fsdp_db_use_persist_buf_on_alloc_fail``) from a buffer kept for that unit."""
+    if not fsdp_double_buffer:
+        for name, value in (
+            ("fsdp_db_use_persist_buf_on_alloc_fail", fsdp_db_use_persist_buf_on_alloc_fail),
+            ("megatron_fsdp_max_pool_double_buffer", max_pool),
+        ):
+            if value:
+                raise ValueError(
+                    f"{name}=True shapes the double buffer, which is off: set "
+                    "fsdp_double_buffer=True too (or leave it False)"
+                )
+        return "plain"
+    on_full: OnFull = "persistent" if fsdp_db_use_persist_buf_on_alloc_fail else "dynamic"
+    return DoubleBuffer(max_pool=max_pool, on_full=on_full)
+
+
 def sharding_options(
     module: nn.Module,
     fsdp_unit_modules: Sequence[UnitSpec] | None = None,
@@ -137,6 +163,7 @@ def sharding_options(
     fsdp_manual_registration: bool = False,
     disable_symmetric_registration: bool = False,
     fsdp_double_buffer: bool = False,
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
     use_decoupled_grad: bool = False,
     host_transport: str = "auto",
     backward_prefetch_grad_fraction: float = 0.5,
@@ -200,9 +227,9 @@ def sharding_options(
         report_nan_in_param_grad=report_nan_in_param_grad,
         host_transport=host_transport,
         backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
-        # Persistent double buffers for the reduce-scatter inputs; gathered weights keep one
-        # storage per unit whose bytes are freed after use (autograd holds views of it).
-        grad_buffer_allocator="double_buffer" if fsdp_double_buffer else "plain",
+        grad_buffer_allocator=grad_buffer_choice(
+            fsdp_double_buffer, fsdp_db_use_persist_buf_on_alloc_fail, max_pool=False
+        ),
         experts=experts,
         reduce_scatter_in_no_sync=True,  # Megatron-FSDP's no_sync: ZeRO-2/3 still reduce-scatter
         param_codecs=float8_codecs(),  # torchao float8 weights travel as float8 bytes

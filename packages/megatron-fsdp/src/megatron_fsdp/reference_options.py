@@ -17,7 +17,7 @@ from torch import nn
 
 from megatron_fsdp.ddp_config import DistributedDataParallelConfig
 from megatron_fsdp.dist_index import FSDPDistributedIndex
-from megatron_fsdp.engine_options import sharding_options
+from megatron_fsdp.engine_options import grad_buffer_choice, sharding_options
 from mfsdp_hooks import MixedPrecisionPolicy, ShardingOptions, UnitSpec
 
 __all__ = ["ConfigKeywords", "reference_options"]
@@ -114,7 +114,7 @@ def reference_options(
             f"contradicts ddp_config.outer_dp_sharding_strategy="
             f"{config.outer_dp_sharding_strategy!r}: set both for HFSDP, neither for HSDP"
         )
-    return sharding_options(
+    options = sharding_options(
         module,
         fsdp_unit_modules,
         device_mesh=dist_index.device_mesh,
@@ -139,5 +139,20 @@ def reference_options(
         fsdp_manual_registration=config.fsdp_manual_registration,
         disable_symmetric_registration=config.disable_symmetric_registration,
         fsdp_double_buffer=config.fsdp_double_buffer,
+        fsdp_db_use_persist_buf_on_alloc_fail=config.fsdp_db_use_persist_buf_on_alloc_fail,
         use_decoupled_grad=config.megatron_fsdp_use_decoupled_grad,
     )
+    return _with_max_pool(options, config)
+
+
+def _with_max_pool(
+    options: ShardingOptions, config: DistributedDataParallelConfig
+) -> ShardingOptions:
+    """``megatron_fsdp_max_pool_double_buffer``: one pool sized for the largest unit (a
+    config field only: ``fully_shard_model`` has no keyword for it, as in the reference)."""
+    if not config.megatron_fsdp_max_pool_double_buffer:
+        return options
+    allocator = grad_buffer_choice(
+        config.fsdp_double_buffer, config.fsdp_db_use_persist_buf_on_alloc_fail, max_pool=True
+    )
+    return dataclasses.replace(options, grad_buffer_allocator=allocator)

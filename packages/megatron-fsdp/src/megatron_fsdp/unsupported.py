@@ -75,15 +75,9 @@ NOT_YET: dict[str, NotYet] = {
     "suggested_communication_unit_size": NotYet(
         "ddp_config", None, "a communication unit size (units are)"
     ),
-    "fsdp_db_use_persist_buf_on_alloc_fail": NotYet(
-        "ddp_config", False, "the double buffer's fallback"
-    ),
     "megatron_fsdp_cuda_graph_mode": NotYet("ddp_config", False, "CUDA-graph mode"),
     "megatron_fsdp_enable_fine_grained_param_gather": NotYet(
         "ddp_config", False, "fine-grained all-gather"
-    ),
-    "megatron_fsdp_max_pool_double_buffer": NotYet(
-        "ddp_config", False, "the max-pool double buffer"
     ),
     # FSDPDistributedIndex arguments
     "hybrid_fsdp_expt_group": NotYet("dist_index", None, "a hybrid expert group"),

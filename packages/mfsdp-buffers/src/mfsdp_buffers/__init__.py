@@ -6,9 +6,12 @@ Depends on torch only; knows nothing about process groups.
 """
 
 from mfsdp_buffers.allocators import (
+    ON_FULL,
     Allocator,
     FixedPoolAllocator,
     Interval,
+    MaxPoolAllocator,
+    OnFull,
     PlainAllocator,
     PoolPlan,
     SlotFactory,
@@ -35,6 +38,7 @@ from mfsdp_buffers.poison import (
 __version__ = "1.0.0"
 
 __all__ = [
+    "ON_FULL",
     "Allocator",
     "Bucket",
     "BucketKey",
@@ -46,6 +50,8 @@ __all__ = [
     "Interval",
     "LiveTensorTracker",
     "LocalPiece",
+    "MaxPoolAllocator",
+    "OnFull",
     "ParamPlacement",
     "PhaseMark",
     "PlainAllocator",

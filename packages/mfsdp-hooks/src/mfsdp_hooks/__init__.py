@@ -18,7 +18,7 @@ from mfsdp_hooks.config.codec import (
     ParamCodec,
 )
 from mfsdp_hooks.config.experts import ExpertSharding, is_megatron_expert
-from mfsdp_hooks.config.grad_allocator import GRAD_ALLOCATORS, make_grad_allocator
+from mfsdp_hooks.config.grad_allocator import GRAD_ALLOCATORS, DoubleBuffer, make_grad_allocator
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.strategy import ShardingStrategy, parse_strategy
@@ -62,6 +62,7 @@ __all__ = [
     "TPSpec",
     "tp_full_tensor",
     "GRAD_ALLOCATORS",
+    "DoubleBuffer",
     "FSDPModule",
     "FSDPUnit",
     "GradReduceConfig",

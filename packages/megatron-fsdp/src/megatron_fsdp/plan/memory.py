@@ -88,6 +88,7 @@ _MEMORY_NEUTRAL = frozenset(
         "calculate_per_token_loss",
         "report_nan_in_param_grad",
         "preproc_state_dict_for_dcp_ckpt",
+        "use_decoupled_grad",
         "sync_model_each_microbatch",
         "init_model_with_meta_device",
         "overlap_grad_reduce",

@@ -27,7 +27,7 @@ from mfsdp_hooks.api.fsdp_module import FSDPModule, UnshardHandle
 from mfsdp_hooks.api.wrap_agreement import UNITS_INSIDE, explain_wrap_mismatch, units_inside
 from mfsdp_hooks.config.codec import IDENTITY, ParamClassCodec, ParamCodec
 from mfsdp_hooks.config.experts import ExpertSharding
-from mfsdp_hooks.config.grad_allocator import make_grad_allocator
+from mfsdp_hooks.config.grad_allocator import DoubleBuffer, make_grad_allocator
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy, from_fsdp2_policy
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.strategy import ShardingStrategy, parse_strategy
@@ -266,7 +266,7 @@ def fully_shard(
     prefetch_depth: int = 1,
     reduce_scatter_in_no_sync: bool = False,
     backward_prefetch_grad_fraction: float = 0.5,
-    grad_buffer_allocator: str | Allocator = "plain",
+    grad_buffer_allocator: str | DoubleBuffer | Allocator = "plain",
     host_transport: str = "auto",
     param_codec: ParamCodec | None = None,
     param_codecs: Sequence[ParamClassCodec] = (),

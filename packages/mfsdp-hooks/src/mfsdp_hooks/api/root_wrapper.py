@@ -21,7 +21,7 @@ from mfsdp_collectives import FSDPTopology
 from mfsdp_hooks.api.fully_shard import FSDPModule, fsdp_units, fully_shard, resolve_topology
 from mfsdp_hooks.config.codec import ParamClassCodec, ParamCodec
 from mfsdp_hooks.config.experts import ExpertSharding
-from mfsdp_hooks.config.grad_allocator import make_grad_allocator
+from mfsdp_hooks.config.grad_allocator import DoubleBuffer, make_grad_allocator
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.config.sharding_options import ShardingOptions
 from mfsdp_hooks.config.strategy import ShardingStrategy, parse_strategy
@@ -196,7 +196,7 @@ class MegatronFSDP(FSDPRootWrapper):
         prefetch_depth: int = 1,
         reduce_scatter_in_no_sync: bool = True,
         backward_prefetch_grad_fraction: float = 0.5,
-        grad_buffer_allocator: str | Allocator = "plain",
+        grad_buffer_allocator: str | DoubleBuffer | Allocator = "plain",
         host_transport: str = "auto",
         param_codec: ParamCodec | None = None,
         param_codecs: Sequence[ParamClassCodec] = (),

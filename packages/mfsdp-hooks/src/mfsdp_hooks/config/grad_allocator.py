@@ -2,18 +2,57 @@
 
 from __future__ import annotations
 
-from mfsdp_buffers import Allocator, FixedPoolAllocator, PlainAllocator, TracePoolAllocator
+from dataclasses import dataclass
+
+from mfsdp_buffers import (
+    ON_FULL,
+    Allocator,
+    FixedPoolAllocator,
+    MaxPoolAllocator,
+    OnFull,
+    PlainAllocator,
+    TracePoolAllocator,
+)
 
 GRAD_ALLOCATORS = ("plain", "double_buffer", "trace_pool")
 
 
-def make_grad_allocator(choice: str | Allocator, max_inflight_reductions: int) -> Allocator:
+@dataclass(frozen=True)
+class DoubleBuffer:
+    """Persistent reduce buffers: ``max_inflight_reductions + 1`` slots (the reductions in
+    flight plus the one being filled), as registered NCCL buffers require.
+
+    ``max_pool`` (the reference's ``megatron_fsdp_max_pool_double_buffer``): the slots are
+    per dtype, each as large as the largest unit's buffer, instead of per exact size (memory:
+    slots x the largest unit, instead of slots x every distinct unit size). ``on_full``: what
+    a request no slot can serve gets: ``"raise"``, ``"dynamic"`` (a fresh allocation, the
+    reference's default) or ``"persistent"`` (a buffer kept for that unit, the reference's
+    ``fsdp_db_use_persist_buf_on_alloc_fail``).
+    """
+
+    max_pool: bool = False
+    on_full: OnFull = "raise"
+
+    def __post_init__(self) -> None:
+        if self.on_full not in ON_FULL:
+            raise ValueError(f"DoubleBuffer.on_full must be one of {ON_FULL}, got {self.on_full!r}")
+
+    def allocator(self, num_slots: int) -> Allocator:
+        if self.max_pool:
+            return MaxPoolAllocator(num_slots, on_full=self.on_full)
+        return FixedPoolAllocator(num_slots, on_full=self.on_full)
+
+
+def make_grad_allocator(
+    choice: str | DoubleBuffer | Allocator, max_inflight_reductions: int
+) -> Allocator:
     """One allocator instance shared by every unit of a model.
 
-    ``double_buffer`` keeps ``max_inflight_reductions + 1`` persistent buffers per size (the
-    reductions in flight plus the one being filled), as registered NCCL buffers require;
-    ``trace_pool`` replays a static pool planned from the first iteration's requests.
+    ``double_buffer`` is ``DoubleBuffer()`` (see there); ``trace_pool`` replays a static pool
+    planned from the first iteration's requests.
     """
+    if isinstance(choice, DoubleBuffer):
+        return choice.allocator(max_inflight_reductions + 1)
     if not isinstance(choice, str):
         for method in ("allocate", "free"):
             if not callable(getattr(choice, method, None)):
@@ -25,7 +64,7 @@ def make_grad_allocator(choice: str | Allocator, max_inflight_reductions: int) -
     if choice == "plain":
         return PlainAllocator()
     if choice == "double_buffer":
-        return FixedPoolAllocator(num_slots=max_inflight_reductions + 1)
+        return DoubleBuffer().allocator(max_inflight_reductions + 1)
     if choice == "trace_pool":
         return TracePoolAllocator()
     raise ValueError(

@@ -25,6 +25,7 @@ from mfsdp_buffers import Allocator
 from mfsdp_collectives import FSDPTopology
 from mfsdp_hooks.config.codec import ParamClassCodec, ParamCodec
 from mfsdp_hooks.config.experts import ExpertSharding
+from mfsdp_hooks.config.grad_allocator import DoubleBuffer
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy, from_fsdp2_policy
 from mfsdp_hooks.config.strategy import ShardingStrategy, parse_strategy
 
@@ -52,9 +53,10 @@ class ShardingOptions:
     report_nan_in_param_grad: bool = False
     host_transport: str = "auto"
     backward_prefetch_grad_fraction: float = 0.5
-    grad_buffer_allocator: str | Allocator = "plain"
-    """``"plain"``, ``"double_buffer"`` (the seed's ``fsdp_double_buffer``), ``"trace_pool"``
-    or an allocator; one instance serves every unit of the model."""
+    grad_buffer_allocator: str | DoubleBuffer | Allocator = "plain"
+    """``"plain"``, ``"double_buffer"`` (the seed's ``fsdp_double_buffer``; a
+    ``DoubleBuffer`` says which kind), ``"trace_pool"`` or an allocator; one instance serves
+    every unit of the model."""
     experts: ExpertSharding | None = None
     """Expert parallelism (the seed's ``expt_device_mesh``, resolved)."""
     param_codecs: tuple[ParamClassCodec, ...] = ()
