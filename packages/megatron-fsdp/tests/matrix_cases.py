@@ -303,6 +303,7 @@ class MCoreDDPConfigStandIn:
     num_buckets: int | None = None
     align_param_gather: bool = False
     megatron_fsdp_use_decoupled_grad: bool = False
+    fp8_param_gather: bool = False
 
 
 @dataclass

@@ -19,6 +19,7 @@ from megatron_fsdp.ddp_config import DistributedDataParallelConfig
 from megatron_fsdp.dist_index import FSDPDistributedIndex
 from megatron_fsdp.engine_options import grad_buffer_choice, sharding_options
 from mfsdp_hooks import MixedPrecisionPolicy, ShardingOptions, UnitSpec
+from mfsdp_te import convert_for_float8_param_gather
 
 __all__ = ["ConfigKeywords", "reference_options"]
 
@@ -89,6 +90,8 @@ def reference_options(
 ) -> ShardingOptions:
     """The engine's options for the reference's constructor arguments."""
     config.refuse_unsupported()
+    if config.fp8_param_gather:  # float8 compute weights gathered as float8 (torchao)
+        convert_for_float8_param_gather(module, "ddp_config.fp8_param_gather")
     policy = config.precision_policy()
     if mixed_precision_policy is not None:
         if policy is not None:

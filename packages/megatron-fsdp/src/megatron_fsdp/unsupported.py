@@ -68,9 +68,6 @@ NOT_YET: dict[str, NotYet] = {
         "argument", False, "per-module fine-grained all-gather"
     ),
     # DistributedDataParallelConfig fields
-    "fp8_param_gather": NotYet(
-        "ddp_config", False, "FP8 parameters from the config (use torchao float8 models)"
-    ),
     "bucket_size": NotYet("ddp_config", None, "a bucket-size cap (units are the buckets)"),
     "suggested_communication_unit_size": NotYet(
         "ddp_config", None, "a communication unit size (units are)"

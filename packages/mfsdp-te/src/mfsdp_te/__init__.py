@@ -9,6 +9,7 @@ refuses them at wrap time, naming them.
 import importlib.util
 
 from mfsdp_hooks import ParamClassCodec
+from mfsdp_te.float8_conversion import convert_for_float8_param_gather
 from mfsdp_te.torchao_float8 import Float8GroupCodec, TorchaoFloat8Codec, torchao_float8_available
 
 __version__ = "1.0.0"
@@ -29,6 +30,7 @@ __all__ = [
     "Float8GroupCodec",
     "TorchaoFloat8Codec",
     "__version__",
+    "convert_for_float8_param_gather",
     "float8_codecs",
     "torchao_float8_available",
     "transformer_engine_available",
