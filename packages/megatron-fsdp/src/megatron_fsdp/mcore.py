@@ -39,7 +39,7 @@ from megatron_fsdp.mcore_groups import data_parallel_index
 from megatron_fsdp.unsupported import refuse_unsupported
 from megatron_fsdp.wrapper import MegatronFSDP
 from mfsdp_checkpoint import enable_dcp
-from mfsdp_hooks import UnitSpec
+from mfsdp_hooks import MixedPrecisionPolicy, UnitSpec
 
 __all__ = ["FullyShardedDataParallel", "MCoreFSDPModel"]
 
@@ -143,6 +143,16 @@ class MCoreFSDPModel(nn.Module):
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False, **_: Any) -> None:
         self.module.start_param_sync(force_sync=force_sync)
+
+    def mixed_precision_context(self, policy: Any) -> contextlib.AbstractContextManager[None]:
+        """The wrapped ``MegatronFSDP``'s: another mixed-precision policy for a region."""
+        return self.module.mixed_precision_context(policy)
+
+    @property
+    def mixed_precision_policy(self) -> MixedPrecisionPolicy:
+        """The policy the chunk was wrapped with (a region's starting point)."""
+        policy: MixedPrecisionPolicy = self.module.mixed_precision_policy
+        return policy
 
     def synchronize_param_gather(self) -> None:
         """Nothing to wait for: every all-gather is waited on by the forward that needs it,

@@ -12,8 +12,8 @@ Beyond the engine wrapper's ``no_sync``/``finish_grad_sync``/``zero_grad_buffer`
 ``install_optimized_model_weights``: ``broadcast_params``, ``scale_gradients``, ``sync``,
 ``set_model_auto_sync``, ``is_last_microbatch``, ``microbatch_count``, ``start_grad_sync``
 and ``start_param_sync``, as the reference has them; ``save_pretrained`` for a wrapped Hugging
-Face model (collective, what ``from_pretrained`` loads). ``mixed_precision_context`` raises
-``NotImplementedError`` saying why.
+Face model (collective, what ``from_pretrained`` loads). ``mixed_precision_context`` comes
+from the engine's wrapper (another policy for a region).
 """
 
 from __future__ import annotations
@@ -172,13 +172,6 @@ class MegatronFSDP(mfsdp_hooks.FSDPRootWrapper):
         """Backward passes since the last ``finish_grad_sync`` (0 while auto-sync is on)."""
         root = self.root_unit_module.fsdp_root
         return 0 if root is None else root.microbatch_count
-
-    def mixed_precision_context(self, policy: MixedPrecisionPolicy) -> Any:
-        """Not supported yet: the policy is fixed when the buffers are built."""
-        raise NotImplementedError(
-            "MegatronFSDP.mixed_precision_context: switching the precision policy of built "
-            "buffers is not supported yet"
-        )
 
     def broadcast_params(self) -> None:
         """Every rank's weights from data-parallel rank 0 (``--data-parallel-random-init``):

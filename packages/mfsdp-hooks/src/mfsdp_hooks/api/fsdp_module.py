@@ -24,6 +24,8 @@ from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 from mfsdp_hooks.api.describe import ShardingSummary, describe
 from mfsdp_hooks.api.fsdp2_refusals import FSDP2Refusals
 from mfsdp_hooks.api.module_conversion import managed_params_hidden
+from mfsdp_hooks.api.precision_region import mixed_precision_context
+from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.runtime.root import FSDPRoot, root_of
 from mfsdp_hooks.runtime.unit import FSDPUnit, unit_of, units_under
@@ -260,6 +262,17 @@ class FSDPModule(FSDP2Refusals, TorchFSDPModule):
         _check_bool(requires_all_reduce, "requires_all_reduce")
         for unit in self._units(recurse):
             unit.sync_flags.requires_all_reduce = requires_all_reduce
+
+    def mixed_precision_context(self, policy: Any) -> contextlib.AbstractContextManager[None]:
+        """Another mixed-precision policy for every unit under this module for a region
+        (see ``MegatronFSDP.mixed_precision_context``); call it on the root."""
+        self._root_only("mixed_precision_context")
+        return mixed_precision_context(self, policy)  # type: ignore[arg-type]
+
+    @property
+    def mixed_precision_policy(self) -> MixedPrecisionPolicy:
+        """The policy this module's unit was wrapped with (a region's starting point)."""
+        return self._mfsdp_unit().options.policy
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Not supported yet: the all-gather after a step waits on the current stream."""

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from mfsdp_buffers import Allocator
 from mfsdp_collectives import FSDPTopology
 from mfsdp_hooks.api.fully_shard import FSDPModule, fsdp_units, fully_shard, resolve_topology
+from mfsdp_hooks.api.precision_region import mixed_precision_context, wrap_time_policy
 from mfsdp_hooks.config.codec import ParamClassCodec, ParamCodec
 from mfsdp_hooks.config.experts import ExpertSharding
 from mfsdp_hooks.config.grad_allocator import DoubleBuffer, make_grad_allocator
@@ -132,6 +133,19 @@ class FSDPRootWrapper(nn.Module):
             if name.startswith("__") or name == "module":
                 raise
             return getattr(super().__getattr__("module"), name)
+
+    def mixed_precision_context(self, policy: Any) -> contextlib.AbstractContextManager[None]:
+        """Another mixed-precision policy for a region (``with model.mixed_precision_context(
+        dataclasses.replace(model.mixed_precision_policy, param_dtype=torch.bfloat16)):``):
+        ``reduce_dtype`` for the reductions of its backwards, ``param_dtype``/
+        ``cast_forward_inputs``/``output_dtype`` for forwards without autograd (evaluation,
+        generation). See ``mfsdp_hooks.runtime.compute_region``."""
+        return mixed_precision_context(self.module, policy)
+
+    @property
+    def mixed_precision_policy(self) -> MixedPrecisionPolicy:
+        """The policy the model was wrapped with."""
+        return wrap_time_policy(self.module)
 
     @property
     def root_unit_module(self) -> FSDPModule:

@@ -15,6 +15,7 @@ and a pre-scale (1/N, ``gradient_scaling_factor``) rides on that copy.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -107,6 +108,19 @@ class GradReducer:
         self._spec = ReduceSpec(
             average=average, post_scale=output_scale, reduce_dtype=self.reduce_dtype
         )
+
+    def set_reduce_dtype(self, dtype: torch.dtype) -> None:
+        """Reduce in ``dtype`` from the next backward on (``mixed_precision_context``);
+        only between steps: gradients collected in one dtype are not re-cast."""
+        if dtype == self.reduce_dtype:
+            return
+        if self.has_grads:
+            raise RuntimeError(
+                "the gradient reduction's dtype can change only between steps: gradients "
+                "are waiting to be reduced"
+            )
+        self.reduce_dtype = self._collector.reduce_dtype = dtype
+        self._spec = dataclasses.replace(self._spec, reduce_dtype=dtype)
 
     # ----------------------------------------------------------------- collect
     def accumulate(self, index: int, grad: torch.Tensor) -> bool:

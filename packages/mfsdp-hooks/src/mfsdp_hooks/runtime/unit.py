@@ -17,6 +17,7 @@ from mfsdp_hooks.dtensor.tensor_parallel import grad_local
 from mfsdp_hooks.grads.grad_sync import SyncFlags
 from mfsdp_hooks.runtime import timeline
 from mfsdp_hooks.runtime.backward_prefetch import BackwardPrefetch
+from mfsdp_hooks.runtime.compute_region import ComputeRegion, forward_policy, installed_params
 from mfsdp_hooks.runtime.input_grad_trigger import route_inputs_through_trigger
 from mfsdp_hooks.runtime.member_forwards import MemberForwards
 from mfsdp_hooks.runtime.observe import describe_unit, log_event
@@ -70,6 +71,33 @@ def _cast_outputs(policy: MixedPrecisionPolicy, output: Any) -> Any:
         lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
         output,
     )
+
+
+def _hook_members(unit: FSDPUnit) -> list[Any]:
+    """The unit's forward hooks on each member module, and the marks others read."""
+    handles = []
+    for member in unit.forwards.members:
+        member.__dict__[UNIT_ATTR] = unit
+        # What torch's fully_shard sets on the modules it manages and Hugging Face's
+        # generate() reads to keep ranks in step (synced_gpus) when they stop apart.
+        for managed in member.modules():
+            managed.__dict__["_is_fsdp_managed_module"] = True
+        handles += [
+            member.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True),
+            member.register_forward_hook(unit.post_forward, always_call=False),
+        ]
+    return handles
+
+
+def _refuse_autograd_in_cast_region(unit: FSDPUnit, region: ComputeRegion) -> None:
+    cast = [g for g in unit.groups if region.casts(g)]
+    if cast:
+        raise RuntimeError(
+            f"unit {unit.name}: a forward with autograd on inside mixed_precision_context("
+            f"param_dtype={region.compute_dtype(cast[0])}), whose cast weights take no "
+            "gradients: run it under torch.no_grad() (evaluation, generation), or keep the "
+            "model's param_dtype in the region"
+        )
 
 
 def _issue_gathers(unit: FSDPUnit, pending: list[Waitable], streams: CommStreams | None) -> None:
@@ -178,25 +206,17 @@ class FSDPUnit:
         # FSDP2's per-unit setters (set_requires_gradient_sync, set_requires_all_reduce).
         self.sync_flags = SyncFlags()
         self._took_part = False  # its forward ran (with grad) since its backward ended
+        # mixed_precision_context (set by compute_region), and whether its casts are in use
+        self.region: ComputeRegion | None = None
+        self._region_params_installed = False
         _refuse_params_of_other_units(self.name, slots)
         self.groups, self._group_slots = build_groups(self.name, slots, options)
-        self._prefetch = BackwardPrefetch(
-            sum(g.layout.data_numel for g in self.groups if g.requires_grad)
-        )
+        trainable = sum(g.layout.data_numel for g in self.groups if g.requires_grad)
+        self._prefetch = BackwardPrefetch(trainable)
         _register_grad_hooks(self.groups, self._on_grad_ready)
         self._swap(use_unsharded=False)
         module.__dict__[UNIT_ATTR] = self
-        self._handles = []
-        for member in self.forwards.members:
-            member.__dict__[UNIT_ATTR] = self
-            # What torch's fully_shard sets on the modules it manages and Hugging Face's
-            # generate() reads to keep ranks in step (synced_gpus) when they stop apart.
-            for managed in member.modules():
-                managed.__dict__["_is_fsdp_managed_module"] = True
-            self._handles += [
-                member.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True),
-                member.register_forward_hook(self.post_forward, always_call=False),
-            ]
+        self._handles = _hook_members(self)
 
     def __repr__(self) -> str:
         return describe_unit(self)
@@ -214,10 +234,18 @@ class FSDPUnit:
 
     # ----------------------------------------------------------------- parameter swap
     def _swap(self, use_unsharded: bool) -> None:
+        region = self.region if use_unsharded else None
         for group, group_slots in zip(self.groups, self._group_slots, strict=True):
-            install_params(
-                group.unsharded_params if use_unsharded else group.dist_params, group_slots
-            )
+            install_params(installed_params(group, use_unsharded, region), group_slots)
+        self._region_params_installed = region is not None
+
+    def reinstall_params(self) -> None:
+        if self._region_params_installed:  # after a region: the gathered weights, not casts
+            self._swap(use_unsharded=True)
+
+    @property
+    def in_step(self) -> bool:  # a forward, backward or a forward's pending backward
+        return self.state is not TrainingState.IDLE or self._took_part
 
     @property
     def is_unsharded(self) -> bool:
@@ -257,7 +285,9 @@ class FSDPUnit:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if not self.forwards.begin(module, alone=_outside_root_forward(self)):
-            return _cast_inputs(self.options.policy, args, kwargs)
+            return _cast_inputs(forward_policy(self.options, self.region), args, kwargs)
+        if self.region is not None and torch.is_grad_enabled():
+            _refuse_autograd_in_cast_region(self, self.region)
         if self.root is None:
             self._make_root(self)
         assert self.root is not None
@@ -279,7 +309,7 @@ class FSDPUnit:
         if not recomputing and self.options.overlap_param_gather:
             for target in self.root.order.forward_targets(self, self.forward_prefetch):
                 target.unshard_async()
-        args, kwargs = _cast_inputs(self.options.policy, args, kwargs)
+        args, kwargs = _cast_inputs(forward_policy(self.options, self.region), args, kwargs)
         if not self._inputs_trigger_armed:  # a recompute of an armed forward needs none
             args, kwargs, self._inputs_trigger_armed = route_inputs_through_trigger(
                 args, kwargs, self._on_inputs_grad
@@ -299,7 +329,9 @@ class FSDPUnit:
             for unit in self.root.units:  # units some member of which did not run
                 if unit.forwards.abandon():
                     unit._end_forward(is_root=False)
-        output = _cast_outputs(self.options.policy, output) if is_root else output
+        output = (
+            _cast_outputs(forward_policy(self.options, self.region), output) if is_root else output
+        )
         if (recorder := timeline.ACTIVE) is not None:
             recorder.forward_ends(self)
         return output

@@ -1,0 +1,158 @@
+"""A region of the program with another mixed-precision policy than the one a model was
+wrapped with (``MegatronFSDP.mixed_precision_context``).
+
+Two of the policy's choices can change for a region, between steps:
+
+* ``reduce_dtype``: the dtype gradients are reduced in (the reference's only switch, its
+  ``grad_comm_dtype``), e.g. a cheaper reduction for some steps. Training in the region works
+  as outside it; the reduced gradients still land in the optimizer's dtype.
+* ``param_dtype`` (with ``cast_forward_inputs`` and ``output_dtype``): the dtype forward runs
+  in, e.g. bf16 evaluation of an fp32-trained model. Each unit gathers its compute weights as
+  usual and installs copies cast to the region's dtype for its forward (bit for bit what
+  gathering in that dtype gives: a cast commutes with a gather; the gather itself still moves
+  the trained compute dtype). Such copies take no gradients, so a forward in a region that
+  changes the compute dtype must run without autograd (``torch.no_grad()``/``inference_mode``):
+  one with autograd on raises instead of training nothing.
+
+What the model stores cannot change for a region: ``main_params_dtype``,
+``main_grads_dtype`` and ``use_decoupled_grad`` must be the model's. The region state lives on
+each unit (``FSDPUnit.region``); ``enter``/``leave`` are its only transitions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from mfsdp_hooks.config.codec import IDENTITY
+from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
+from mfsdp_hooks.config.unit_options import UnitOptions
+from mfsdp_hooks.weights.param_group import ParameterGroup
+
+__all__ = [
+    "ComputeRegion",
+    "RegionUnit",
+    "enter_region",
+    "forward_policy",
+    "installed_params",
+    "leave_region",
+]
+
+_STORED = ("main_params_dtype", "main_grads_dtype", "use_decoupled_grad")
+
+
+@dataclass(frozen=True)
+class ComputeRegion:
+    """One unit's region: the policy its forward and reductions follow while it lasts."""
+
+    policy: MixedPrecisionPolicy
+
+    def compute_dtype(self, group: ParameterGroup) -> torch.dtype:
+        return self.policy.compute_dtype(group.original_dtype)
+
+    def casts(self, group: ParameterGroup) -> bool:
+        """Whether the region's forward computes ``group`` in another dtype than training."""
+        return self.compute_dtype(group) != group.compute_dtype
+
+    def params(self, group: ParameterGroup) -> Sequence[nn.Parameter]:
+        """The parameters the region's forward uses: the gathered ones, or casts of them."""
+        if not self.casts(group):
+            return group.unsharded_params
+        dtype = self.compute_dtype(group)
+        return [
+            nn.Parameter(p.detach().to(dtype), requires_grad=False) if p.is_floating_point() else p
+            for p in group.unsharded_params
+        ]
+
+
+def forward_policy(options: UnitOptions, region: ComputeRegion | None) -> MixedPrecisionPolicy:
+    """The policy a unit's forward follows now: the region's, or the wrap-time one."""
+    return options.policy if region is None else region.policy
+
+
+def installed_params(
+    group: ParameterGroup, unsharded: bool, region: ComputeRegion | None
+) -> Sequence[nn.Parameter]:
+    """What a unit puts in its modules: the sharded parameters, the gathered ones, or a
+    region's casts of them."""
+    if not unsharded:
+        return group.dist_params
+    return group.unsharded_params if region is None else region.params(group)
+
+
+class RegionUnit(Protocol):
+    """What a region reads and sets on a unit (``FSDPUnit``)."""
+
+    name: str
+    options: UnitOptions
+    groups: list[ParameterGroup]
+    region: ComputeRegion | None
+
+    @property
+    def in_step(self) -> bool: ...
+
+    def reinstall_params(self) -> None: ...
+
+
+def _check(unit: RegionUnit, region: ComputeRegion) -> None:
+    model_policy = unit.options.policy
+    for name in _STORED:
+        if getattr(region.policy, name) != getattr(model_policy, name):
+            raise ValueError(
+                f"mixed_precision_context: {name}={getattr(region.policy, name)!r} differs "
+                f"from the model's {getattr(model_policy, name)!r}; a region changes "
+                "param_dtype, reduce_dtype, output_dtype and cast_forward_inputs only: start "
+                "from dataclasses.replace(model.mixed_precision_policy, ...)"
+            )
+    for group in unit.groups:
+        if not region.casts(group):
+            continue
+        if group.codec is not IDENTITY:
+            raise NotImplementedError(
+                f"mixed_precision_context(param_dtype={region.compute_dtype(group)}): "
+                f"{group.names[0]!r} is gathered through a codec (FP8 weights), whose compute "
+                "weights a region cannot cast; keep param_dtype for such models"
+            )
+        main_dtype = group.main.dtype if group.main is not None else group.compute_dtype
+        if group.compute_dtype != main_dtype or not group.compute_dtype.is_floating_point:
+            raise NotImplementedError(
+                f"mixed_precision_context(param_dtype={region.compute_dtype(group)}) for "
+                f"{group.names[0]!r}, whose weights compute in {group.compute_dtype} from "
+                f"{main_dtype} main weights: the region casts the gathered compute weights, "
+                "which would round them twice; this is supported when the model computes in "
+                "its main weights' dtype (e.g. fp32 training) or the region keeps param_dtype"
+            )
+    if unit.in_step or any(g.reducer is not None and g.reducer.has_grads for g in unit.groups):
+        raise RuntimeError(
+            f"mixed_precision_context: unit {unit.name} is inside a step (a forward, a "
+            "backward or unreduced gradients); enter and leave the region between steps"
+        )
+
+
+def enter_region(units: Sequence[RegionUnit], policy: MixedPrecisionPolicy) -> None:
+    """Give every unit the region (checked on all of them first: all or none enter)."""
+    region = ComputeRegion(policy)
+    for unit in units:
+        if unit.region is not None:
+            raise RuntimeError("mixed_precision_context: regions do not nest; leave it first")
+        _check(unit, region)
+    for unit in units:
+        unit.region = region
+        for group in unit.groups:
+            if group.reducer is not None:
+                group.reducer.set_reduce_dtype(policy.grad_reduce_dtype(group.original_dtype))
+
+
+def leave_region(units: Sequence[RegionUnit]) -> None:
+    """Back to the wrap-time policy: reductions in its dtype, the gathered weights (not the
+    region's casts) in the modules."""
+    for unit in units:
+        unit.region = None
+        for group in unit.groups:
+            if group.reducer is not None:
+                group.reducer.set_reduce_dtype(group.reduce_dtype)
+        unit.reinstall_params()
