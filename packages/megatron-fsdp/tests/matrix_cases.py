@@ -81,6 +81,7 @@ COLS = (
     "to_device",
     "train_eval",
     "decoupled_grad",
+    "fine_grained",
 )
 
 STEPS = 10
@@ -304,6 +305,7 @@ class MCoreDDPConfigStandIn:
     align_param_gather: bool = False
     megatron_fsdp_use_decoupled_grad: bool = False
     fp8_param_gather: bool = False
+    megatron_fsdp_enable_fine_grained_param_gather: bool = False
 
 
 @dataclass
@@ -339,6 +341,8 @@ def _seed_kwargs(col: str, layout: Layout) -> dict[str, Any]:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     if col == "decoupled_grad":
         kwargs["use_decoupled_grad"] = True
+    if col == "fine_grained":
+        kwargs["enable_fine_grained_param_gather"] = True
     return kwargs
 
 
@@ -444,6 +448,7 @@ def _class_api(
         overlap_grad_reduce=True,
         overlap_param_gather=True,
         megatron_fsdp_use_decoupled_grad=col == "decoupled_grad",
+        megatron_fsdp_enable_fine_grained_param_gather=col == "fine_grained",
     )
     kwargs: dict[str, Any] = {"fsdp_unit_modules": units}
     if col == "meta_init":
@@ -469,6 +474,14 @@ def _per_module(module: nn.Module, col: str, layout: Layout, unit: type[nn.Modul
 
         options["param_codecs"] = float8_codecs()
     blocks = [m for m in module.modules() if isinstance(m, unit)]
+    if col == "fine_grained":  # FSDP2's way: each leaf of a block is wrapped first
+        for block in blocks:
+            for leaf in block.modules():
+                if (
+                    next(leaf.children(), None) is None
+                    and next(leaf.parameters(), None) is not None
+                ):
+                    mfsdp_hooks.fully_shard(leaf, **options)
     for block in blocks:
         mfsdp_hooks.fully_shard(block, experts=layout.experts, **options)
     mfsdp_hooks.fully_shard(module, **options)
@@ -494,6 +507,7 @@ def _mcore(module: nn.Module, col: str, layout: Layout, units: list[type[nn.Modu
         use_megatron_fsdp=True,
         grad_reduce_in_fp32=col == "bf16",
         megatron_fsdp_use_decoupled_grad=col == "decoupled_grad",
+        megatron_fsdp_enable_fine_grained_param_gather=col == "fine_grained",
     )
     if col == "bf16":  # Megatron-Core's Float16Module: the model itself in bf16
         module = module.bfloat16()

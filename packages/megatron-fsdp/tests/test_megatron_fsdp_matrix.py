@@ -72,6 +72,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("seed", "to_device"): PARITY,
     ("seed", "train_eval"): PARITY,
     ("seed", "decoupled_grad"): PARITY,
+    ("seed", "fine_grained"): PARITY,
     # ---- fully_shard_model(...) + fully_shard_optimizer(...)
     ("model_optimizer", "zero0"): PARITY,
     ("model_optimizer", "zero1"): PARITY,
@@ -95,6 +96,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("model_optimizer", "to_device"): PARITY,
     ("model_optimizer", "train_eval"): PARITY,
     ("model_optimizer", "decoupled_grad"): PARITY,
+    ("model_optimizer", "fine_grained"): PARITY,
     # ---- MegatronFSDP(module, FSDPDistributedIndex(...), DistributedDataParallelConfig(...))
     ("class", "zero0"): PARITY,
     ("class", "zero1"): PARITY,
@@ -118,6 +120,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("class", "to_device"): PARITY,
     ("class", "train_eval"): PARITY,
     ("class", "decoupled_grad"): PARITY,
+    ("class", "fine_grained"): PARITY,
     # ---- mfsdp_hooks.fully_shard on each block, then the root (FSDP2's pattern)
     ("per_module", "zero0"): PARITY,
     ("per_module", "zero1"): PARITY,
@@ -141,6 +144,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("per_module", "to_device"): PARITY,
     ("per_module", "train_eval"): PARITY,
     ("per_module", "decoupled_grad"): PARITY,
+    ("per_module", "fine_grained"): PARITY,
     # ---- megatron_fsdp.mcore.FullyShardedDataParallel (Megatron-Core's loop)
     ("mcore", "zero0"): PARITY,
     ("mcore", "zero1"): PARITY,
@@ -164,6 +168,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("mcore", "to_device"): PARITY,
     ("mcore", "train_eval"): PARITY,
     ("mcore", "decoupled_grad"): PARITY,
+    ("mcore", "fine_grained"): PARITY,
 }
 
 # The plain-pytest cross-section: every row and every column at least once, 2 ranks where
@@ -184,6 +189,7 @@ CI_CELLS: tuple[tuple[str, str], ...] = (
     ("class", "hsdp"),
     ("class", "cp"),  # was an engine bug (flattened dim refused by the index)
     ("class", "tied"),
+    ("class", "fine_grained"),
     ("per_module", "zero2"),
     ("per_module", "tp_megatron"),
     ("per_module", "ep"),

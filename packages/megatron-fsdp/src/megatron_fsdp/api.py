@@ -120,8 +120,10 @@ def fully_shard_model(
             by the global token count).
         report_nan_in_param_grad: check every reduced gradient for NaN/Inf and raise naming
             the parameter (slow).
-        enable_fine_grained_param_gather: all-gather per submodule instead of per unit.
-            Not supported yet.
+        enable_fine_grained_param_gather: all-gather per submodule instead of per unit: each
+            parameter-holding leaf module of a unit (Linear, norm...) is gathered just before
+            it runs, prefetched one ahead, so a unit's forward holds about one leaf's
+            unsharded weights (ZeRO-3 only; tied leaves stay in their unit).
         keep_fp8_transpose_cache: keep Transformer Engine's FP8 transpose cache. Not
             supported yet.
         nccl_ub: allocate and register NCCL user buffers. Not supported yet.

@@ -182,7 +182,6 @@ def sharding_options(
             "fsdp_manual_registration": fsdp_manual_registration,
             "disable_symmetric_registration": disable_symmetric_registration,
             "keep_fp8_transpose_cache": keep_fp8_transpose_cache,
-            "enable_fine_grained_param_gather": enable_fine_grained_param_gather,
         },
     )
     _check_module_and_units(module, fsdp_unit_modules)
@@ -231,6 +230,7 @@ def sharding_options(
             fsdp_double_buffer, fsdp_db_use_persist_buf_on_alloc_fail, max_pool=False
         ),
         experts=experts,
+        fine_grained_param_gather=enable_fine_grained_param_gather,
         reduce_scatter_in_no_sync=True,  # Megatron-FSDP's no_sync: ZeRO-2/3 still reduce-scatter
         param_codecs=float8_codecs(),  # torchao float8 weights travel as float8 bytes
     )

@@ -87,8 +87,11 @@ def reference_options(
     init_model_with_meta_device: bool,
     sync_model_each_microbatch: bool,
     report_nan_in_param_grad: bool,
+    fine_grained_param_gather: bool = False,
 ) -> ShardingOptions:
-    """The engine's options for the reference's constructor arguments."""
+    """The engine's options for the reference's constructor arguments
+    (``fine_grained_param_gather``: its ``enable_fine_grained_param_gather_hook`` keyword,
+    which the config's ``megatron_fsdp_enable_fine_grained_param_gather`` also turns on)."""
     config.refuse_unsupported()
     if config.fp8_param_gather:  # float8 compute weights gathered as float8 (torchao)
         convert_for_float8_param_gather(module, "ddp_config.fp8_param_gather")
@@ -141,6 +144,9 @@ def reference_options(
         nccl_ub=config.nccl_ub,
         fsdp_manual_registration=config.fsdp_manual_registration,
         disable_symmetric_registration=config.disable_symmetric_registration,
+        enable_fine_grained_param_gather=(
+            fine_grained_param_gather or config.megatron_fsdp_enable_fine_grained_param_gather
+        ),
         fsdp_double_buffer=config.fsdp_double_buffer,
         fsdp_db_use_persist_buf_on_alloc_fail=config.fsdp_db_use_persist_buf_on_alloc_fail,
         use_decoupled_grad=config.megatron_fsdp_use_decoupled_grad,

@@ -64,18 +64,12 @@ NOT_YET: dict[str, NotYet] = {
         "argument", False, "NCCL user-buffer symmetric registration"
     ),
     "keep_fp8_transpose_cache": NotYet("argument", False, "FP8 parameters"),
-    "enable_fine_grained_param_gather": NotYet(
-        "argument", False, "per-module fine-grained all-gather"
-    ),
     # DistributedDataParallelConfig fields
     "bucket_size": NotYet("ddp_config", None, "a bucket-size cap (units are the buckets)"),
     "suggested_communication_unit_size": NotYet(
         "ddp_config", None, "a communication unit size (units are)"
     ),
     "megatron_fsdp_cuda_graph_mode": NotYet("ddp_config", False, "CUDA-graph mode"),
-    "megatron_fsdp_enable_fine_grained_param_gather": NotYet(
-        "ddp_config", False, "fine-grained all-gather"
-    ),
     # FSDPDistributedIndex arguments
     "hybrid_fsdp_expt_group": NotYet("dist_index", None, "a hybrid expert group"),
     "fsdp_group_ag": NotYet("dist_index", None, "a separate all-gather group"),

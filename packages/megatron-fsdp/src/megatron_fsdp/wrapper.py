@@ -67,6 +67,7 @@ class MegatronFSDP(mfsdp_hooks.FSDPRootWrapper):
         fsdp_double_buffer: bool | None = None,
         fsdp_db_use_persist_buf_on_alloc_fail: bool | None = None,
         disable_symmetric_registration: bool | None = None,
+        enable_fine_grained_param_gather_hook: bool = False,
         options: ShardingOptions | None = None,
     ) -> None:
         keywords = ConfigKeywords(
@@ -95,6 +96,7 @@ class MegatronFSDP(mfsdp_hooks.FSDPRootWrapper):
                 init_model_with_meta_device=init_model_with_meta_device,
                 sync_model_each_microbatch=sync_model_each_microbatch,
                 report_nan_in_param_grad=report_nan_in_param_grad,
+                fine_grained_param_gather=enable_fine_grained_param_gather_hook,
             )
         else:
             given = (dist_index, ddp_config, mixed_precision_policy, device, *keywords.given())
@@ -102,6 +104,7 @@ class MegatronFSDP(mfsdp_hooks.FSDPRootWrapper):
                 calculate_per_token_loss,
                 init_model_with_meta_device,
                 report_nan_in_param_grad,
+                enable_fine_grained_param_gather_hook,
             )
             if any(v is not None for v in given) or any(flags) or sync_model_each_microbatch:
                 raise TypeError(

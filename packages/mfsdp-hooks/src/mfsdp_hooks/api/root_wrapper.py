@@ -108,6 +108,8 @@ class FSDPRootWrapper(nn.Module):
         if classes and not targets:
             _refuse_unmatched(classes, module)
         units = [sub for sub in reversed(targets) if sub is not module] + [module]
+        if options.fine_grained_param_gather:
+            units = fine_grained_units(module, units, options.zero_dp_strategy)
         if options.init_model_with_meta_device:
             _init_from_meta_and_shard(module, units, options, allocator)
         else:
@@ -279,6 +281,40 @@ def _shard_unit(
         param_codecs=options.param_codecs,
         experts=options.experts,
     )
+
+
+def fine_grained_units(
+    module: nn.Module, units: list[nn.Module], strategy: ShardingStrategy | int | str
+) -> list[nn.Module]:
+    """``units`` (children first) with each one's parameter-holding leaf modules before it,
+    as units of their own (``ShardingOptions.fine_grained_param_gather``)."""
+    if parse_strategy(strategy, "zero_dp_strategy") != ShardingStrategy.OPTIM_GRADS_PARAMS:
+        raise ValueError(
+            "enable_fine_grained_param_gather=True splits the per-forward all-gathers of "
+            "ZeRO-3 units; with another zero_dp_strategy nothing is gathered per forward: use "
+            "zero_dp_strategy=3 or leave it False"
+        )
+    uses: dict[int, int] = {}
+    for _, param in module.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    claimed = {id(u) for u in units}
+    ordered: list[nn.Module] = []
+    for unit in units:
+        for sub in _own_modules(unit, claimed):
+            params = list(sub.parameters(recurse=False))
+            leaf = sub is not unit and not any(True for _ in sub.children())
+            if leaf and params and all(uses[id(p)] == 1 for p in params):
+                ordered.append(sub)
+        ordered.append(unit)
+    return ordered
+
+
+def _own_modules(unit: nn.Module, claimed: set[int]) -> Iterator[nn.Module]:
+    """``unit`` and its modules, without the subtrees of other units."""
+    yield unit
+    for child in unit.children():
+        if id(child) not in claimed:
+            yield from _own_modules(child, claimed)
 
 
 def _refuse_unmatched(classes: tuple[type[nn.Module], ...], module: nn.Module) -> None:

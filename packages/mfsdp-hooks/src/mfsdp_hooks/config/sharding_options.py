@@ -63,6 +63,12 @@ class ShardingOptions:
     """Codecs that claim tensor-subclass parameters (FP8 weights)."""
     param_codec: ParamCodec | None = None
     reshard_after_forward: bool | None = None
+    fine_grained_param_gather: bool = False
+    """The seed's ``enable_fine_grained_param_gather``: each parameter-holding leaf module
+    of a unit (a Linear, a norm) becomes a unit of its own, gathered just before it runs and
+    prefetched one ahead, so a unit's forward holds about one leaf's unsharded weights
+    instead of the whole unit's. Leaves whose parameters are shared elsewhere (tied
+    weights) stay in their unit. ZeRO-3 only: other strategies gather nothing per forward."""
     max_inflight_reductions: int = 1
     prefetch_depth: int = 1
     reduce_scatter_in_no_sync: bool = True

@@ -20,11 +20,11 @@ VOCAB, WIDTH, HIDDEN = 11, 15, 7
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH, hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(WIDTH)
-        self.fc1 = nn.Linear(WIDTH, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, WIDTH)
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
