@@ -151,17 +151,35 @@ def reference_options(
         fsdp_db_use_persist_buf_on_alloc_fail=config.fsdp_db_use_persist_buf_on_alloc_fail,
         use_decoupled_grad=config.megatron_fsdp_use_decoupled_grad,
     )
-    return _with_max_pool(options, config)
+    return _with_config_only_fields(options, config)
 
 
-def _with_max_pool(
+def _with_config_only_fields(
     options: ShardingOptions, config: DistributedDataParallelConfig
 ) -> ShardingOptions:
-    """``megatron_fsdp_max_pool_double_buffer``: one pool sized for the largest unit (a
-    config field only: ``fully_shard_model`` has no keyword for it, as in the reference)."""
-    if not config.megatron_fsdp_max_pool_double_buffer:
-        return options
-    allocator = grad_buffer_choice(
-        config.fsdp_double_buffer, config.fsdp_db_use_persist_buf_on_alloc_fail, max_pool=True
+    """The fields ``fully_shard_model`` has no keyword for, as in the reference:
+    ``megatron_fsdp_max_pool_double_buffer`` (one pool sized for the largest unit),
+    ``bucket_size`` (a unit's collectives of at most so many elements) and
+    ``suggested_communication_unit_size`` (the elements gathered ahead)."""
+    if config.megatron_fsdp_max_pool_double_buffer:
+        allocator = grad_buffer_choice(
+            config.fsdp_double_buffer, config.fsdp_db_use_persist_buf_on_alloc_fail, max_pool=True
+        )
+        options = dataclasses.replace(options, grad_buffer_allocator=allocator)
+    return dataclasses.replace(
+        options,
+        max_bucket_numel=_elements(config.bucket_size, "bucket_size"),
+        prefetch_numel=_elements(
+            config.suggested_communication_unit_size, "suggested_communication_unit_size"
+        ),
     )
-    return dataclasses.replace(options, grad_buffer_allocator=allocator)
+
+
+def _elements(value: object, field: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"ddp_config.{field}={value!r}: give a number of elements (an int >= 0) or None"
+        )
+    return value

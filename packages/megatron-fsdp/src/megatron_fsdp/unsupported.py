@@ -65,10 +65,6 @@ NOT_YET: dict[str, NotYet] = {
     ),
     "keep_fp8_transpose_cache": NotYet("argument", False, "FP8 parameters"),
     # DistributedDataParallelConfig fields
-    "bucket_size": NotYet("ddp_config", None, "a bucket-size cap (units are the buckets)"),
-    "suggested_communication_unit_size": NotYet(
-        "ddp_config", None, "a communication unit size (units are)"
-    ),
     "megatron_fsdp_cuda_graph_mode": NotYet("ddp_config", False, "CUDA-graph mode"),
     # FSDPDistributedIndex arguments
     "hybrid_fsdp_expt_group": NotYet("dist_index", None, "a hybrid expert group"),

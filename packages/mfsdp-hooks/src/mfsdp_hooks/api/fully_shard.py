@@ -23,6 +23,11 @@ from mfsdp_collectives import (
     check_host_transport,
     check_ranks_agree,
 )
+from mfsdp_hooks.api.argument_checks import (
+    check_numel_caps,
+    check_overlap_options,
+    refuse_unknown_arguments,
+)
 from mfsdp_hooks.api.fsdp_module import FSDPModule, UnshardHandle
 from mfsdp_hooks.api.wrap_agreement import UNITS_INSIDE, explain_wrap_mismatch, units_inside
 from mfsdp_hooks.config.codec import IDENTITY, ParamClassCodec, ParamCodec
@@ -45,41 +50,6 @@ from mfsdp_hooks.runtime.slots import (
 from mfsdp_hooks.runtime.unit import FSDPUnit, unit_of, units_under
 from mfsdp_hooks.weights.lookup import set_owning_model
 from mfsdp_hooks.weights.meta_init import MetaMaterializer, check_initialisable, modules_in_scope
-
-
-def _require_positive_int(value: object, argument: str, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{argument} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{argument}={value}: {fix}")
-
-
-def _require_fraction(value: object, argument: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{argument} must be a float in [0, 1], got {value!r}")
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(
-            f"{argument}={value} is outside [0, 1]: 0.0 prefetches at the unit's pre-backward, "
-            "1.0 once all of its gradients arrived"
-        )
-
-
-def _check_overlap_options(
-    max_inflight_reductions: object, prefetch_depth: object, backward_prefetch_grad_fraction: object
-) -> None:
-    _require_positive_int(
-        max_inflight_reductions,
-        "max_inflight_reductions",
-        "at least 1 reduction must be allowed in flight "
-        "(use overlap_grad_reduce=False to wait for each one)",
-    )
-    _require_positive_int(
-        prefetch_depth,
-        "prefetch_depth",
-        "gather at least the next unit ahead, or turn prefetching off with "
-        "overlap_param_gather=False",
-    )
-    _require_fraction(backward_prefetch_grad_fraction, "backward_prefetch_grad_fraction")
 
 
 def _check_module(members: Sequence[nn.Module], experts: object) -> None:
@@ -264,6 +234,8 @@ def fully_shard(
     report_nan_in_param_grad: bool = False,
     max_inflight_reductions: int = 1,
     prefetch_depth: int = 1,
+    prefetch_numel: int | None = None,
+    max_bucket_numel: int | None = None,
     reduce_scatter_in_no_sync: bool = False,
     backward_prefetch_grad_fraction: float = 0.5,
     grad_buffer_allocator: str | DoubleBuffer | Allocator = "plain",
@@ -284,7 +256,10 @@ def fully_shard(
     returned, each module now an ``FSDPModule``.
     Overlap is bounded in units: ``prefetch_depth`` units are gathered ahead (forward and
     backward, after the first iteration recorded the order) and at most
-    ``max_inflight_reductions`` gradient reductions are in flight. In backward a unit issues
+    ``max_inflight_reductions`` gradient reductions are in flight; ``prefetch_numel``
+    (root-level) bounds the prefetch in elements instead: the next units while their
+    unsharded elements sum to at most it. ``max_bucket_numel`` splits the unit's parameters
+    of one kind into collectives of at most that many elements. In backward a unit issues
     its prefetch once ``backward_prefetch_grad_fraction`` of its gradient elements arrived:
     0.0 gathers at the unit's pre-backward as FSDP2 does; the default 0.5 lets the unit's
     widest backward activations die first, so the next unit's weights do not add to the
@@ -308,11 +283,7 @@ def fully_shard(
     :func:`check_offload_policy`. ``shard_placement_fn`` (FSDP2's): each parameter's
     placement, ``Shard(0)`` or None (the same); other dims raise naming the parameter.
     """
-    if unsupported:
-        names = ", ".join(sorted(unsupported))
-        raise TypeError(
-            f"fully_shard() got unsupported argument(s) {names}: they are not implemented yet"
-        )
+    refuse_unknown_arguments(unsupported)
     members = unit_members(module)
     _check_module(members, experts)
     # One module is its own scope; several are gathered into a container outside the tree.
@@ -320,7 +291,8 @@ def fully_shard(
     label = "+".join(type(m).__name__ for m in members)
     policy = _policy(mp_policy)
     strategy = parse_strategy(sharding_strategy, "sharding_strategy")
-    _check_overlap_options(max_inflight_reductions, prefetch_depth, backward_prefetch_grad_fraction)
+    check_overlap_options(max_inflight_reductions, prefetch_depth, backward_prefetch_grad_fraction)
+    check_numel_caps(prefetch_numel=prefetch_numel, max_bucket_numel=max_bucket_numel)
     grad_allocator = make_grad_allocator(grad_buffer_allocator, max_inflight_reductions)
     check_host_transport(host_transport)  # before resolve_topology, which may communicate
     # A module (partly) on the meta device: its own modules are initialised here, in module
@@ -356,6 +328,7 @@ def fully_shard(
             report_nan_in_param_grad=report_nan_in_param_grad,
             max_inflight_reductions=max_inflight_reductions,
             prefetch_depth=prefetch_depth,
+            prefetch_numel=prefetch_numel,
             reduce_scatter_in_no_sync=bool(reduce_scatter_in_no_sync),
         ),
         backward_prefetch_grad_fraction=float(backward_prefetch_grad_fraction),
@@ -363,6 +336,7 @@ def fully_shard(
         codec=param_codec or IDENTITY,
         codecs=codecs,
         experts=experts,
+        max_bucket_numel=max_bucket_numel,
     )
     _agree_on_wrap(label, target, slots, options, host_transport)
     _make_unit(target, members, _with_transports(options, host_transport), slots)

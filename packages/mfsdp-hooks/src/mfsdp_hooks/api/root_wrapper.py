@@ -273,6 +273,8 @@ def _shard_unit(
         report_nan_in_param_grad=options.report_nan_in_param_grad,
         max_inflight_reductions=options.max_inflight_reductions,
         prefetch_depth=options.prefetch_depth,
+        prefetch_numel=options.prefetch_numel,
+        max_bucket_numel=options.max_bucket_numel,
         reduce_scatter_in_no_sync=options.reduce_scatter_in_no_sync,
         backward_prefetch_grad_fraction=options.backward_prefetch_grad_fraction,
         grad_buffer_allocator=allocator,

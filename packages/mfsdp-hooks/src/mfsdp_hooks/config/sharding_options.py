@@ -71,6 +71,10 @@ class ShardingOptions:
     weights) stay in their unit. ZeRO-3 only: other strategies gather nothing per forward."""
     max_inflight_reductions: int = 1
     prefetch_depth: int = 1
+    prefetch_numel: int | None = None
+    """The reference's ``suggested_communication_unit_size`` (see ``RootOptions``)."""
+    max_bucket_numel: int | None = None
+    """The reference's ``bucket_size`` (see ``UnitOptions``)."""
     reduce_scatter_in_no_sync: bool = True
     """Under ``no_sync`` ZeRO-2/3 units still reduce-scatter each micro-batch inside
     ``dp_shard``, as Megatron-FSDP does (False: keep them local until a synced backward, as

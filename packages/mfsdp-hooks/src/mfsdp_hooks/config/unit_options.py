@@ -32,6 +32,10 @@ class RootOptions:
     report_nan_in_param_grad: bool = False
     max_inflight_reductions: int = 1
     prefetch_depth: int = 1
+    prefetch_numel: int | None = None
+    """The reference's ``suggested_communication_unit_size``: units are gathered ahead while
+    their unsharded elements sum to at most this (a unit larger than it is not prefetched:
+    a small value turns prefetching off); None: ``prefetch_depth`` units."""
     reduce_scatter_in_no_sync: bool = False
     """Under ``no_sync`` / ``set_requires_gradient_sync(False)``: False (FSDP2's) keeps a
     unit's unsharded gradients local until a synced backward reduces them with its own;
@@ -69,6 +73,10 @@ class UnitOptions:
     """Codecs that claim tensor-subclass parameters (FP8): their own groups, bound codecs."""
     experts: ExpertSharding | None = None
     """Expert parallelism: the unit's expert parameters go to groups over the EDP group."""
+    max_bucket_numel: int | None = None
+    """The reference's ``bucket_size``: a unit's parameters of one kind are split into
+    groups (one collective each) of at most this many elements (a larger parameter gets one
+    of its own); None: one group per kind. All of a unit's groups are gathered together."""
 
 
 def claiming_codec(options: UnitOptions, param: torch.Tensor) -> ParamClassCodec | None:

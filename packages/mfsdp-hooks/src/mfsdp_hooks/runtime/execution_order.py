@@ -9,6 +9,7 @@ backward keeps). Lists a user set with ``set_modules_to_forward_prefetch`` /
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 __all__ = ["ExecutionOrder"]
@@ -22,9 +23,20 @@ class ExecutionOrder(Generic[U]):
 
     ``U`` is the unit type (kept generic so this module does not import the unit)."""
 
-    def __init__(self, root_unit: U, depth: int) -> None:
+    def __init__(
+        self,
+        root_unit: U,
+        depth: int,
+        *,
+        numel_limit: int | None = None,
+        numel_of: Callable[[U], int] = lambda _: 0,
+    ) -> None:
+        """``numel_limit`` (not None): the targets are instead the next (previous) units
+        while their ``numel_of`` sums to at most it."""
         self._root_unit = root_unit
         self._depth = depth
+        self._numel_limit = numel_limit
+        self._numel_of = numel_of
         self._order: list[U] = []
         self.final = False
         self._next: dict[int, list[U]] = {}
@@ -40,12 +52,33 @@ class ExecutionOrder(Generic[U]):
         if self.final:
             return
         order, depth = self._order, self._depth
-        self._next = {id(u): order[i + 1 : i + 1 + depth] for i, u in enumerate(order)}
+        self._next = {
+            id(u): self._window(order[i + 1 : i + 1 + depth], order[i + 1 :])
+            for i, u in enumerate(order)
+        }
         self._previous = {
-            id(u): [p for p in reversed(order[max(i - depth, 0) : i]) if p is not self._root_unit]
+            id(u): self._window(
+                self._without_root(order[max(i - depth, 0) : i]), self._without_root(order[:i])
+            )
             for i, u in enumerate(order)
         }
         self.final = True
+
+    def _without_root(self, units: list[U]) -> list[U]:
+        """``units`` nearest first, without the root (backward keeps its weights)."""
+        return [u for u in reversed(units) if u is not self._root_unit]
+
+    def _window(self, by_depth: list[U], ahead: list[U]) -> list[U]:
+        """``by_depth``, or with a numel limit the first of ``ahead`` that fit in it."""
+        if self._numel_limit is None:
+            return by_depth
+        taken, total = [], 0
+        for unit in ahead:
+            total += self._numel_of(unit)
+            if total > self._numel_limit:
+                break
+            taken.append(unit)
+        return taken
 
     def forward_targets(self, unit: U, override: list[U] | None) -> list[U]:
         """Units to gather while ``unit`` computes forward."""

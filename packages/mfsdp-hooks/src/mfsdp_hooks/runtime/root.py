@@ -48,7 +48,12 @@ class FSDPRoot:
         paths = [self._unit_path[id(unit)] for unit in self.units]
         log_units(root_unit.name, self.units, paths)  # INFO on rank 0; names DEBUG events
         self.streams = CommStreams(self.options.topology.device)
-        self.order = ExecutionOrder(root_unit, self.options.root.prefetch_depth)
+        self.order = ExecutionOrder(
+            root_unit,
+            self.options.root.prefetch_depth,
+            numel_limit=self.options.root.prefetch_numel,
+            numel_of=lambda unit: sum(g.layout.data_numel for g in unit.groups),
+        )
         # The root's own state: True from the first pre-backward hook of an iteration until
         # its final callback has ended every unit's backward (a forward in between raises).
         self.in_backward = False

@@ -38,7 +38,7 @@ def build_groups(
             (index, BucketKey(unit_name, param.dtype, kind, param.requires_grad), param.numel())
         )
     groups, group_slots = [], []
-    for bucket in build_buckets(keys):
+    for bucket in build_buckets(keys, max_bucket_numel=options.max_bucket_numel):
         members = [entries[i] for i in bucket.param_indices]
         topology, reduce_config = options.topology, options.reduce_config
         if bucket.key.group.startswith(EXPERT):

@@ -1,12 +1,17 @@
-"""``enable_fine_grained_param_gather=True`` (the seed API; the reference's class takes
-``megatron_fsdp_enable_fine_grained_param_gather`` and ``enable_fine_grained_param_gather_hook``):
-each parameter-holding leaf of a unit is gathered just before it runs, prefetched one ahead.
+"""What is gathered when: the options that shape the all-gather schedule, measured by the
+unsharded block weights live while each block's leaves run forward (3 blocks of a norm and
+two 64x256 Linears, 2 ranks; 4 with MFSDP_FULL_MATRIX=1), the all-gathers per step, and
+parity with one process to 1e-5 over 10 steps.
 
-Measured at 2 and 4 ranks while each block's leaves run forward: the unsharded weights of
-the blocks live at once drop from a whole block's (and the next one, prefetched) to at most
-two leaves' (the running one and the prefetched next), the all-gathers per step grow to one
-per leaf, and training matches one process (the entry-point matrix's ``fine_grained`` column
-checks parity through every entry point).
+* ``enable_fine_grained_param_gather=True`` (the seed API; the reference's class takes
+  ``megatron_fsdp_enable_fine_grained_param_gather`` and ``enable_fine_grained_param_gather_hook``):
+  each parameter-holding leaf of a unit is gathered just before it runs, prefetched one
+  ahead: two leaves live instead of two blocks, one all-gather per leaf (the entry-point
+  matrix's ``fine_grained`` column checks parity through every entry point).
+* ``ddp_config.bucket_size``: a unit's collectives of at most so many elements; what is
+  live does not change.
+* ``ddp_config.suggested_communication_unit_size``: the elements gathered ahead (less than
+  a unit: no prefetch).
 """
 
 from __future__ import annotations
@@ -17,8 +22,15 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
-from megatron_fsdp import fully_shard_model, fully_shard_optimizer
+from megatron_fsdp import (
+    DistributedDataParallelConfig,
+    FSDPDistributedIndex,
+    MegatronFSDP,
+    fully_shard_model,
+    fully_shard_optimizer,
+)
 from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import fsdp_units
@@ -61,8 +73,25 @@ def _gathered_bytes(units: list[Any], *, now: bool = True) -> int:
     return total
 
 
-def _fine_grained_worker(rank: int, world: int, fine: bool) -> dict[str, Any]:
-    model = fully_shard_model(_model(), [Block], enable_fine_grained_param_gather=fine)
+def _wrap(how: dict[str, Any], world: int) -> nn.Module:
+    """The seed API (``{"fine": bool}``) or the reference's class with config fields
+    (``{"config": {...}}``)."""
+    if "config" not in how:
+        fine = how.get("fine", False)
+        return fully_shard_model(_model(), [Block], enable_fine_grained_param_gather=fine)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    config = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads_params",
+        overlap_param_gather=True,  # the reference's default is off: nothing prefetched
+        overlap_grad_reduce=True,
+        **how["config"],
+    )
+    index = FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard")
+    return MegatronFSDP(_model(), index, config, fsdp_unit_modules=[Block])
+
+
+def _gather_worker(rank: int, world: int, how: dict[str, Any]) -> dict[str, Any]:
+    model = _wrap(how, world)
     optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     blocks = [m for m in model.module.modules() if isinstance(m, Block)]
     in_blocks = [
@@ -107,8 +136,8 @@ def _fine_grained_worker(rank: int, world: int, fine: bool) -> dict[str, Any]:
     ],
 )
 def test_fine_grained_gathers_hold_two_leaves_not_two_blocks(world: int) -> None:
-    coarse = run_distributed(_fine_grained_worker, world, False, timeout=240)[0]
-    fine_results = run_distributed(_fine_grained_worker, world, True, timeout=240)
+    coarse = run_distributed(_gather_worker, world, {"fine": False}, timeout=240)[0]
+    fine_results = run_distributed(_gather_worker, world, {"fine": True}, timeout=240)
     fine = fine_results[0]
     # Whole blocks: the running block and the next one, prefetched.
     assert coarse["peak"] >= 2 * coarse["block"], coarse
@@ -122,12 +151,47 @@ def test_fine_grained_gathers_hold_two_leaves_not_two_blocks(world: int) -> None
         fine["gathers"],
         coarse["gathers"],
     )
+    _assert_parity(fine_results, world)
+
+
+def _assert_parity(results: list[dict[str, Any]], world: int) -> None:
     reference = _model()
     _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), _batches(world), 0, 1)
-    for rank, result in enumerate(fine_results):
+    for rank, result in enumerate(results):
         for name, param in reference.named_parameters():
             got = torch.tensor(result["weights"][name])
             assert_close_rel(got, param.detach(), 1e-5, f"rank {rank} {name}")
+
+
+FC1_AND_NORM = (WIDTH * HIDDEN + HIDDEN) + 2 * WIDTH
+
+
+def test_bucket_size_splits_each_units_gathers_without_changing_what_is_live() -> None:
+    """``ddp_config.bucket_size``: a block (norm, fc1, fc2) becomes two collectives."""
+    whole = run_distributed(_gather_worker, 2, {"config": {}}, timeout=240)[0]
+    split = {"config": {"bucket_size": FC1_AND_NORM}}
+    results = run_distributed(_gather_worker, 2, split, timeout=240)
+    bucketed = results[0]
+    # 3 blocks x (forward + backward) gathers each doubled; the head's unit is one group.
+    assert bucketed["gathers"] == whole["gathers"] + 6, (bucketed["gathers"], whole["gathers"])
+    assert abs(bucketed["peak"] - whole["peak"]) <= 0.02 * whole["peak"], (bucketed, whole)
+    _assert_parity(results, 2)
+
+
+@pytest.mark.parametrize("blocks_ahead", [0, 2])
+def test_suggested_communication_unit_size_bounds_what_is_gathered_ahead(
+    blocks_ahead: int,
+) -> None:
+    """``ddp_config.suggested_communication_unit_size``: the elements gathered ahead; less
+    than a block turns prefetching off, two blocks' worth gathers two blocks ahead."""
+    block_numel = 2 * WIDTH + (WIDTH * HIDDEN + HIDDEN) + (HIDDEN * WIDTH + WIDTH)
+    size = blocks_ahead * block_numel + (block_numel // 2 if blocks_ahead == 0 else 0)
+    how = {"config": {"suggested_communication_unit_size": size}}
+    results = run_distributed(_gather_worker, 2, how, timeout=240)
+    got = results[0]
+    # The running block, and the blocks ahead (the default prefetches one: two blocks).
+    assert (1 + blocks_ahead) * got["block"] <= got["peak"] < (2 + blocks_ahead) * got["block"]
+    _assert_parity(results, 2)
 
 
 def test_fine_grained_units_skip_tied_leaves_and_need_zero3() -> None:
