@@ -13,6 +13,7 @@ the Megatron-Core adapter), on 2 ranks after 3 training steps.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import pytest
@@ -84,9 +85,16 @@ def _region_worker(rank: int, world: int, row: str) -> dict[str, Any]:
     return {"losses": losses, "evals": [], "weights": weights, "reduced": reduced}
 
 
+FULL = os.environ.get("MFSDP_FULL_MATRIX") == "1"
+
+
+@pytest.mark.parametrize(
+    "world",
+    [2, pytest.param(4, marks=pytest.mark.skipif(not FULL, reason="MFSDP_FULL_MATRIX=1 only"))],
+)
 @pytest.mark.parametrize("row", ROWS)
-def test_mixed_precision_context_through_every_entry_point(row: str) -> None:
-    results = run_distributed(_region_worker, 2, row, timeout=240)
+def test_mixed_precision_context_through_every_entry_point(row: str, world: int) -> None:
+    results = run_distributed(_region_worker, world, row, timeout=240)
     want = reference_run(row, COL)
     for rank, result in enumerate(results):
         assert_parity(result, want, COL, 1e-5, f"{row} rank {rank}")

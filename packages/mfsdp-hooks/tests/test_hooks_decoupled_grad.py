@@ -8,6 +8,7 @@ training parity through every entry point; this file checks the gradient's life 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -31,7 +32,7 @@ from mfsdp_hooks import (
     optimizer_grad,
 )
 
-GLOBAL_BATCH = 8
+GLOBAL_BATCH = 8  # divisible by 2 and 4 ranks
 
 
 class DecoupledSGD(torch.optim.Optimizer):
@@ -117,6 +118,15 @@ def _decoupled_worker(rank: int, world: int, strategy: int) -> None:
         assert_close_rel(got[name], grad, 1e-5, f"after zero_grad {name}")
 
 
+FULL = os.environ.get("MFSDP_FULL_MATRIX") == "1"
+
+
+@pytest.mark.parametrize(
+    "world",
+    [2, pytest.param(4, marks=pytest.mark.skipif(not FULL, reason="MFSDP_FULL_MATRIX=1 only"))],
+)
 @pytest.mark.parametrize("strategy", [0, 3])
-def test_decoupled_gradients_accumulate_clear_and_refuse_grad_readers(strategy: int) -> None:
-    run_distributed(_decoupled_worker, 2, strategy, timeout=180)
+def test_decoupled_gradients_accumulate_clear_and_refuse_grad_readers(
+    strategy: int, world: int
+) -> None:
+    run_distributed(_decoupled_worker, world, strategy, timeout=180)
