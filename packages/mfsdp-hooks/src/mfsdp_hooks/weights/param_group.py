@@ -177,11 +177,12 @@ class ParameterGroup:
         )
 
     def _codec_context(self, topology: FSDPTopology) -> CodecContext:
+        """What the codec encodes from: this rank's main-weight shard. Under HFSDP that is a
+        ``dp_shard x dp_outer`` sub-shard, encoded into its slot of the compute shard
+        (``_refresh_compute_shard``), with scales agreed over every rank holding a piece."""
         if topology.shards_optimizer_across_outer:
-            raise NotImplementedError(
-                f"{self.names[0]!r}: parameters a codec claims (FP8 weights) cannot be sharded "
-                "across dp_outer (HFSDP) yet: replicate across dp_outer or shard plain weights"
-            )
+            group = topology.optim_group if topology.optim_size > 1 else None
+            return CodecContext(self.optim_layout, topology.optim_rank, group, self.compute_dtype)
         group = topology.shard_group if topology.shard_size > 1 else None
         return CodecContext(self.layout, topology.shard_rank, group, self.compute_dtype)
 
