@@ -69,7 +69,9 @@ def test_the_reference_class_api_trains_as_one_process(strategy: str) -> None:
 def _refusal_worker(rank: int, world: int, case: str) -> str:
     arguments: dict[str, Any] = {
         "keyword_against_config": {"ddp_config": DistributedDataParallelConfig(), "nccl_ub": True},
-        "unsupported_field": {"ddp_config": DistributedDataParallelConfig(bucket_size=40_000_000)},
+        "unsupported_field": {
+            "ddp_config": DistributedDataParallelConfig(megatron_fsdp_cuda_graph_mode=True)
+        },
         "not_yet_keyword": {"nccl_ub": True},
         "outer_mismatch": {
             "ddp_config": DistributedDataParallelConfig(outer_dp_sharding_strategy="optim")
@@ -86,7 +88,10 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
     ("case", "expected"),
     [
         ("keyword_against_config", "ValueError: MegatronFSDP keyword(s) ['nccl_ub'] contradict"),
-        ("unsupported_field", "NotImplementedError: DistributedDataParallelConfig.bucket_size"),
+        (
+            "unsupported_field",
+            "NotImplementedError: DistributedDataParallelConfig.megatron_fsdp_cuda_graph_mode",
+        ),
         ("not_yet_keyword", "NotImplementedError: nccl_ub=True"),
         ("outer_mismatch", "ValueError: FSDPDistributedIndex(hsdp_outer_dp_shard=False)"),
     ],

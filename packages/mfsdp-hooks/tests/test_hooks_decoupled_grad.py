@@ -125,7 +125,10 @@ FULL = os.environ.get("MFSDP_FULL_MATRIX") == "1"
     "world",
     [2, pytest.param(4, marks=pytest.mark.skipif(not FULL, reason="MFSDP_FULL_MATRIX=1 only"))],
 )
-@pytest.mark.parametrize("strategy", [0, 3])
+@pytest.mark.parametrize(
+    "strategy",
+    [pytest.param(0, marks=pytest.mark.skipif(not FULL, reason="MFSDP_FULL_MATRIX=1 only")), 3],
+)
 def test_decoupled_gradients_accumulate_clear_and_refuse_grad_readers(
     strategy: int, world: int
 ) -> None:

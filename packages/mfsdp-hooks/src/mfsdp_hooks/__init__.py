@@ -9,7 +9,12 @@ from mfsdp_hooks.api.fully_shard import (
     fully_shard,
     is_fully_sharded,
 )
-from mfsdp_hooks.api.root_wrapper import MegatronFSDP, UnitSpec, resolve_unit_modules
+from mfsdp_hooks.api.root_wrapper import (
+    MegatronFSDP,
+    UnitSpec,
+    fine_grained_units,
+    resolve_unit_modules,
+)
 from mfsdp_hooks.config.codec import (
     CodecContext,
     GroupCodec,
@@ -87,6 +92,7 @@ __all__ = [
     "is_fully_sharded",
     "local_tensor",
     "locate",
+    "fine_grained_units",
     "make_grad_allocator",
     "register_fsdp_forward_method",
     "optimizer_groups",
