@@ -54,6 +54,12 @@ def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """SGD: Adam turns the rounding noise of this model's near-zero norm gradients into
+    whole steps (1.4e-5 apart from one process at 4 ranks, with or without the options)."""
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
+
+
 def _train(model: nn.Module, optimizer: Any, batches: Any, rank: int, world: int) -> None:
     for x, y in batches:
         x, y = local_slice(x, rank, world), local_slice(y, rank, world)
@@ -92,7 +98,7 @@ def _wrap(how: dict[str, Any], world: int) -> nn.Module:
 
 def _gather_worker(rank: int, world: int, how: dict[str, Any]) -> dict[str, Any]:
     model = _wrap(how, world)
-    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    optimizer = fully_shard_optimizer(_optimizer(model))
     blocks = [m for m in model.module.modules() if isinstance(m, Block)]
     in_blocks = [
         unit
@@ -151,12 +157,14 @@ def test_fine_grained_gathers_hold_two_leaves_not_two_blocks(world: int) -> None
         fine["gathers"],
         coarse["gathers"],
     )
+    # The split changes nothing numerically: bit for bit the unit-wise run's weights.
+    assert fine["weights"] == coarse["weights"]  # rank 0's, both
     _assert_parity(fine_results, world)
 
 
 def _assert_parity(results: list[dict[str, Any]], world: int) -> None:
     reference = _model()
-    _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), _batches(world), 0, 1)
+    _train(reference, _optimizer(reference), _batches(world), 0, 1)
     for rank, result in enumerate(results):
         for name, param in reference.named_parameters():
             got = torch.tensor(result["weights"][name])
