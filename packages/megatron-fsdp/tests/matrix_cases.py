@@ -65,6 +65,7 @@ COLS = (
     "zero3",
     "hsdp",
     "hfsdp",
+    "hfsdp_tp",
     "tp_dtensor",
     "tp_megatron",
     "ep",
@@ -89,8 +90,22 @@ SAVE_AFTER = 5  # dcp_resume: save after this many steps, resume a fresh model f
 LR = 1e-2
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
-_FAMILY = {"tp_dtensor": "tp", "tp_megatron": "tp", "ep": "ep", "float8": "float8"}
-_WORLD = {"hsdp": 4, "hfsdp": 4, "tp_dtensor": 4, "tp_megatron": 4, "ep": 4, "cp": 4}
+_FAMILY = {
+    "tp_dtensor": "tp",
+    "tp_megatron": "tp",
+    "hfsdp_tp": "tp",
+    "ep": "ep",
+    "float8": "float8",
+}
+_WORLD = {
+    "hsdp": 4,
+    "hfsdp": 4,
+    "hfsdp_tp": 4,
+    "tp_dtensor": 4,
+    "tp_megatron": 4,
+    "ep": 4,
+    "cp": 4,
+}
 _STRATEGY = {"zero0": 0, "zero1": 1, "zero2": 2}
 _STRATEGY_NAME = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
 _UNIT: dict[str, type[nn.Module]] = {"toy": Block, "tp": MLPBlock, "ep": MoEBlock}
@@ -204,6 +219,8 @@ def make_layout(col: str, rank: int, world: int) -> Layout:
             per_module_mesh=per_module,
             dp=(rank, world),
         )
+    if col == "hfsdp_tp":
+        return _hfsdp_tp_layout(world)
     if family(col) == "tp":
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "tp"))
         per_module = mesh["dp_shard"]  # DTensor TP: FSDP2's way, the 1-D DP mesh
@@ -242,6 +259,28 @@ def make_layout(col: str, rank: int, world: int) -> Layout:
             cp=(mesh["cp"].get_local_rank(), world // 2),
         )
     return Layout(dp=(rank, world))
+
+
+def _hfsdp_tp_layout(world: int) -> Layout:
+    """(dp_outer=2, dp_shard, tp=2) with the optimizer sharded across dp_outer as well."""
+    dims = ("dp_outer", "dp_shard", "tp")
+    mesh = init_device_mesh("cpu", (2, world // 4, 2), mesh_dim_names=dims)
+    dp_mesh = mesh["dp_outer", "dp_shard"]._flatten("dp")
+    topology = FSDPTopology.from_mesh(
+        mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", tp_dim="tp"
+    )
+    topology.shard_optimizer_across_outer(dp_mesh.get_group())
+    return Layout(
+        device_mesh=mesh,
+        dp_shard_dim="dp_shard",
+        dp_outer_dim="dp_outer",
+        tp_dim="tp",
+        hybrid_group=dp_mesh.get_group(),
+        outer_optim=True,
+        per_module_mesh=topology,
+        dp=(dp_mesh.get_local_rank(), dp_mesh.size()),
+        tp_mesh=mesh["tp"],
+    )
 
 
 def local_share(
@@ -499,8 +538,8 @@ def _mcore(module: nn.Module, col: str, layout: Layout, units: list[type[nn.Modu
         data_parallel_sharding_strategy=_STRATEGY_NAME[strategy(col)],
         # Megatron-Core's HSDP: several distributed-optimizer instances (HFSDP: and the
         # optimizer sharded across them).
-        num_distributed_optimizer_instances=2 if col in ("hsdp", "hfsdp") else 1,
-        outer_dp_sharding_strategy="optim" if col == "hfsdp" else "no_shard",
+        num_distributed_optimizer_instances=2 if col in ("hsdp", "hfsdp", "hfsdp_tp") else 1,
+        outer_dp_sharding_strategy="optim" if col in ("hfsdp", "hfsdp_tp") else "no_shard",
         overlap_grad_reduce=True,
         overlap_param_gather=True,
         use_distributed_optimizer=True,
@@ -521,6 +560,10 @@ def _mcore(module: nn.Module, col: str, layout: Layout, units: list[type[nn.Modu
             tp=layout.tp_mesh.get_group(),
             tp_dp_cp=dist.group.WORLD,
         )
+        if layout.hybrid_group is not None:  # HSDP: the whole DP group and its two parts
+            extra["pg_collection"].dp_cp = layout.hybrid_group
+            extra["pg_collection"].intra_dp_cp = layout.device_mesh["dp_shard"].get_group()
+            extra["pg_collection"].inter_dist_opt = layout.device_mesh["dp_outer"].get_group()
     if layout.expert_mesh is not None:  # the dense DP group and the expert-data-parallel one
         assert layout.device_mesh is not None
         extra["pg_collection"] = SimpleNamespace(

@@ -2,19 +2,25 @@
 
 A checkpoint saved on 4 ranks as (dp_shard=2, tp=2) resumes under plain FSDP on 2 and on 4
 ranks and under 2x2 again, and training continues exactly; one saved under plain FSDP
-resumes under FSDP x TP.
+resumes under FSDP x TP. HFSDP x TP (``outer_dp_sharding_strategy="optim"`` with ``tp_dim``)
+runs as (dp_outer=2, dp_shard=1, tp=2) on 4 ranks and (2, 2, 2) on 8, where each TP
+parameter's optimizer shard is a sub-shard whose (dp, tp) mesh coordinates are not sub-shard
+order.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from megatron_fsdp import fully_shard_model, fully_shard_optimizer
@@ -25,13 +31,32 @@ from mfsdp_hooks.testing.tp import TP_OUT, TP_WIDTH, MLPBlock, megatron_tp_model
 STEPS = 10
 
 
+def _hfsdp_tp_mesh(world: int, tp_size: int) -> tuple[DeviceMesh, dict[str, Any]]:
+    """(dp_outer=2, dp_shard, tp=tp_size) and the HFSDP keywords for it."""
+    shape = (2, world // (2 * tp_size), tp_size)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_outer", "dp_shard", "tp"))
+    hybrid = mesh["dp_outer", "dp_shard"]._flatten("dp").get_group()
+    options = {
+        "dp_outer_dim": "dp_outer",
+        "hybrid_fsdp_group": hybrid,
+        "outer_dp_sharding_strategy": "optim",
+    }
+    return mesh, options
+
+
 def _wrap(
-    tp: bool, world: int, megatron: bool = False
+    tp: bool, world: int, megatron: bool = False, hfsdp: bool = False, tp_size: int = 2
 ) -> tuple[nn.Module, torch.optim.Optimizer, int]:
-    """The MLP model under FSDP x TP (2x2; torch's DTensor TP, or ``megatron``-style layers)
-    or plain FSDP; returns its DP rank."""
+    """The MLP model under FSDP x TP (2x2; torch's DTensor TP, or ``megatron``-style layers),
+    HFSDP x TP (``hfsdp``: 2 x world/(2 tp_size) x tp_size) or plain FSDP; returns its DP
+    rank."""
     if tp:
-        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "tp"))
+        if hfsdp:
+            mesh, options = _hfsdp_tp_mesh(world, tp_size)
+            dp_mesh = mesh["dp_outer", "dp_shard"]._flatten("dp")
+        else:
+            mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "tp"))
+            dp_mesh, options = mesh["dp_shard"], {}
         tp_mesh = mesh["tp"]
         model = fully_shard_model(
             megatron_tp_model(tp_mesh) if megatron else tp_model("mlp", tp_mesh),
@@ -39,8 +64,9 @@ def _wrap(
             device_mesh=mesh,
             dp_shard_dim="dp_shard",
             tp_dim="tp",
+            **options,
         )
-        dp_rank, dp_size = mesh["dp_shard"].get_local_rank(), world // 2
+        dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
     else:
         model = fully_shard_model(tp_model("mlp", None), fsdp_unit_modules=[MLPBlock])
         dp_rank, dp_size = dist.get_rank(), world
@@ -67,8 +93,10 @@ def _steps(
     return losses
 
 
-def _parity_worker(rank: int, world: int, megatron: bool) -> tuple[list[float], list[float]]:
-    model, optimizer, dp_rank = _wrap(True, world, megatron)
+def _parity_worker(
+    rank: int, world: int, megatron: bool, hfsdp: bool = False, tp_size: int = 2
+) -> tuple[list[float], list[float]]:
+    model, optimizer, dp_rank = _wrap(True, world, megatron, hfsdp, tp_size)
     for name, param in model.named_parameters():
         # DTensor TP also keeps the replicated rowwise bias on the TP mesh; Megatron does not.
         tp_cut = "blocks" in name and not (megatron and name.endswith("down.bias"))
@@ -87,7 +115,16 @@ def _parity_worker(rank: int, world: int, megatron: bool) -> tuple[list[float], 
         ref_opt.step()
         ref_opt.zero_grad()
         want.append(loss.item())
-    got = _steps(model, optimizer, (dp_rank, world // 2), 0, STEPS)
+    got = _steps(model, optimizer, (dp_rank, world // tp_size), 0, STEPS)
+    for name, param in model.named_parameters():
+        # the optimizer shards tile each parameter once per TP replica: under HFSDP they are
+        # cut across dp_outer as well (HSDP would hold dp_outer copies)
+        held = torch.tensor(float(param.to_local().numel()))
+        dist.all_reduce(held)
+        mesh, placements = param.device_mesh, param.placements
+        replicas = 1 if mesh.ndim == 2 else tp_size  # TP replicas of one TP does not cut
+        replicas *= math.prod(mesh.size(d) for d, p in enumerate(placements) if p.is_replicate())
+        assert held.item() == param.numel() * replicas, (name, held.item(), param.numel())
     full = gather_full_state_dict(model, rank0_only=False)
     for name, value in reference.state_dict().items():
         key = name if name in full else f"module.{name}"
@@ -104,16 +141,39 @@ def test_fully_shard_model_with_tp_dim_trains_as_one_process(megatron: bool) -> 
             assert abs(a - b) <= 1e-5 * abs(b), (got, want)
 
 
-def _save_worker(rank: int, world: int, path: str, tp: bool, megatron: bool = False) -> list[float]:
-    model, optimizer, dp_rank = _wrap(tp, world, megatron)
+FULL = os.environ.get("MFSDP_FULL_MATRIX") == "1"
+EIGHT_RANKS = pytest.mark.skipif(not FULL, reason="8 ranks: MFSDP_FULL_MATRIX=1 only")
+
+
+@pytest.mark.parametrize(
+    ("world", "megatron", "tp_size"),
+    [
+        (4, False, 2),
+        (4, True, 2),
+        # a TP dim of size 1: dp coordinates (2 x 2) are not sub-shard order at 4 ranks
+        (4, True, 1),
+        pytest.param(8, False, 2, marks=EIGHT_RANKS),
+        pytest.param(8, True, 2, marks=EIGHT_RANKS),
+    ],
+)
+def test_hfsdp_with_tp_dim_trains_as_one_process(world: int, megatron: bool, tp_size: int) -> None:
+    for got, want in run_distributed(_parity_worker, world, megatron, True, tp_size, timeout=300):
+        for a, b in zip(got, want, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+
+
+def _save_worker(
+    rank: int, world: int, path: str, tp: bool, megatron: bool = False, hfsdp: bool = False
+) -> list[float]:
+    model, optimizer, dp_rank = _wrap(tp, world, megatron, hfsdp)
     dp = (dp_rank, world // 2 if tp else world)
     losses = _steps(model, optimizer, dp, 0, 3)
     dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
     return losses + _steps(model, optimizer, dp, 3, 3)
 
 
-def _load_worker(rank: int, world: int, path: str, tp: bool) -> list[float]:
-    model, optimizer, dp_rank = _wrap(tp, world)
+def _load_worker(rank: int, world: int, path: str, tp: bool, hfsdp: bool = False) -> list[float]:
+    model, optimizer, dp_rank = _wrap(tp, world, hfsdp=hfsdp)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     dcp.load(state_dict=state, checkpoint_id=path)
     model.load_state_dict(state["model"], strict=False)
@@ -130,6 +190,31 @@ def test_an_fsdp_x_tp_checkpoint_resumes_exactly(
     path = str(tmp_path / "ckpt")
     uninterrupted = run_distributed(_save_worker, 4, path, saved_tp, timeout=180)[0]
     resumed = run_distributed(_load_worker, world, path, loaded_tp, timeout=180)[0]
+    for got, want in zip(resumed, uninterrupted[3:], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (resumed, uninterrupted)
+
+
+@pytest.mark.parametrize(
+    ("saved", "world", "loaded"),
+    [
+        ("hfsdp_tp", 2, "fsdp"),
+        ("tp", 4, "hfsdp_tp"),
+        pytest.param("hfsdp_tp", 8, "hfsdp_tp", marks=EIGHT_RANKS),
+    ],
+)
+def test_an_hfsdp_x_tp_checkpoint_resumes_exactly(
+    tmp_path: Path, saved: str, world: int, loaded: str
+) -> None:
+    """The sub-shards of TP parameters land at their rows in the checkpoint: saved under
+    HFSDP x TP it resumes under plain FSDP, and an FSDP x TP one resumes under HFSDP x TP."""
+    path = str(tmp_path / "ckpt")
+    save_world = 8 if world == 8 else 4
+    saved_hfsdp, loaded_hfsdp = saved == "hfsdp_tp", loaded == "hfsdp_tp"
+    args = (path, True, False, saved_hfsdp)
+    uninterrupted = run_distributed(_save_worker, save_world, *args, timeout=240)[0]
+    resumed = run_distributed(
+        _load_worker, world, path, loaded != "fsdp", loaded_hfsdp, timeout=240
+    )[0]
     for got, want in zip(resumed, uninterrupted[3:], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want), (resumed, uninterrupted)
 

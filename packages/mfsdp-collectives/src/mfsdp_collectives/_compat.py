@@ -124,3 +124,18 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
             f"init_device_mesh(..., mesh_dim_names=('dp_shard', 'tp'))): {error}"
         ) from error
     return joined
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``mesh`` (a submesh of a root mesh) as one dim called ``name``, as torchtitan and
+    Megatron-FSDP build their flattened data-parallel dims. Collective over the root mesh's
+    ranks the first time a name is used; the same name again returns the same mesh. torch
+    2.13 has no public API for it: this is the one place that calls the private one."""
+    try:
+        flat: DeviceMesh = mesh._flatten(name)
+    except AttributeError as error:
+        raise NotImplementedError(
+            f"torch {torch.__version__} cannot flatten DeviceMesh dims: HFSDP x TP needs a "
+            "torch whose DeviceMesh can be flattened (2.6 or later)"
+        ) from error
+    return flat

@@ -17,9 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import cast
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._compat import concatenate_meshes, flatten_mesh
 from .liveness import naming_dead_peers
 from .naming import group_name, register_group_name
 
@@ -48,6 +50,38 @@ class OptimizerSharding:
     @property
     def size(self) -> int:
         return len(self.index_of_group_rank)
+
+    def flattened_mesh(self, outer_mesh: DeviceMesh, shard_mesh: DeviceMesh) -> DeviceMesh:
+        """The root mesh's ``(dp_outer, dp_shard)`` flattened into one dim over ``group``'s
+        ranks: unlike ``mesh`` (the group's own, which belongs to no root mesh) it joins
+        with the root's TP dim. Collective over the root mesh the first time."""
+        try:
+            joined = concatenate_meshes([outer_mesh, shard_mesh])
+        except ValueError as error:
+            raise ValueError(
+                "HFSDP with TP joins the dp_outer and dp_shard dims of the mesh, which must "
+                f"come in that order: {error}"
+            ) from error
+        flat = flatten_mesh(joined, DP_OUTER_SHARD)
+        got = sorted(int(r) for r in flat.mesh.flatten().tolist())
+        want = sorted(dist.get_process_group_ranks(self.group))
+        if got != want:
+            raise ValueError(
+                f"the HFSDP group holds ranks {want}, but this rank's flattened (dp_outer, "
+                f"dp_shard) submesh is {got}: pass that submesh's group as hybrid_fsdp_group"
+            )
+        return flat
+
+    def indices_along(self, mesh: DeviceMesh) -> tuple[int, ...]:
+        """The sub-shard held at each coordinate of dim 0 of ``mesh`` (a mesh whose dim 0
+        spans ``group``'s ranks), this rank's coordinates on its other dims fixed."""
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None, "this rank is not in the mesh"
+        ranks: torch.Tensor = mesh.mesh
+        for position in coordinate[1:]:
+            ranks = ranks[:, position]
+        group_ranks = dist.get_process_group_ranks(self.group)
+        return tuple(self.index_of_group_rank[group_ranks.index(int(r))] for r in ranks.tolist())
 
     @classmethod
     def across_outer(

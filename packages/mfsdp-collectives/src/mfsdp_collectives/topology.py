@@ -161,6 +161,8 @@ class FSDPTopology:
     host_transport: SharedMemoryTransport | None = None
     tp_mesh: DeviceMesh | None = None
     """The ``tp_dim`` submesh (``from_mesh``): Megatron-style TP parameters are cut over it."""
+    outer_mesh: DeviceMesh | None = None
+    """The ``dp_outer_dim`` submesh (``from_mesh``): HFSDP joins it with ``shard_mesh`` for TP."""
     optim_sharding: OptimizerSharding | None = None
     # HFSDP: how the reduce-scatter and all-gather across dp_outer travel (chosen likewise).
     outer_transport: SharedMemoryTransport | None = None
@@ -237,14 +239,37 @@ class FSDPTopology:
 
     def with_tp(self, tp_mesh: DeviceMesh) -> DeviceMesh:
         """The 2-D ``(dp, tp)`` mesh of a tensor-parallel parameter's DTensors: the optimizer
-        mesh joined with its TP mesh (both submeshes of one DeviceMesh)."""
-        dp_mesh = self.optim_mesh
-        if dp_mesh is None or self.shards_optimizer_across_outer:
+        mesh joined with its TP mesh (both submeshes of one DeviceMesh).
+
+        Under HFSDP the optimizer mesh is the hybrid group's own 1-D mesh, which no root mesh
+        knows; its dp dim is then ``(dp_outer, dp_shard)`` of the user's mesh flattened (a
+        collective over the mesh the first time), whose ranks must be the hybrid group's.
+        Its coordinates need not be sub-shard order: ``optim_indices_along`` maps them."""
+        if self.shards_optimizer_across_outer:
+            return concatenate_meshes([self._hfsdp_dp_mesh(), tp_mesh])
+        if self.optim_mesh is None:
             raise NotImplementedError(
                 "tensor-parallel parameters need a DP mesh from the same DeviceMesh as their TP "
-                "mesh, and HFSDP with TP is not supported yet: pass the mesh's dp_shard dim"
+                "mesh: pass the mesh's dp_shard dim"
             )
-        return concatenate_meshes([dp_mesh, tp_mesh])
+        return concatenate_meshes([self.optim_mesh, tp_mesh])
+
+    def _hfsdp_dp_mesh(self) -> DeviceMesh:
+        sharding = self.optim_sharding
+        assert sharding is not None
+        if self.outer_mesh is None or self.shard_mesh is None or self.mesh is None:
+            raise NotImplementedError(
+                "HFSDP with tensor-parallel parameters needs the topology built from the "
+                "DeviceMesh holding dp_outer, dp_shard and tp (FSDPTopology.from_mesh), not "
+                "from process groups"
+            )
+        return sharding.flattened_mesh(self.outer_mesh, self.shard_mesh)
+
+    def optim_indices_along(self, mesh: DeviceMesh) -> tuple[int, ...]:
+        """The optimizer-facing shard held at each coordinate of ``mesh``'s dim 0 (this rank's
+        coordinates on the other dims): the optimizer mesh or a ``with_tp`` mesh."""
+        sharding = self.optim_sharding
+        return tuple(range(mesh.size(0))) if sharding is None else sharding.indices_along(mesh)
 
     def optim_index_of(self, group_rank: int) -> int:
         """The optimizer-facing shard held by rank ``group_rank`` of ``optim_group``."""
@@ -320,6 +345,7 @@ class FSDPTopology:
             shard_mesh=mesh[dp_shard_dim] if mesh.ndim > 1 else mesh,
             mesh=mesh,
             tp_mesh=None if tp_dim is None else mesh[tp_dim],
+            outer_mesh=None if dp_outer_dim is None else mesh[dp_outer_dim],
         )
 
     @classmethod

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from mfsdp_buffers import DataParallelBuffer, FlatLayout
@@ -45,6 +46,7 @@ class ShardCuts:
         self.topology = topology
         self.tp_specs = list(tp_specs) or [None] * len(self.shapes)
         self._dp_tp_meshes = {id(s.mesh): topology.with_tp(s.mesh) for s in self.tp_specs if s}
+        self._optim_indices: dict[int, tuple[int, ...]] = {}
         self.optim_layout = FlatLayout.build(
             self.shapes, world_size=topology.optim_size, alignment=alignment
         )
@@ -77,21 +79,21 @@ class ShardCuts:
         if spec is None:
             if not sharded:
                 return replicated_dtensor(local, mesh)
-            return row_sharded(
-                sharded_dtensor(local, mesh, self.shapes[index]), self.row_ranges(index)
-            )
+            tensor = sharded_dtensor(local, mesh, self.shapes[index])
+            return row_sharded(tensor, self.row_ranges(index, mesh))
         placements = [Shard(0) if sharded else Replicate(), *spec.placements]
         dp_tp = self._dp_tp_meshes[id(spec.mesh)]
         tensor = sharded_dtensor(local, dp_tp, spec.global_shape, placements)
-        return row_sharded(tensor, self.row_ranges(index)) if sharded else tensor
+        return row_sharded(tensor, self.row_ranges(index, dp_tp)) if sharded else tensor
 
-    def row_ranges(self, index: int) -> tuple[tuple[int, int], ...]:
-        """The rows of parameter ``index`` that each rank of the optimizer mesh holds."""
-        topology = self.topology
-        pieces = [
-            self.optim_layout.local_piece(index, topology.optim_index_of(rank))
-            for rank in range(topology.optim_size)
-        ]
+    def row_ranges(self, index: int, mesh: DeviceMesh) -> tuple[tuple[int, int], ...]:
+        """The rows of parameter ``index`` held at each coordinate of ``mesh``'s dim 0 (the
+        optimizer mesh, or a ``(dp, tp)`` mesh whose dp coordinates under HFSDP are not
+        sub-shard order)."""
+        indices = self._optim_indices.get(id(mesh))
+        if indices is None:
+            indices = self._optim_indices[id(mesh)] = self.topology.optim_indices_along(mesh)
+        pieces = [self.optim_layout.local_piece(index, i) for i in indices]
         return tuple((piece.row_start, piece.row_end) for piece in pieces)
 
     def dist_params(
