@@ -345,6 +345,10 @@ class MCoreDDPConfigStandIn:
     megatron_fsdp_use_decoupled_grad: bool = False
     fp8_param_gather: bool = False
     megatron_fsdp_enable_fine_grained_param_gather: bool = False
+    bucket_size: int | None = None
+    suggested_communication_unit_size: int | None = None
+    fsdp_double_buffer: bool = False
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False
 
 
 @dataclass

@@ -3,11 +3,12 @@
 (one pool sized for the largest unit) and ``fsdp_db_use_persist_buf_on_alloc_fail`` (a
 request no slot can serve gets a buffer kept for its unit instead of a fresh allocation).
 
-Each is reached through the seed API (``fully_shard_model``) and the reference's class API
-(``DistributedDataParallelConfig``), at 2 and 4 ranks: training matches one process to
-1e-5 over 10 steps, and the memory the pool keeps is bounded and stops growing after the
-first step. The pools' own behaviour is tested in ``mfsdp-buffers``
-(``test_buffers_max_pool.py``).
+Each is reached through the seed API (``fully_shard_model``), the reference's class API
+(``DistributedDataParallelConfig``), the Megatron-Core adapter (its config's two fields) and
+the per-module ``fully_shard`` (``grad_buffer_allocator=DoubleBuffer(max_pool, on_full)``),
+at 2 and 4 ranks: training matches one process to 1e-5 over 10 steps, and the memory the pool
+keeps is bounded and stops growing after the first step. The pools' own behaviour is tested
+in ``mfsdp-buffers`` (``test_buffers_max_pool.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 
 import pytest
 import torch
+from matrix_cases import MCoreDDPConfigStandIn, TransformerConfigStandIn
 from torch.distributed.device_mesh import init_device_mesh
 
 import mfsdp_hooks
@@ -27,12 +29,15 @@ from megatron_fsdp import (
     fully_shard_optimizer,
 )
 from megatron_fsdp.engine_options import grad_buffer_choice
+from megatron_fsdp.mcore import FullyShardedDataParallel, MCoreFSDPModel
 from mfsdp_buffers import FixedPoolAllocator, MaxPoolAllocator
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import fsdp_units
+from mfsdp_hooks import DoubleBuffer, fsdp_units
 from mfsdp_hooks.testing import (
     Block,
     assert_close_rel,
+    local_slice,
+    loss_fn,
     make_batches,
     make_model,
     train_data_parallel,
@@ -44,9 +49,26 @@ FULL = os.environ.get("MFSDP_FULL_MATRIX") == "1"
 VARIANTS = ("fixed", "max_pool", "persist")
 
 
-def _wrap(entry: str, variant: str, world: int) -> MegatronFSDP:
+def _wrap(entry: str, variant: str, world: int) -> torch.nn.Module:
     model = make_model()
     persist = variant == "persist"
+    if entry == "per_module":
+        on_full = "persistent" if persist else "dynamic"
+        allocator = DoubleBuffer(max_pool=variant == "max_pool", on_full=on_full)
+        for block in model.blocks:
+            mfsdp_hooks.fully_shard(block, grad_buffer_allocator=allocator)
+        mfsdp_hooks.fully_shard(model, grad_buffer_allocator=allocator)
+        return model
+    if entry == "mcore":
+        ddp_config = MCoreDDPConfigStandIn(
+            data_parallel_sharding_strategy="optim_grads_params",
+            use_distributed_optimizer=True,
+            use_megatron_fsdp=True,
+            fsdp_double_buffer=True,
+            fsdp_db_use_persist_buf_on_alloc_fail=persist,
+        )
+        config = TransformerConfigStandIn()
+        return FullyShardedDataParallel(config, ddp_config, model, fsdp_unit_modules=[Block])  # type: ignore[no-any-return]
     if entry == "seed":
         return fully_shard_model(
             model,
@@ -83,28 +105,46 @@ def _double_buffer_worker(rank: int, world: int, entry: str, variant: str) -> di
     kind = MaxPoolAllocator if variant == "max_pool" else FixedPoolAllocator
     assert type(allocator) is kind, type(allocator)
     assert allocator.fallback.on_full == ("persistent" if variant == "persist" else "dynamic")
-    optimizer = fully_shard_optimizer(torch.optim.AdamW(wrapped.parameters(), lr=1e-2))
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    if entry in ("seed", "class"):
+        optimizer = fully_shard_optimizer(optimizer)
     reserved = []
     for batch in batches:
-        train_data_parallel(wrapped, optimizer, [batch], rank, world)
+        if isinstance(wrapped, MCoreFSDPModel):  # Megatron-Core's loop
+            wrapped.zero_grad_buffer()
+            loss_fn(
+                wrapped(local_slice(batch[0], rank, world)), local_slice(batch[1], rank, world)
+            ).backward()
+            wrapped.finish_grad_sync(force_all_reduce=False)
+            optimizer.step()
+            wrapped.param_and_grad_buffer.copy_main_weights_to_model_weights()
+            wrapped.start_param_sync()
+        else:
+            train_data_parallel(wrapped, optimizer, [batch], rank, world)
         reserved.append(allocator.reserved_bytes())
     weights = {
-        name.removeprefix("module."): p.full_tensor().tolist()
+        name.split("module.")[-1]: p.full_tensor().tolist()
         for name, p in wrapped.named_parameters()
     }
     return {"reserved": reserved, "sizes": _reduce_buffer_bytes(wrapped), "weights": weights}
 
 
-CI_CASES = {("seed", "persist"), ("class", "max_pool")}
+CI_CASES = {
+    ("seed", "persist"),
+    ("class", "max_pool"),
+    ("mcore", "fixed"),
+    ("per_module", "max_pool"),
+}
 
 
 def _cases() -> list[object]:
-    """Every entry point that has the option (the max pool is a config field only, as in
-    the reference), at 2 and 4 ranks; CI runs ``CI_CASES`` at 2, MFSDP_FULL_MATRIX=1 all."""
+    """Every entry point that has the option (the max pool is not a keyword of the seed API
+    nor a field of Megatron-Core's config), at 2 and 4 ranks; CI runs ``CI_CASES`` at 2,
+    MFSDP_FULL_MATRIX=1 all."""
     cases = []
-    for entry in ("seed", "class"):
+    for entry in ("seed", "class", "mcore", "per_module"):
         for variant in VARIANTS:
-            if entry == "seed" and variant == "max_pool":
+            if entry in ("seed", "mcore") and variant == "max_pool":
                 continue
             for world in (2, 4):
                 marks = []

@@ -12,6 +12,10 @@ parity with one process to 1e-5 over 10 steps.
   live does not change.
 * ``ddp_config.suggested_communication_unit_size``: the elements gathered ahead (less than
   a unit: no prefetch).
+
+The last two through each entry point that takes them: the reference's class, the
+Megatron-Core adapter (the same config fields) and the per-module ``fully_shard``
+(``max_bucket_numel``, ``prefetch_numel``).
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from typing import Any
 
 import pytest
 import torch
+from matrix_cases import MCoreDDPConfigStandIn, TransformerConfigStandIn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+import mfsdp_hooks
 from megatron_fsdp import (
     DistributedDataParallelConfig,
     FSDPDistributedIndex,
@@ -31,6 +37,7 @@ from megatron_fsdp import (
     fully_shard_model,
     fully_shard_optimizer,
 )
+from megatron_fsdp.mcore import FullyShardedDataParallel, MCoreFSDPModel
 from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import fsdp_units
@@ -61,11 +68,22 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def _train(model: nn.Module, optimizer: Any, batches: Any, rank: int, world: int) -> None:
+    """Steps as the entry point's users take them (Megatron-Core's loop for its adapter)."""
+    mcore = isinstance(model, MCoreFSDPModel)
     for x, y in batches:
         x, y = local_slice(x, rank, world), local_slice(y, rank, world)
+        if mcore:
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
+        if mcore:
+            model.finish_grad_sync(force_all_reduce=False)
         optimizer.step()
-        optimizer.zero_grad()
+        if mcore:
+            model.param_and_grad_buffer.copy_main_weights_to_model_weights()
+            model.start_param_sync()
+        else:
+            optimizer.zero_grad()
 
 
 def _gathered_bytes(units: list[Any], *, now: bool = True) -> int:
@@ -79,12 +97,41 @@ def _gathered_bytes(units: list[Any], *, now: bool = True) -> int:
     return total
 
 
-def _wrap(how: dict[str, Any], world: int) -> nn.Module:
-    """The seed API (``{"fine": bool}``) or the reference's class with config fields
-    (``{"config": {...}}``)."""
+_PER_MODULE_NAME = {
+    "bucket_size": "max_bucket_numel",
+    "suggested_communication_unit_size": "prefetch_numel",
+}
+
+
+def _wrap(how: dict[str, Any], world: int) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+    """The model to call, the user's module inside it, and its optimizer: the seed API
+    (``{"fine": bool}``), or config fields (``{"config": {...}}``) through the reference's
+    class, ``"entry": "mcore"`` or ``"entry": "per_module"``."""
+    entry = how.get("entry", "class")
     if "config" not in how:
         fine = how.get("fine", False)
-        return fully_shard_model(_model(), [Block], enable_fine_grained_param_gather=fine)
+        model = fully_shard_model(_model(), [Block], enable_fine_grained_param_gather=fine)
+        return model, model.module, fully_shard_optimizer(_optimizer(model))
+    if entry == "per_module":
+        module = _model()
+        options = {_PER_MODULE_NAME[k]: v for k, v in how["config"].items()}
+        for block in [m for m in module if isinstance(m, Block)]:
+            mfsdp_hooks.fully_shard(block, **options)
+        mfsdp_hooks.fully_shard(module, **options)
+        return module, module, _optimizer(module)
+    if entry == "mcore":
+        ddp_config = MCoreDDPConfigStandIn(
+            data_parallel_sharding_strategy="optim_grads_params",
+            overlap_param_gather=True,
+            overlap_grad_reduce=True,
+            use_distributed_optimizer=True,
+            use_megatron_fsdp=True,
+            **how["config"],
+        )
+        chunk = FullyShardedDataParallel(
+            TransformerConfigStandIn(), ddp_config, _model(), fsdp_unit_modules=[Block]
+        )
+        return chunk, chunk.module.module, _optimizer(chunk)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     config = DistributedDataParallelConfig(
         data_parallel_sharding_strategy="optim_grads_params",
@@ -93,13 +140,13 @@ def _wrap(how: dict[str, Any], world: int) -> nn.Module:
         **how["config"],
     )
     index = FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard")
-    return MegatronFSDP(_model(), index, config, fsdp_unit_modules=[Block])
+    model = MegatronFSDP(_model(), index, config, fsdp_unit_modules=[Block])
+    return model, model.module, fully_shard_optimizer(_optimizer(model))
 
 
 def _gather_worker(rank: int, world: int, how: dict[str, Any]) -> dict[str, Any]:
-    model = _wrap(how, world)
-    optimizer = fully_shard_optimizer(_optimizer(model))
-    blocks = [m for m in model.module.modules() if isinstance(m, Block)]
+    model, inner, optimizer = _wrap(how, world)
+    blocks = [m for m in inner.modules() if isinstance(m, Block)]
     in_blocks = [
         unit
         for unit in fsdp_units(model)
@@ -120,7 +167,7 @@ def _gather_worker(rank: int, world: int, how: dict[str, Any]) -> dict[str, Any]
         _train(model, optimizer, batches[1:2], rank, world)
     _train(model, optimizer, batches[2:], rank, world)
     weights = {
-        n.removeprefix("module."): p.full_tensor().tolist() for n, p in model.named_parameters()
+        n.split("module.")[-1]: p.full_tensor().tolist() for n, p in model.named_parameters()
     }
     return {
         "peak": peak[0],
@@ -174,10 +221,18 @@ def _assert_parity(results: list[dict[str, Any]], world: int) -> None:
 FC1_AND_NORM = (WIDTH * HIDDEN + HIDDEN) + 2 * WIDTH
 
 
-def test_bucket_size_splits_each_units_gathers_without_changing_what_is_live() -> None:
+ENTRIES = [
+    "class",
+    pytest.param("mcore", marks=pytest.mark.skipif(not FULL, reason="MFSDP_FULL_MATRIX=1 only")),
+    "per_module",
+]
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_bucket_size_splits_each_units_gathers_without_changing_what_is_live(entry: str) -> None:
     """``ddp_config.bucket_size``: a block (norm, fc1, fc2) becomes two collectives."""
-    whole = run_distributed(_gather_worker, 2, {"config": {}}, timeout=240)[0]
-    split = {"config": {"bucket_size": FC1_AND_NORM}}
+    whole = run_distributed(_gather_worker, 2, {"config": {}, "entry": entry}, timeout=240)[0]
+    split = {"config": {"bucket_size": FC1_AND_NORM}, "entry": entry}
     results = run_distributed(_gather_worker, 2, split, timeout=240)
     bucketed = results[0]
     # 3 blocks x (forward + backward) gathers each doubled; the head's unit is one group.
@@ -187,17 +242,22 @@ def test_bucket_size_splits_each_units_gathers_without_changing_what_is_live() -
 
 
 @pytest.mark.parametrize(
-    "blocks_ahead",
-    [0, pytest.param(2, marks=pytest.mark.skipif(not FULL, reason="MFSDP_FULL_MATRIX=1 only"))],
+    ("blocks_ahead", "entry"),
+    [
+        (0, "class"),
+        pytest.param(0, "mcore", marks=pytest.mark.skipif(not FULL, reason="full matrix only")),
+        pytest.param(2, "class", marks=pytest.mark.skipif(not FULL, reason="full matrix only")),
+        (2, "per_module"),
+    ],
 )
 def test_suggested_communication_unit_size_bounds_what_is_gathered_ahead(
-    blocks_ahead: int,
+    blocks_ahead: int, entry: str
 ) -> None:
     """``ddp_config.suggested_communication_unit_size``: the elements gathered ahead; less
     than a block turns prefetching off, two blocks' worth gathers two blocks ahead."""
     block_numel = 2 * WIDTH + (WIDTH * HIDDEN + HIDDEN) + (HIDDEN * WIDTH + WIDTH)
     size = blocks_ahead * block_numel + (block_numel // 2 if blocks_ahead == 0 else 0)
-    how = {"config": {"suggested_communication_unit_size": size}}
+    how = {"config": {"suggested_communication_unit_size": size}, "entry": entry}
     results = run_distributed(_gather_worker, 2, how, timeout=240)
     got = results[0]
     # The running block, and the blocks ahead (the default prefetches one: two blocks).

@@ -142,18 +142,18 @@ def test_fully_shard_model_with_tp_dim_trains_as_one_process(megatron: bool) -> 
 
 
 FULL = os.environ.get("MFSDP_FULL_MATRIX") == "1"
-EIGHT_RANKS = pytest.mark.skipif(not FULL, reason="8 ranks: MFSDP_FULL_MATRIX=1 only")
+FULL_ONLY = pytest.mark.skipif(not FULL, reason="MFSDP_FULL_MATRIX=1 only")
 
 
 @pytest.mark.parametrize(
     ("world", "megatron", "tp_size"),
     [
         (4, False, 2),
-        (4, True, 2),
+        pytest.param(4, True, 2, marks=FULL_ONLY),  # the matrix's hfsdp_tp column has it
         # a TP dim of size 1: dp coordinates (2 x 2) are not sub-shard order at 4 ranks
         (4, True, 1),
-        pytest.param(8, False, 2, marks=EIGHT_RANKS),
-        pytest.param(8, True, 2, marks=EIGHT_RANKS),
+        pytest.param(8, False, 2, marks=FULL_ONLY),
+        pytest.param(8, True, 2, marks=FULL_ONLY),
     ],
 )
 def test_hfsdp_with_tp_dim_trains_as_one_process(world: int, megatron: bool, tp_size: int) -> None:
@@ -199,7 +199,7 @@ def test_an_fsdp_x_tp_checkpoint_resumes_exactly(
     [
         ("hfsdp_tp", 2, "fsdp"),
         ("tp", 4, "hfsdp_tp"),
-        pytest.param("hfsdp_tp", 8, "hfsdp_tp", marks=EIGHT_RANKS),
+        pytest.param("hfsdp_tp", 8, "hfsdp_tp", marks=FULL_ONLY),
     ],
 )
 def test_an_hfsdp_x_tp_checkpoint_resumes_exactly(
