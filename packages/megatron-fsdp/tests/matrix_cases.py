@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -349,6 +349,40 @@ class MCoreDDPConfigStandIn:
     suggested_communication_unit_size: int | None = None
     fsdp_double_buffer: bool = False
     fsdp_db_use_persist_buf_on_alloc_fail: bool = False
+
+
+def mcore_chunk(module: nn.Module, units: list[type[nn.Module]], **fields: Any) -> Any:
+    """``module`` as Megatron-Core wraps a model chunk: ZeRO-3 with the distributed optimizer,
+    overlapped reductions and gathers, and ``fields`` of its DDP config."""
+    ddp_config = MCoreDDPConfigStandIn(
+        data_parallel_sharding_strategy="optim_grads_params",
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        use_distributed_optimizer=True,
+        use_megatron_fsdp=True,
+        **fields,
+    )
+    config = TransformerConfigStandIn()
+    return FullyShardedDataParallel(config, ddp_config, module, fsdp_unit_modules=units)
+
+
+def mcore_step(
+    chunk: Any,
+    optimizer: torch.optim.Optimizer,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> None:
+    """One step as Megatron-Core's loop takes it: buffers zeroed, ``loss(chunk(x), y)``'s
+    backward, ``finish_grad_sync``, the step, the main weights copied to the model weights
+    and the next gather started."""
+    chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss(chunk(x), y).backward()
+    chunk.finish_grad_sync(force_all_reduce=False)
+    optimizer.step()
+    chunk.param_and_grad_buffer.copy_main_weights_to_model_weights()
+    chunk.start_param_sync()
 
 
 @dataclass

@@ -17,7 +17,7 @@ import os
 
 import pytest
 import torch
-from matrix_cases import MCoreDDPConfigStandIn, TransformerConfigStandIn
+from matrix_cases import mcore_chunk, mcore_step
 from torch.distributed.device_mesh import init_device_mesh
 
 import mfsdp_hooks
@@ -29,7 +29,7 @@ from megatron_fsdp import (
     fully_shard_optimizer,
 )
 from megatron_fsdp.engine_options import grad_buffer_choice
-from megatron_fsdp.mcore import FullyShardedDataParallel, MCoreFSDPModel
+from megatron_fsdp.mcore import MCoreFSDPModel
 from mfsdp_buffers import FixedPoolAllocator, MaxPoolAllocator
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import DoubleBuffer, fsdp_units
@@ -60,15 +60,9 @@ def _wrap(entry: str, variant: str, world: int) -> torch.nn.Module:
         mfsdp_hooks.fully_shard(model, grad_buffer_allocator=allocator)
         return model
     if entry == "mcore":
-        ddp_config = MCoreDDPConfigStandIn(
-            data_parallel_sharding_strategy="optim_grads_params",
-            use_distributed_optimizer=True,
-            use_megatron_fsdp=True,
-            fsdp_double_buffer=True,
-            fsdp_db_use_persist_buf_on_alloc_fail=persist,
+        return mcore_chunk(  # type: ignore[no-any-return]
+            model, [Block], fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=persist
         )
-        config = TransformerConfigStandIn()
-        return FullyShardedDataParallel(config, ddp_config, model, fsdp_unit_modules=[Block])  # type: ignore[no-any-return]
     if entry == "seed":
         return fully_shard_model(
             model,
@@ -111,14 +105,8 @@ def _double_buffer_worker(rank: int, world: int, entry: str, variant: str) -> di
     reserved = []
     for batch in batches:
         if isinstance(wrapped, MCoreFSDPModel):  # Megatron-Core's loop
-            wrapped.zero_grad_buffer()
-            loss_fn(
-                wrapped(local_slice(batch[0], rank, world)), local_slice(batch[1], rank, world)
-            ).backward()
-            wrapped.finish_grad_sync(force_all_reduce=False)
-            optimizer.step()
-            wrapped.param_and_grad_buffer.copy_main_weights_to_model_weights()
-            wrapped.start_param_sync()
+            x, y = (local_slice(t, rank, world) for t in batch)
+            mcore_step(wrapped, optimizer, loss_fn, x, y)
         else:
             train_data_parallel(wrapped, optimizer, [batch], rank, world)
         reserved.append(allocator.reserved_bytes())

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from matrix_cases import MCoreDDPConfigStandIn, TransformerConfigStandIn
+from matrix_cases import mcore_chunk, mcore_step
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -37,7 +37,7 @@ from megatron_fsdp import (
     fully_shard_model,
     fully_shard_optimizer,
 )
-from megatron_fsdp.mcore import FullyShardedDataParallel, MCoreFSDPModel
+from megatron_fsdp.mcore import MCoreFSDPModel
 from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import fsdp_units
@@ -69,21 +69,14 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 def _train(model: nn.Module, optimizer: Any, batches: Any, rank: int, world: int) -> None:
     """Steps as the entry point's users take them (Megatron-Core's loop for its adapter)."""
-    mcore = isinstance(model, MCoreFSDPModel)
     for x, y in batches:
         x, y = local_slice(x, rank, world), local_slice(y, rank, world)
-        if mcore:
-            model.zero_grad_buffer()
-            optimizer.zero_grad()
+        if isinstance(model, MCoreFSDPModel):
+            mcore_step(model, optimizer, nn.functional.mse_loss, x, y)
+            continue
         nn.functional.mse_loss(model(x), y).backward()
-        if mcore:
-            model.finish_grad_sync(force_all_reduce=False)
         optimizer.step()
-        if mcore:
-            model.param_and_grad_buffer.copy_main_weights_to_model_weights()
-            model.start_param_sync()
-        else:
-            optimizer.zero_grad()
+        optimizer.zero_grad()
 
 
 def _gathered_bytes(units: list[Any], *, now: bool = True) -> int:
@@ -120,17 +113,7 @@ def _wrap(how: dict[str, Any], world: int) -> tuple[nn.Module, nn.Module, torch.
         mfsdp_hooks.fully_shard(module, **options)
         return module, module, _optimizer(module)
     if entry == "mcore":
-        ddp_config = MCoreDDPConfigStandIn(
-            data_parallel_sharding_strategy="optim_grads_params",
-            overlap_param_gather=True,
-            overlap_grad_reduce=True,
-            use_distributed_optimizer=True,
-            use_megatron_fsdp=True,
-            **how["config"],
-        )
-        chunk = FullyShardedDataParallel(
-            TransformerConfigStandIn(), ddp_config, _model(), fsdp_unit_modules=[Block]
-        )
+        chunk = mcore_chunk(_model(), [Block], **how["config"])
         return chunk, chunk.module.module, _optimizer(chunk)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     config = DistributedDataParallelConfig(
