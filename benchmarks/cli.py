@@ -87,6 +87,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--prefetch-depth", type=int, default=1, help="ours: units gathered ahead (>= 1)"
     )
     p.add_argument(
+        "--merge-blocks",
+        type=int,
+        default=0,
+        help="ours: gather N blocks ahead as one all-gather (suggested_communication_unit_size)",
+    )
+    p.add_argument(
         "--hsdp-outer",
         type=int,
         default=1,
@@ -122,6 +128,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("need --reps >= 1, --steps >= 1, --warmup >= 0")
     if args.prefetch_depth < 1:
         p.error("--prefetch-depth must be >= 1")
+    if args.merge_blocks < 0:
+        p.error("--merge-blocks must be >= 0")
     if not 0.0 <= args.backward_prefetch_fraction <= 1.0:
         p.error("--backward-prefetch-fraction must be in [0, 1]")
     return args

@@ -54,12 +54,16 @@ CONFIGS: dict[str, ModelConfig] = {
     "default": ModelConfig("default", width=512, depth=3, heads=8, seq=256, batch=4),
     "comm": ModelConfig("comm", width=768, depth=2, heads=12, seq=32, batch=2),
     "compute": ModelConfig("compute", width=192, depth=2, heads=4, seq=512, batch=4),
+    # Many small units: 32 blocks of 0.2M parameters, 64 tokens per rank; each unit's
+    # collectives are latency-bound (the case --merge-blocks is for).
+    "small": ModelConfig("small", width=128, depth=32, heads=2, seq=32, batch=2),
 }
 
 QUICK_CONFIGS: dict[str, ModelConfig] = {
     "default": ModelConfig("default", width=64, depth=2, heads=2, seq=32, batch=2),
     "comm": ModelConfig("comm", width=128, depth=2, heads=2, seq=8, batch=1),
     "compute": ModelConfig("compute", width=32, depth=2, heads=2, seq=64, batch=4),
+    "small": ModelConfig("small", width=32, depth=8, heads=2, seq=8, batch=1),
 }
 
 
@@ -91,6 +95,10 @@ class RunSpec:
     """Ours only: AdamW steps contiguous runs of the sharded buffers, not each parameter."""
     prefetch_depth: int = 1
     """Ours only: units gathered ahead in forward and backward."""
+    merge_blocks: int = 0
+    """Ours only: N > 0 gathers N blocks ahead as one all-gather (``prefetch_numel`` of N
+    blocks' elements with ``coalesce_prefetch``, the reference's
+    ``suggested_communication_unit_size``); 0: ``prefetch_depth`` units, one at a time."""
     hsdp_outer: int = 1
     """Replicas across ``dp_outer`` (both implementations): 1 is plain FSDP over every rank;
     N > 1 is HSDP on an (N, world_size / N) mesh, FSDP2's ``fully_shard(mesh=2-D)``."""
@@ -123,6 +131,8 @@ class RunSpec:
             raise ValueError("float8 compares FSDP implementations in fp32 without TP")
         if self.outer_optim and self.hsdp_outer == 1:
             raise ValueError("outer_optim (HFSDP) needs hsdp_outer > 1: pass --hsdp-outer N")
+        if self.merge_blocks < 0:
+            raise ValueError(f"merge_blocks must be >= 0, got {self.merge_blocks}")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"need steps >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
 

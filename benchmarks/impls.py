@@ -132,6 +132,7 @@ def build_ours(model: GPT, spec: RunSpec) -> Trainer:
     topology = _topology_of(mesh, spec)
     _float8(model, spec)
     codecs = mfsdp_te.float8_codecs()
+    block_numel = sum(p.numel() for p in model.blocks[0].parameters())
     for module in [*model.blocks, model]:
         mfsdp_hooks.fully_shard(
             module,
@@ -143,6 +144,8 @@ def build_ours(model: GPT, spec: RunSpec) -> Trainer:
             backward_prefetch_grad_fraction=spec.backward_prefetch_grad_fraction,
             prefetch_depth=spec.prefetch_depth,
             param_codecs=codecs,
+            prefetch_numel=spec.merge_blocks * block_numel if spec.merge_blocks else None,
+            coalesce_prefetch=spec.merge_blocks > 0,
         )
     # The seed's optimizer integration: the same torch AdamW, stepped over contiguous runs of
     # the sharded buffers unless the run measures torch's per-parameter loop.

@@ -11,7 +11,9 @@ parity with one process to 1e-5 over 10 steps.
 * ``ddp_config.bucket_size``: a unit's collectives of at most so many elements; what is
   live does not change.
 * ``ddp_config.suggested_communication_unit_size``: the elements gathered ahead (less than
-  a unit: no prefetch).
+  a unit: no prefetch), and small units merged into one all-gather up to it: on 32 small
+  blocks, four blocks to a collective (18 all-gathers per step against 65), counted, with
+  the same live window and bit-identical weights.
 
 The last two through each entry point that takes them: the reference's class, the
 Megatron-Core adapter (the same config fields) and the per-module ``fully_shard``
@@ -20,6 +22,7 @@ Megatron-Core adapter (the same config fields) and the per-module ``fully_shard`
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -46,17 +49,21 @@ from mfsdp_hooks.testing import Block, assert_close_rel, local_slice
 STEPS = 10
 FULL = os.environ.get("MFSDP_FULL_MATRIX") == "1"
 WIDTH, HIDDEN = 64, 256  # leaves large enough that the buffers' alignment padding is small
+# (blocks, width, hidden): 3 wide blocks, or 32 small ones (communication-latency bound)
+SHAPES = {"wide": (3, WIDTH, HIDDEN), "small": (32, 16, 32)}
 
 
-def _model() -> nn.Module:
+def _model(shape: str = "wide") -> nn.Module:
+    blocks, width, hidden = SHAPES[shape]
     torch.manual_seed(0)
-    return nn.Sequential(*(Block(WIDTH, HIDDEN) for _ in range(3)), nn.Linear(WIDTH, 1))
+    return nn.Sequential(*(Block(width, hidden) for _ in range(blocks)), nn.Linear(width, 1))
 
 
-def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(world: int, shape: str = "wide") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    width = SHAPES[shape][1]
     gen = torch.Generator().manual_seed(0)
     return [
-        (torch.randn(4 * world, WIDTH, generator=gen), torch.randn(4 * world, 1, generator=gen))
+        (torch.randn(4 * world, width, generator=gen), torch.randn(4 * world, 1, generator=gen))
         for _ in range(STEPS)
     ]
 
@@ -100,20 +107,21 @@ def _wrap(how: dict[str, Any], world: int) -> tuple[nn.Module, nn.Module, torch.
     """The model to call, the user's module inside it, and its optimizer: the seed API
     (``{"fine": bool}``), or config fields (``{"config": {...}}``) through the reference's
     class, ``"entry": "mcore"`` or ``"entry": "per_module"``."""
-    entry = how.get("entry", "class")
+    entry, shape = how.get("entry", "class"), how.get("shape", "wide")
     if "config" not in how:
         fine = how.get("fine", False)
         model = fully_shard_model(_model(), [Block], enable_fine_grained_param_gather=fine)
         return model, model.module, fully_shard_optimizer(_optimizer(model))
     if entry == "per_module":
-        module = _model()
+        module = _model(shape)
         options = {_PER_MODULE_NAME[k]: v for k, v in how["config"].items()}
+        options.update(how.get("per_module", {}))
         for block in [m for m in module if isinstance(m, Block)]:
             mfsdp_hooks.fully_shard(block, **options)
         mfsdp_hooks.fully_shard(module, **options)
         return module, module, _optimizer(module)
     if entry == "mcore":
-        chunk = mcore_chunk(_model(), [Block], **how["config"])
+        chunk = mcore_chunk(_model(shape), [Block], **how["config"])
         return chunk, chunk.module.module, _optimizer(chunk)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     config = DistributedDataParallelConfig(
@@ -123,7 +131,7 @@ def _wrap(how: dict[str, Any], world: int) -> tuple[nn.Module, nn.Module, torch.
         **how["config"],
     )
     index = FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard")
-    model = MegatronFSDP(_model(), index, config, fsdp_unit_modules=[Block])
+    model = MegatronFSDP(_model(shape), index, config, fsdp_unit_modules=[Block])
     return model, model.module, fully_shard_optimizer(_optimizer(model))
 
 
@@ -143,7 +151,7 @@ def _gather_worker(rank: int, world: int, how: dict[str, Any]) -> dict[str, Any]
 
     for leaf in leaves:  # after the engine's own pre-hook: the leaf's weights are gathered
         leaf.register_forward_pre_hook(measure)
-    batches = _batches(world)
+    batches = _batches(world, how.get("shape", "wide"))
     _train(model, optimizer, batches[:1], rank, world)  # records the order
     peak[0] = 0
     with CommTracer() as tracer:
@@ -192,9 +200,9 @@ def test_fine_grained_gathers_hold_two_leaves_not_two_blocks(world: int) -> None
     _assert_parity(fine_results, world)
 
 
-def _assert_parity(results: list[dict[str, Any]], world: int) -> None:
-    reference = _model()
-    _train(reference, _optimizer(reference), _batches(world), 0, 1)
+def _assert_parity(results: list[dict[str, Any]], world: int, shape: str = "wide") -> None:
+    reference = _model(shape)
+    _train(reference, _optimizer(reference), _batches(world, shape), 0, 1)
     for rank, result in enumerate(results):
         for name, param in reference.named_parameters():
             got = torch.tensor(result["weights"][name])
@@ -243,8 +251,13 @@ def test_suggested_communication_unit_size_bounds_what_is_gathered_ahead(
     how = {"config": {"suggested_communication_unit_size": size}, "entry": entry}
     results = run_distributed(_gather_worker, 2, how, timeout=240)
     got = results[0]
-    # The running block, and the blocks ahead (the default prefetches one: two blocks).
-    assert (1 + blocks_ahead) * got["block"] <= got["peak"] < (2 + blocks_ahead) * got["block"]
+    # At most the running block and the blocks ahead (the default prefetches one: two
+    # blocks). The per-module API slides the window a unit at a time, so it is full at
+    # every block; the config also merges the window into one all-gather, issued once it
+    # has drained, so with the root unit first in line the blocks ahead peak at the window.
+    full_window = (1 + blocks_ahead) * got["block"]
+    lowest = full_window if entry == "per_module" else max(blocks_ahead, 1) * got["block"]
+    assert lowest <= got["peak"] < full_window + got["block"], (got["peak"], got["block"])
     _assert_parity(results, 2)
 
 
@@ -262,3 +275,40 @@ def test_fine_grained_units_skip_tied_leaves_and_need_zero3() -> None:
     assert got[-3:] == ["frozen", "value", ""] and "embed" not in got and "head" not in got
     with pytest.raises(ValueError, match="zero_dp_strategy=3"):
         fine_grained_units(model, units, 2)
+
+
+SMALL_BLOCK = 2 * 16 + (16 * 32 + 32) + (32 * 16 + 16)  # a small block's elements
+MERGE = 4  # suggested_communication_unit_size: four small blocks
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "class",
+        pytest.param("mcore", marks=pytest.mark.skipif(not FULL, reason="full matrix only")),
+        "per_module",
+    ],
+)
+def test_small_units_are_gathered_four_to_a_collective(entry: str) -> None:
+    """``suggested_communication_unit_size`` of four small blocks: the blocks gathered ahead
+    go out four to an all-gather, against one each with the same window unmerged."""
+    window = {"suggested_communication_unit_size": MERGE * SMALL_BLOCK}
+    merged = {"config": window, "entry": entry, "shape": "small"}
+    if entry == "per_module":
+        merged["per_module"] = {"coalesce_prefetch": True}
+    results = run_distributed(_gather_worker, 2, merged, timeout=240)
+    got = results[0]
+    unmerged = {"config": window, "entry": "per_module", "shape": "small"}
+    one_by_one = run_distributed(_gather_worker, 2, unmerged, timeout=240)[0]
+    blocks = SHAPES["small"][0]
+    # Unmerged: forward gathers the root and each block, backward each block again (all
+    # were resharded after forward): one collective per unit.
+    assert one_by_one["gathers"] == (1 + blocks) + blocks, one_by_one["gathers"]
+    # Merged: forward the root, then the blocks four at a time; backward the last block
+    # alone (its pre-backward), then the other 31 four at a time.
+    merged_count = (1 + blocks // MERGE) + (1 + math.ceil((blocks - 1) / MERGE))
+    assert got["gathers"] == merged_count, got["gathers"]
+    # What is live is the same window: the running block and the four gathered ahead.
+    assert got["peak"] == one_by_one["peak"] <= (1 + MERGE) * got["block"], (got, one_by_one)
+    assert got["weights"] == one_by_one["weights"]  # the same steps, bit for bit
+    _assert_parity(results, 2, "small")

@@ -160,7 +160,8 @@ def _with_config_only_fields(
     """The fields ``fully_shard_model`` has no keyword for, as in the reference:
     ``megatron_fsdp_max_pool_double_buffer`` (one pool sized for the largest unit),
     ``bucket_size`` (a unit's collectives of at most so many elements) and
-    ``suggested_communication_unit_size`` (the elements gathered ahead)."""
+    ``suggested_communication_unit_size`` (the elements gathered ahead, small units merged
+    into one all-gather up to it)."""
     if config.megatron_fsdp_max_pool_double_buffer:
         allocator = grad_buffer_choice(
             config.fsdp_double_buffer, config.fsdp_db_use_persist_buf_on_alloc_fail, max_pool=True
@@ -172,6 +173,7 @@ def _with_config_only_fields(
         prefetch_numel=_elements(
             config.suggested_communication_unit_size, "suggested_communication_unit_size"
         ),
+        coalesce_prefetch=config.suggested_communication_unit_size is not None,
     )
 
 

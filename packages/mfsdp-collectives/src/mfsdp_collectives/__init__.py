@@ -15,6 +15,7 @@ from __future__ import annotations
 from ._reduce import ReduceSpec
 from .agreement import RankMismatchError, check_ranks_agree
 from .c10d_tracer import C10dTracer
+from .coalescing import coalesced_gathers
 from .handle import CommHandle
 from .host_transport import (
     HOST_TRANSPORTS,
@@ -64,6 +65,7 @@ __all__ = [
     "broadcast_",
     "check_host_transport",
     "check_ranks_agree",
+    "coalesced_gathers",
     "dead_ranks",
     "default_device",
     "disable_host_transport",

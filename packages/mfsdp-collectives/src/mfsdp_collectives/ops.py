@@ -5,7 +5,8 @@ calling rank instead of hanging the others), records itself with the tracer,
 issues the collective (on a side stream when given active ``CommStreams``) and
 returns a ``CommHandle`` whose ``wait()`` also runs the post-processing.
 Results are the collective's semantics exactly; see ``_reduce`` for the
-reduction rules (average in the collective, one copy at most, direct output).
+reduction rules (average in the collective, one copy at most, direct output), and
+``coalescing`` for all-gathers queued to go out as one collective.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from ._checks import (
 )
 from ._compat import (
     Work,
-    all_gather_single,
     all_reduce_async,
     broadcast_from_group_rank,
     reduce_scatter_single,
@@ -38,6 +38,7 @@ from ._op_args import (
     side_stream,
 )
 from ._reduce import ReduceSpec, Reduction, finish_into, prepare_input, reduce_op
+from .coalescing import GatherRoute, issue_all_gather, queued_gathers
 from .handle import CommHandle
 from .liveness import naming_dead_peers
 from .naming import group_name
@@ -89,25 +90,11 @@ def all_gather_into(
     side = side_stream(stream, "all_gather", shard.device)
     if n == 0:
         return CommHandle.completed()
-    record_comm("all_gather", group_name(group), n, shard.dtype)
-
-    route = host_route(transport, group, shard)
-
-    def issue() -> Work | None:
-        if route is not None:
-            return route.all_gather(unsharded, shard)
-        return all_gather_single(unsharded, shard, group, async_op=True)
-
-    return launch(
-        [(side, issue)],
-        device=shard.device,
-        finish=None,
-        async_op=async_op,
-        keep_alive=(shard, unsharded),
-        reads=(shard,),
-        writes=(unsharded,),
-        label=f"all_gather on group {group_name(group)}",
-    )
+    route = GatherRoute(group, size, host_route(transport, group, shard), side)
+    queues = queued_gathers()
+    if queues is not None and async_op:  # inside coalesced_gathers(): issued with others
+        return queues.add(shard, unsharded, route)
+    return issue_all_gather([(shard, unsharded)], route, async_op=async_op)
 
 
 class ReduceScatterStage:

@@ -167,8 +167,16 @@ class SharedMemoryTransport:
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> _SharedMemoryWork:
         """Concatenate every rank's flat ``shard`` into flat ``output`` (async)."""
+        return self.all_gather_many([output], [shard])
+
+    def all_gather_many(
+        self, outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]
+    ) -> _SharedMemoryWork:
+        """Each ``outputs[i]`` gets every rank's ``shards[i]``, as one collective: the shards
+        (of one dtype) are exchanged end to end, so k small gathers cost one rendezvous."""
+        nbytes = sum(s.numel() for s in shards) * shards[0].element_size()
         return self._submit(
-            "all_gather", shard.numel() * shard.element_size(), self._all_gather, output, shard
+            "all_gather", nbytes, self._all_gather_many, list(outputs), list(shards)
         )
 
     def reduce_scatter(
@@ -259,21 +267,28 @@ class SharedMemoryTransport:
         if dead:
             raise peer_died_error(dead, f"a shared-memory collective on group {self._name}")
 
-    def _all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
-        n = shard.numel()
-        own = output[self.rank * n : (self.rank + 1) * n]
-        if own.data_ptr() != shard.data_ptr():
-            own.copy_(shard)
-        per_step = self._elements_per_step(shard.dtype, 1)
-        for start in range(0, n, per_step):
-            stop = min(start + per_step, n)
+    def _all_gather_many(self, outputs: list[torch.Tensor], shards: list[torch.Tensor]) -> None:
+        dtype = shards[0].dtype
+        sizes = [shard.numel() for shard in shards]
+        for output, shard, n in zip(outputs, shards, sizes, strict=True):
+            own = output[self.rank * n : (self.rank + 1) * n]
+            if own.data_ptr() != shard.data_ptr():
+                own.copy_(shard)
+        per_step = self._elements_per_step(dtype, 1)
+        for start in range(0, sum(sizes), per_step):
+            segments = _segments(sizes, start, start + per_step)
             self._step += 1
-            self._slot(self._own, shard.dtype)[: stop - start].copy_(shard[start:stop])
+            slot = self._slot(self._own, dtype)
+            for index, lo, hi, at in segments:
+                slot[at : at + hi - lo].copy_(shards[index][lo:hi])
             self._exchange()
             for peer, box in enumerate(self._boxes):
-                if peer != self.rank:
-                    dst = output[peer * n + start : peer * n + stop]
-                    dst.copy_(self._slot(box, shard.dtype)[: stop - start])
+                if peer == self.rank:
+                    continue
+                theirs = self._slot(box, dtype)
+                for index, lo, hi, at in segments:
+                    n = sizes[index]
+                    outputs[index][peer * n + lo : peer * n + hi].copy_(theirs[at : at + hi - lo])
 
     def _reduce_scatter(
         self, output: torch.Tensor, inp: torch.Tensor | FlatPieces, average: bool
@@ -309,6 +324,19 @@ class SharedMemoryTransport:
                 acc.div_(self.size)
             if acc is not out:
                 out.copy_(acc)
+
+
+def _segments(sizes: Sequence[int], start: int, stop: int) -> list[tuple[int, int, int, int]]:
+    """``(index, lo, hi, at)``: elements ``[lo, hi)`` of shard ``index`` are elements
+    ``[at, at + hi - lo)`` of the slot of the step carrying ``[start, stop)`` of the shards
+    laid end to end."""
+    segments, offset = [], 0
+    for index, n in enumerate(sizes):
+        lo, hi = max(start - offset, 0), min(stop - offset, n)
+        if lo < hi:
+            segments.append((index, lo, hi, offset + lo - start))
+        offset += n
+    return segments
 
 
 def _open_range(name: str) -> record_function:

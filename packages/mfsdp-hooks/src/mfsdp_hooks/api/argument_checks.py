@@ -57,3 +57,8 @@ def check_numel_caps(**caps: object) -> None:
             isinstance(value, bool) or not isinstance(value, int) or value < 0
         ):
             raise ValueError(f"{name} must be a number of elements >= 0 or None, got {value!r}")
+
+
+def check_flag(value: object, argument: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{argument} must be True or False, got {value!r}")

@@ -24,6 +24,7 @@ from mfsdp_collectives import (
     check_ranks_agree,
 )
 from mfsdp_hooks.api.argument_checks import (
+    check_flag,
     check_numel_caps,
     check_overlap_options,
     refuse_unknown_arguments,
@@ -235,6 +236,7 @@ def fully_shard(
     max_inflight_reductions: int = 1,
     prefetch_depth: int = 1,
     prefetch_numel: int | None = None,
+    coalesce_prefetch: bool = False,
     max_bucket_numel: int | None = None,
     reduce_scatter_in_no_sync: bool = False,
     backward_prefetch_grad_fraction: float = 0.5,
@@ -258,9 +260,12 @@ def fully_shard(
     backward, after the first iteration recorded the order) and at most
     ``max_inflight_reductions`` gradient reductions are in flight; ``prefetch_numel``
     (root-level) bounds the prefetch in elements instead: the next units while their
-    unsharded elements sum to at most it. ``max_bucket_numel`` splits the unit's parameters
-    of one kind into collectives of at most that many elements. In backward a unit issues
-    its prefetch once ``backward_prefetch_grad_fraction`` of its gradient elements arrived:
+    unsharded elements sum to at most it; ``coalesce_prefetch`` (root-level) gathers the units
+    ahead together, one all-gather per window, once the window has drained, instead of one
+    unit at a time (fewer, larger collectives for small units). ``max_bucket_numel`` splits
+    the unit's parameters of one kind into collectives of at most that many elements. In
+    backward a unit issues its prefetch once ``backward_prefetch_grad_fraction`` of its
+    gradient elements arrived:
     0.0 gathers at the unit's pre-backward as FSDP2 does; the default 0.5 lets the unit's
     widest backward activations die first, so the next unit's weights do not add to the
     backward peak. ``reduce_scatter_in_no_sync`` (root-level): under ``no_sync`` ZeRO-2/3
@@ -293,6 +298,7 @@ def fully_shard(
     strategy = parse_strategy(sharding_strategy, "sharding_strategy")
     check_overlap_options(max_inflight_reductions, prefetch_depth, backward_prefetch_grad_fraction)
     check_numel_caps(prefetch_numel=prefetch_numel, max_bucket_numel=max_bucket_numel)
+    check_flag(coalesce_prefetch, "coalesce_prefetch")
     grad_allocator = make_grad_allocator(grad_buffer_allocator, max_inflight_reductions)
     check_host_transport(host_transport)  # before resolve_topology, which may communicate
     # A module (partly) on the meta device: its own modules are initialised here, in module
@@ -329,6 +335,7 @@ def fully_shard(
             max_inflight_reductions=max_inflight_reductions,
             prefetch_depth=prefetch_depth,
             prefetch_numel=prefetch_numel,
+            coalesce_prefetch=coalesce_prefetch,
             reduce_scatter_in_no_sync=bool(reduce_scatter_in_no_sync),
         ),
         backward_prefetch_grad_fraction=float(backward_prefetch_grad_fraction),

@@ -274,6 +274,7 @@ def _shard_unit(
         max_inflight_reductions=options.max_inflight_reductions,
         prefetch_depth=options.prefetch_depth,
         prefetch_numel=options.prefetch_numel,
+        coalesce_prefetch=options.coalesce_prefetch,
         max_bucket_numel=options.max_bucket_numel,
         reduce_scatter_in_no_sync=options.reduce_scatter_in_no_sync,
         backward_prefetch_grad_fraction=options.backward_prefetch_grad_fraction,

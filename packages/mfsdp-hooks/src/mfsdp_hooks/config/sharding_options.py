@@ -73,6 +73,9 @@ class ShardingOptions:
     prefetch_depth: int = 1
     prefetch_numel: int | None = None
     """The reference's ``suggested_communication_unit_size`` (see ``RootOptions``)."""
+    coalesce_prefetch: bool = False
+    """The units gathered ahead go out together, one all-gather per window
+    (``fully_shard(coalesce_prefetch=...)``; the reference's merging of small units)."""
     max_bucket_numel: int | None = None
     """The reference's ``bucket_size`` (see ``UnitOptions``)."""
     reduce_scatter_in_no_sync: bool = True

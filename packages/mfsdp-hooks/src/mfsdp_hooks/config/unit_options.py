@@ -36,6 +36,10 @@ class RootOptions:
     """The reference's ``suggested_communication_unit_size``: units are gathered ahead while
     their unsharded elements sum to at most this (a unit larger than it is not prefetched:
     a small value turns prefetching off); None: ``prefetch_depth`` units."""
+    coalesce_prefetch: bool = False
+    """The reference's merging of small units up to ``suggested_communication_unit_size``:
+    the units a prefetch gathers ahead go out together, one all-gather per group and dtype,
+    issued once the next unit is no longer on its way (``runtime.gather_ahead``)."""
     reduce_scatter_in_no_sync: bool = False
     """Under ``no_sync`` / ``set_requires_gradient_sync(False)``: False (FSDP2's) keeps a
     unit's unsharded gradients local until a synced backward reduces them with its own;

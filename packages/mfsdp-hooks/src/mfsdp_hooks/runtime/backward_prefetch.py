@@ -9,18 +9,9 @@ elements lets those activations die first, so the two do not add up in the backw
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
+from mfsdp_hooks.runtime.gather_ahead import PrefetchTarget, gather_ahead
 from mfsdp_hooks.runtime.training_state import TrainingState
-
-
-class PrefetchTarget(Protocol):
-    """A unit, as seen by the unit that prefetches it."""
-
-    @property
-    def state(self) -> TrainingState: ...
-
-    def unshard_async(self) -> None: ...
 
 
 class BackwardPrefetch:
@@ -31,13 +22,24 @@ class BackwardPrefetch:
         self._received = 0
         self._threshold = 0.0
         self._pending: list[PrefetchTarget] = []
+        self._coalesce = False
 
-    def begin(self, targets: Sequence[PrefetchTarget], grad_fraction: float) -> None:
-        """The unit's backward starts: prefetch ``targets`` once ``grad_fraction`` of its
-        gradient elements arrived (or when forced)."""
+    def begin(
+        self,
+        targets: Sequence[PrefetchTarget],
+        grad_fraction: float,
+        *,
+        coalesce: bool,
+        force: bool = False,
+    ) -> None:
+        """The unit's backward starts: prefetch ``targets`` (``coalesce``: see
+        ``gather_ahead``) once ``grad_fraction`` of its gradient elements arrived, or now
+        if ``force``."""
         self._received = 0
         self._threshold = grad_fraction * self._expected
         self._pending = list(targets)
+        self._coalesce = coalesce
+        self.issue(force=force)
 
     def on_grad(self, numel: int) -> None:
         self._received += numel
@@ -48,9 +50,8 @@ class BackwardPrefetch:
         if not self._pending or (not force and self._received < self._threshold):
             return
         targets, self._pending = self._pending, []
-        for target in targets:
-            if target.state is TrainingState.IDLE:
-                target.unshard_async()
+        idle = [target for target in targets if target.state is TrainingState.IDLE]
+        gather_ahead(idle, coalesce=self._coalesce)
 
     def drop(self) -> None:
         self._pending = []

@@ -30,9 +30,12 @@ class ExecutionOrder(Generic[U]):
         *,
         numel_limit: int | None = None,
         numel_of: Callable[[U], int] = lambda _: 0,
+        coalesce: bool = False,
     ) -> None:
         """``numel_limit`` (not None): the targets are instead the next (previous) units
-        while their ``numel_of`` sums to at most it."""
+        while their ``numel_of`` sums to at most it. ``coalesce``: a window's targets are
+        gathered together, once it has drained (``gather_ahead``)."""
+        self.coalesce = coalesce
         self._root_unit = root_unit
         self._depth = depth
         self._numel_limit = numel_limit

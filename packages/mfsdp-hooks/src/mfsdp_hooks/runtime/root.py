@@ -53,6 +53,7 @@ class FSDPRoot:
             self.options.root.prefetch_depth,
             numel_limit=self.options.root.prefetch_numel,
             numel_of=lambda unit: sum(g.layout.data_numel for g in unit.groups),
+            coalesce=self.options.root.coalesce_prefetch,
         )
         # The root's own state: True from the first pre-backward hook of an iteration until
         # its final callback has ended every unit's backward (a forward in between raises).

@@ -18,6 +18,7 @@ from mfsdp_hooks.grads.grad_sync import SyncFlags
 from mfsdp_hooks.runtime import timeline
 from mfsdp_hooks.runtime.backward_prefetch import BackwardPrefetch
 from mfsdp_hooks.runtime.compute_region import ComputeRegion, forward_policy, installed_params
+from mfsdp_hooks.runtime.gather_ahead import gather_ahead
 from mfsdp_hooks.runtime.input_grad_trigger import route_inputs_through_trigger
 from mfsdp_hooks.runtime.member_forwards import MemberForwards
 from mfsdp_hooks.runtime.observe import describe_unit, log_event
@@ -307,12 +308,12 @@ class FSDPUnit:
         self.unshard_async()
         self.wait_unshard()
         if not recomputing and self.options.overlap_param_gather:
-            for target in self.root.order.forward_targets(self, self.forward_prefetch):
-                target.unshard_async()
+            targets = self.root.order.forward_targets(self, self.forward_prefetch)
+            gather_ahead(targets, coalesce=self.root.order.coalesce)
         args, kwargs = _cast_inputs(forward_policy(self.options, self.region), args, kwargs)
         if not self._inputs_trigger_armed:  # a recompute of an armed forward needs none
             args, kwargs, self._inputs_trigger_armed = route_inputs_through_trigger(
-                args, kwargs, self._on_inputs_grad
+                args, kwargs, self._end_own_backward
             )
         return args, kwargs
 
@@ -357,12 +358,13 @@ class FSDPUnit:
             recorder.backward_begins(self)
         self.unshard_async()
         self.wait_unshard()
-        targets = self.root.order.backward_targets(self, self.backward_prefetch)
         if self.options.overlap_param_gather:
-            self._prefetch.begin(targets, self.options.backward_prefetch_grad_fraction)
+            order, fraction = self.root.order, self.options.backward_prefetch_grad_fraction
+            targets = order.backward_targets(self, self.backward_prefetch)
             # The root's own parameters get most of their gradients at the very end of
             # backward (embeddings): their share says nothing about its progress.
-            self._prefetch.issue(force=self.root.root_unit is self)
+            force = self.root.root_unit is self
+            self._prefetch.begin(targets, fraction, coalesce=order.coalesce, force=force)
 
     def _on_grad_ready(self, group: ParameterGroup, index: int, param: torch.Tensor) -> None:
         if param.grad is None:
@@ -383,13 +385,11 @@ class FSDPUnit:
         if complete and not waiting and self._inputs_trigger_armed:
             self._end_own_backward()
 
-    def _on_inputs_grad(self) -> None:
-        if not self.post_backward_done:
-            self._end_own_backward()
-
     def _end_own_backward(self) -> None:
-        self._prefetch.issue(force=True)
-        self.post_backward()
+        """Every gradient arrived, or the inputs' gradient did (the trigger's callback)."""
+        if not self.post_backward_done:
+            self._prefetch.issue(force=True)
+            self.post_backward()
 
     def post_backward(self) -> None:
         """Reshard and issue gradient reductions once the unit's backward is done."""
