@@ -174,6 +174,11 @@ class SharedMemoryTransport:
     ) -> _SharedMemoryWork:
         """Each ``outputs[i]`` gets every rank's ``shards[i]``, as one collective: the shards
         (of one dtype) are exchanged end to end, so k small gathers cost one rendezvous."""
+        if len({s.dtype for s in shards}) != 1 or len(outputs) != len(shards):
+            raise ValueError(
+                "all_gather_many takes one output per shard and shards of one dtype, got "
+                f"{len(outputs)} outputs for shards of {[s.dtype for s in shards]}"
+            )
         nbytes = sum(s.numel() for s in shards) * shards[0].element_size()
         return self._submit(
             "all_gather", nbytes, self._all_gather_many, list(outputs), list(shards)
