@@ -32,7 +32,7 @@ from matrix_cases import (
 
 from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MixedPrecisionPolicy
+from mfsdp_hooks import MixedPrecisionPolicy, fsdp_units
 from mfsdp_hooks.testing import ToyModel, make_batches
 
 COL = "zero3"
@@ -78,11 +78,18 @@ def _region_worker(rank: int, world: int, row: str) -> dict[str, Any]:
         train_step(built, row, COL, 0, layout)
     cheaper = dataclasses.replace(policy, reduce_dtype=BF16)
     with target.mixed_precision_context(cheaper), CommTracer() as inside:
+        # what the groups report is the region's dtype, and the policy's again after it
+        assert _reduce_dtypes(built.model) == {BF16}
         train_step(built, row, COL, 1, layout)
+    assert _reduce_dtypes(built.model) == {torch.float32}
     with CommTracer() as after:
         train_step(built, row, COL, 2, layout)
     reduced = [t.bytes("reduce_scatter") for t in (outside, inside, after)]
     return {"losses": losses, "evals": [], "weights": weights, "reduced": reduced}
+
+
+def _reduce_dtypes(model: Any) -> set[torch.dtype]:
+    return {g.reduce_dtype for u in fsdp_units(model) for g in u.groups if g.requires_grad}
 
 
 FULL = os.environ.get("MFSDP_FULL_MATRIX") == "1"

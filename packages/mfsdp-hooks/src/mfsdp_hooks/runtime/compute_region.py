@@ -154,5 +154,5 @@ def leave_region(units: Sequence[RegionUnit]) -> None:
         unit.region = None
         for group in unit.groups:
             if group.reducer is not None:
-                group.reducer.set_reduce_dtype(group.reduce_dtype)
+                group.reducer.set_reduce_dtype(group.wrap_reduce_dtype)
         unit.reinstall_params()

@@ -117,7 +117,7 @@ class ParameterGroup:
         self.cuts = ShardCuts(self.shapes, topology, alignment=alignment, tp_specs=self.tp_specs)
         self.layout, self.optim_layout = self.cuts.layout, self.cuts.optim_layout
         self.compute_dtype = policy.compute_dtype(self.original_dtype)
-        self.reduce_dtype = policy.grad_reduce_dtype(self.original_dtype)
+        self.wrap_reduce_dtype = policy.grad_reduce_dtype(self.original_dtype)
         optimizer_dtype = policy.optimizer_dtype(self.original_dtype)
         bound = None
         if class_codec is not None:
@@ -171,7 +171,7 @@ class ParameterGroup:
             self.dist_params,
             topology=self.topology,
             strategy=self.strategy,
-            reduce_dtype=self.reduce_dtype,
+            reduce_dtype=self.wrap_reduce_dtype,
             reduce_config=reduce_config,
             allocator=grad_allocator or PlainAllocator(),
         )
@@ -185,6 +185,12 @@ class ParameterGroup:
             return CodecContext(self.optim_layout, topology.optim_rank, group, self.compute_dtype)
         group = topology.shard_group if topology.shard_size > 1 else None
         return CodecContext(self.layout, topology.shard_rank, group, self.compute_dtype)
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced in now: the reducer's (a ``mixed_precision_context``
+        may change it for a region), the policy's (``wrap_reduce_dtype``) without one."""
+        return self.wrap_reduce_dtype if self.reducer is None else self.reducer.reduce_dtype
 
     # ----------------------------------------------------------------- weights
     @property
