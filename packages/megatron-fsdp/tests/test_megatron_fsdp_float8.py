@@ -7,6 +7,7 @@ float8 scales activations per tensor); the single-file export holds the fp32 wei
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ pytest.importorskip("torchao.float8", reason="torchao is not installed (nox inst
 from megatron_fsdp import fully_shard_model, fully_shard_optimizer
 from mfsdp_checkpoint import convert
 from mfsdp_collectives.testing import run_distributed
+from mfsdp_te import convert_for_float8_param_gather
 from mfsdp_te.float8_testing import Float8Block, float8_model, float8_step
 
 SAVE_AT, MORE = 3, 3
@@ -87,22 +89,39 @@ def test_the_export_of_a_float8_model_holds_its_fp32_weights(tmp_path: Path) -> 
 HFSDP_STEPS = 10
 
 
-def _hfsdp_float8(rank: int, world: int) -> dict[str, Any]:
+def _hfsdp_float8(rank: int, world: int, entry: str) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from megatron_fsdp import DistributedDataParallelConfig, FSDPDistributedIndex, MegatronFSDP
     from mfsdp_hooks import describe
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_outer", "dp_shard"))
-    model = fully_shard_model(
-        float8_model(),
-        fsdp_unit_modules=[Float8Block],
-        device_mesh=mesh,
-        dp_shard_dim="dp_shard",
-        dp_outer_dim="dp_outer",
-        hybrid_fsdp_group=dist.group.WORLD,
-        outer_dp_sharding_strategy="optim",
-    )
+    model: nn.Module
+    if entry == "class":  # the reference's config: fp8_param_gather keeps converted layers
+        index = FSDPDistributedIndex(
+            mesh,
+            dp_shard_dim="dp_shard",
+            dp_outer_dim="dp_outer",
+            hybrid_fsdp_group=dist.group.WORLD,
+            hsdp_outer_dp_shard=True,
+        )
+        config = DistributedDataParallelConfig(
+            data_parallel_sharding_strategy="optim_grads_params",
+            outer_dp_sharding_strategy="optim",
+            fp8_param_gather=True,
+        )
+        model = MegatronFSDP(float8_model(), index, config, fsdp_unit_modules=[Float8Block])
+    else:
+        model = fully_shard_model(
+            float8_model(),
+            fsdp_unit_modules=[Float8Block],
+            device_mesh=mesh,
+            dp_shard_dim="dp_shard",
+            dp_outer_dim="dp_outer",
+            hybrid_fsdp_group=dist.group.WORLD,
+            outer_dp_sharding_strategy="optim",
+        )
     wire = {
         f"{g.unit}.{n}".split("module.")[-1]: g.gather_dtype
         for g in describe(model).groups
@@ -116,12 +135,27 @@ def _hfsdp_float8(rank: int, world: int) -> dict[str, Any]:
     return {"losses": losses, "weights": weights, "wire": wire}
 
 
-def test_float8_weights_train_under_hfsdp_at_parity() -> None:
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "seed",
+        pytest.param(
+            "class",
+            marks=pytest.mark.skipif(
+                os.environ.get("MFSDP_FULL_MATRIX") != "1", reason="MFSDP_FULL_MATRIX=1 only"
+            ),
+        ),
+    ],
+)
+def test_float8_weights_train_under_hfsdp_at_parity(entry: str) -> None:
     """HFSDP (optimizer state cut across dp_outer too) with torchao float8 weights: each rank
     quantises its sub-shard with scales agreed over all 4 ranks, the compute shard is
-    assembled across dp_outer in float8, and the dp_shard gather moves one byte per element."""
-    results = run_distributed(_hfsdp_float8, 4, timeout=240)
+    assembled across dp_outer in float8, and the dp_shard gather moves one byte per element.
+    Through the seed API and the reference's class (``fp8_param_gather=True``)."""
+    results = run_distributed(_hfsdp_float8, 4, entry, timeout=240)
     reference = float8_model()
+    if entry == "class":  # fp8_param_gather also converts the head, as in one process here
+        convert_for_float8_param_gather(reference, "fp8_param_gather")
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     want = [float8_step(reference, optimizer, s, 4, sharded=False) for s in range(HFSDP_STEPS)]
     for rank, result in enumerate(results):
