@@ -8,9 +8,8 @@ from typing import ClassVar
 
 import torch
 
-from mfsdp_buffers.allocators.fallback import OnFull
 from mfsdp_buffers.allocators.protocol import check_request
-from mfsdp_buffers.allocators.slot_pool import SlotFactory, SlotPoolBase
+from mfsdp_buffers.allocators.slot_pool import SlotPoolBase
 
 _SizeClass = tuple[int, torch.dtype, torch.device]
 
@@ -22,7 +21,7 @@ class _Slots:
     next: int = 0
 
 
-class FixedPoolAllocator(SlotPoolBase):
+class FixedPoolAllocator(SlotPoolBase[_SizeClass, _Slots]):
     """``num_slots`` persistent tensors per ``(numel, dtype, device)``, handed out round-robin.
 
     The memory is allocated once and never returned, which is what registered
@@ -36,16 +35,6 @@ class FixedPoolAllocator(SlotPoolBase):
     """
 
     stable_storage: ClassVar[bool] = False
-
-    def __init__(
-        self,
-        num_slots: int = 2,
-        *,
-        factory: SlotFactory | None = None,
-        on_full: OnFull = "raise",
-    ) -> None:
-        super().__init__(num_slots, factory=factory, on_full=on_full)
-        self._classes: dict[_SizeClass, _Slots] = {}
 
     def allocate(
         self, key: Hashable, numel: int, dtype: torch.dtype, device: torch.device

@@ -17,9 +17,8 @@ from typing import ClassVar
 
 import torch
 
-from mfsdp_buffers.allocators.fallback import OnFull
 from mfsdp_buffers.allocators.protocol import check_request
-from mfsdp_buffers.allocators.slot_pool import SlotFactory, SlotPoolBase
+from mfsdp_buffers.allocators.slot_pool import SlotPoolBase
 
 _DtypeClass = tuple[torch.dtype, torch.device]
 
@@ -37,21 +36,11 @@ class _Slots:
     next: int = 0
 
 
-class MaxPoolAllocator(SlotPoolBase):
+class MaxPoolAllocator(SlotPoolBase[_DtypeClass, _Slots]):
     """``num_slots`` persistent tensors per ``(dtype, device)``, each grown to the largest
     request; requests are served round-robin with the front ``numel`` elements of a slot."""
 
     stable_storage: ClassVar[bool] = False
-
-    def __init__(
-        self,
-        num_slots: int = 2,
-        *,
-        factory: SlotFactory | None = None,
-        on_full: OnFull = "raise",
-    ) -> None:
-        super().__init__(num_slots, factory=factory, on_full=on_full)
-        self._classes: dict[_DtypeClass, _Slots] = {}
 
     def allocate(
         self, key: Hashable, numel: int, dtype: torch.dtype, device: torch.device
