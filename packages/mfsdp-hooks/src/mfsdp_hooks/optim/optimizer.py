@@ -140,10 +140,9 @@ class FSDPOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True, *, zero_grad_buffer: bool = True) -> None:
         super().zero_grad(set_to_none)
-        for group in optimizer_groups(self):
+        for group in optimizer_groups(self):  # one walk over the groups
             group.clear_optimizer_grads(set_to_none=set_to_none)  # ``decoupled_grad``
-        if zero_grad_buffer:
-            for group in optimizer_groups(self):
+            if zero_grad_buffer:
                 group.zero_main_grads()
 
 
