@@ -286,7 +286,7 @@ MERGE = 4  # suggested_communication_unit_size: four small blocks
     [
         "class",
         pytest.param("mcore", marks=pytest.mark.skipif(not FULL, reason="full matrix only")),
-        "per_module",
+        pytest.param("per_module", marks=pytest.mark.skipif(not FULL, reason="full matrix only")),
     ],
 )
 def test_small_units_are_gathered_four_to_a_collective(entry: str) -> None:

@@ -198,7 +198,7 @@ def test_an_fsdp_x_tp_checkpoint_resumes_exactly(
     ("saved", "world", "loaded"),
     [
         ("hfsdp_tp", 2, "fsdp"),
-        ("tp", 4, "hfsdp_tp"),
+        pytest.param("tp", 4, "hfsdp_tp", marks=FULL_ONLY),
         pytest.param("hfsdp_tp", 8, "hfsdp_tp", marks=FULL_ONLY),
     ],
 )

@@ -59,8 +59,7 @@ def _coalesced_worker(rank: int, world: int, transport_name: str) -> dict[str, o
     return {"queued": queued, "records": by_dtype}
 
 
-@pytest.mark.parametrize("transport", ["shm", "gloo"])
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(("world", "transport"), [(2, "shm"), (3, "shm"), (2, "gloo"), (3, "gloo")])
 def test_coalesced_gathers_fill_every_output_in_one_collective_per_dtype(
     world: int, transport: str
 ) -> None:
