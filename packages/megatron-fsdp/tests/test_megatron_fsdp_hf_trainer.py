@@ -145,9 +145,8 @@ def _export_difference(trainer: Any, export: str, compare_logits: bool) -> float
 
 
 FULL = os.environ.get("MFSDP_FULL_MATRIX") == "1"
-# (entry point, ZeRO level, bf16 autocast, recompute). CI runs the first three (the seed and
-# per-module APIs, both ZeRO levels, bf16, recompute); MFSDP_FULL_MATRIX=1 (nox -s tests_full)
-# all.
+# (entry point, ZeRO level, bf16 autocast, recompute). CI runs the first four (each API family
+# once, both ZeRO levels, bf16, recompute); MFSDP_FULL_MATRIX=1 (nox -s tests_full) all.
 CASES = [
     ("seed", 3, False, False),
     ("seed", 1, True, False),
@@ -160,7 +159,7 @@ CASES = [
     ("fully_shard_model", 1, False, False),
     ("class", 3, False, False),
 ]
-CI_CASES = 3
+CI_CASES = 4
 
 
 def _cases() -> list[Any]:
