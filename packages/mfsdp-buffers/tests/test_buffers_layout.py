@@ -223,3 +223,35 @@ def test_a_merged_layout_cuts_each_shard_into_its_sub_shards(
 def test_merged_refuses_a_factor_that_does_not_divide_the_world() -> None:
     with pytest.raises(ValueError, match="factor=3 must be a positive divisor of world_size=4"):
         FlatLayout.build([(8, 2)], 4).merged(3)
+
+
+@given(shapes=_SHAPES, world=_WORLD, align=_ALIGN, seed=st.integers(0, 2**16))
+def test_a_parameter_cut_along_another_dim_is_stored_with_that_dim_first(
+    shapes: list[tuple[int, ...]], world: int, align: int, seed: int
+) -> None:
+    """FSDP2's ``Shard(d)``: each rank's piece is a range along ``d`` of the parameter, and
+    the views are the user's shape over storage that holds ``d`` first."""
+    gen = torch.Generator().manual_seed(seed)
+    dims = [int(torch.randint(len(s), (1,), generator=gen)) for s in shapes]
+    layout = FlatLayout.build(shapes, world, align, shard_dims=dims)
+    flat = torch.randn(layout.padded_numel, generator=gen)
+    for p, dim in zip(layout.placements, dims, strict=True):
+        assert p.shard_dim == dim and p.num_rows == p.shape[dim]
+        whole = p.rows_view(flat[p.offset : p.end])
+        assert whole.shape == p.shape
+        assert torch.equal(p.flatten(whole), flat[p.offset : p.end])
+        for rank in range(world):
+            piece = layout.local_piece(p.index, rank)
+            start = rank * layout.shard_numel + piece.shard_offset
+            local = p.rows_view(flat[start : start + piece.numel], piece.num_rows)
+            assert torch.equal(local, p.rows_of(whole, piece.row_start, piece.row_end))
+
+
+def test_shard_dims_must_name_a_dim_of_each_shape() -> None:
+    with pytest.raises(ValueError, match=r"shard_dims\[1\]=2 is not a dim .* shape \(3, 4\)"):
+        FlatLayout.build([(2, 2), (3, 4)], 2, shard_dims=[1, 2])
+    with pytest.raises(ValueError, match="shard_dims has 1 dims for 2 shapes"):
+        FlatLayout.build([(2, 2), (3, 4)], 2, shard_dims=[1])
+    layout = FlatLayout.build([(2, 6), (3, 4)], 2, shard_dims=[-1, 0])
+    assert [p.shard_dim for p in layout.placements] == [1, 0]
+    assert layout.placements[0].stored_shape == torch.Size([6, 2])

@@ -378,16 +378,23 @@ def test_shard_placement_fn_on_dim_0_trains_as_fsdp2() -> None:
         assert mine["keys"] == theirs["keys"]
 
 
-def test_shard_placement_fn_on_another_dim_is_refused_naming_the_parameter() -> None:
-    from torch.distributed.tensor import Shard
+def test_shard_placement_fn_answers_are_checked_naming_the_parameter() -> None:
+    from torch.distributed.tensor import Replicate, Shard
 
     from mfsdp_hooks.api.fully_shard import check_shard_placements
     from mfsdp_hooks.runtime.slots import collect_slots
 
     slots = collect_slots(make_model())
-    check_shard_placements(lambda p: None, slots)  # FSDP2's default: dim 0
-    with pytest.raises(NotImplementedError, match=r"Shard\(dim=1\) for 'embed.weight'"):
-        check_shard_placements(lambda p: Shard(1) if p.dim() > 1 else None, slots)
+    assert check_shard_placements(lambda p: None, slots) == ()  # FSDP2's default: dim 0
+    dims = check_shard_placements(lambda p: Shard(-1) if p.dim() > 1 else Shard(0), slots)
+    assert ("embed.weight", 1) in dims and ("blocks.0.fc1.weight", 1) in dims
+    assert all(dim == 1 for _, dim in dims) and len(dims) == 9
+    with pytest.raises(ValueError, match=r"Shard\(dim=2\) for 'embed.weight' of shape \(11, 15\)"):
+        check_shard_placements(lambda p: Shard(2) if p.dim() > 1 else None, slots)
+    with pytest.raises(ValueError, match=r"Replicate\(\) for 'embed.weight'"):
+        check_shard_placements(lambda p: Replicate(), slots)
+    with pytest.raises(NotImplementedError, match=r"'embed.weight', a codec-claimed parameter"):
+        check_shard_placements(lambda p: Shard(1), slots, lambda p: p.dim() > 1)
     with pytest.raises(TypeError, match="shard_placement_fn must be callable"):
         check_shard_placements(Shard(0), slots)  # type: ignore[arg-type]
 

@@ -162,8 +162,11 @@ def _bad_tp_worker(rank: int, world: int, case: str) -> str:
         )
     elif case == "same_mesh":  # FSDP over the TP dim itself
         dp_mesh = mesh["tp"]
+    options = {}
+    if case == "shard_dim_1":  # FSDP2's shard_placement_fn along dim 1 of TP parameters
+        options["shard_placement_fn"] = lambda p: Shard(1) if p.dim() > 1 else None
     try:
-        fully_shard(model, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh, **options)
     except (ValueError, NotImplementedError) as error:
         dist.barrier()  # every rank got here on its own: nothing was communicated
         return f"{type(error).__name__}: {error}"
@@ -175,6 +178,7 @@ def _bad_tp_worker(rank: int, world: int, case: str) -> str:
     [
         ("2d_param", "NotImplementedError: fully_shard(TPModel): tensor-parallel parameter(s)"),
         ("same_mesh", "ValueError: the DP mesh and the TP mesh"),
+        ("shard_dim_1", "NotImplementedError: shard_placement_fn returned Shard(dim=1) for"),
     ],
 )
 def test_tp_parameters_the_engine_cannot_shard_are_refused_on_every_rank(

@@ -124,15 +124,15 @@ class DataParallelBuffer:
         return self.unsharded_shard_view()
 
     def local_view(self, param_index: int) -> torch.Tensor:
-        """This rank's rows of the parameter, viewed in ``shard``: ``(rows, *shape[1:])``.
+        """This rank's rows of the parameter, viewed in ``shard``: ``(rows, *shape[1:])``
+        (for a parameter cut along dim ``d``, its shape with ``rows`` at ``d``).
 
         An empty piece gives a ``(0, *shape[1:])`` tensor, so callers need no
         special case for ranks that hold nothing of a parameter.
         """
         piece = self.layout.local_piece(param_index, self.rank)
-        shape = self.layout.placements[param_index].shape
         flat = self.shard[piece.shard_offset : piece.shard_offset + piece.numel]
-        return flat.view(piece.num_rows, *shape[1:])
+        return self.layout.placements[param_index].rows_view(flat, piece.num_rows)
 
     # ------------------------------------------------------------- unsharded
 
@@ -171,7 +171,7 @@ class DataParallelBuffer:
     def unsharded_view(self, param_index: int) -> torch.Tensor:
         """The whole parameter (original shape) as a view of the unsharded buffer."""
         p = self.layout.placements[param_index]
-        return self._require_unsharded()[p.offset : p.end].view(p.shape)
+        return p.rows_view(self._require_unsharded()[p.offset : p.end])
 
     def unsharded_shard_view(self) -> torch.Tensor:
         """This rank's range of the unsharded buffer (all-gather input aliasing, copy-in)."""
@@ -207,11 +207,12 @@ class DataParallelBuffer:
         with torch.no_grad():
             for p, src in zip(placements, tensors, strict=True):
                 if self._full is not None:
-                    self._full[p.offset : p.end].view(p.shape).copy_(src)
+                    p.rows_view(self._full[p.offset : p.end]).copy_(src)
                 else:
                     piece = self.layout.local_piece(p.index, self.rank)
                     if not piece.is_empty:
-                        self.local_view(p.index).copy_(src[piece.row_start : piece.row_end])
+                        rows = p.rows_of(src, piece.row_start, piece.row_end)
+                        self.local_view(p.index).copy_(rows)
 
     def _require_unsharded(self) -> torch.Tensor:
         if self._unsharded is None:

@@ -12,6 +12,12 @@ upper layers describe sharded parameters as (possibly uneven, possibly empty)
 ``Shard(0)`` DTensors, compute their metadata once, and run per-row
 optimizers, instead of dealing with arbitrary flat slices.
 
+A parameter may be sharded along another dim ``d`` (FSDP2's ``Shard(d)``): it is
+stored with ``d`` moved first (``stored_shape``), so its "rows" are slices along ``d``
+and every view of it handed out is that storage with ``d`` moved back
+(:meth:`ParamPlacement.rows_view`): the user's shape, not contiguous. The
+packing arithmetic below only ever sees row counts and row sizes.
+
 Everything here is pure arithmetic on shapes: no tensors, no process groups.
 Every rank computes the same layout from the same inputs.
 """
@@ -38,12 +44,38 @@ class ParamPlacement:
     """First element of the parameter in the unsharded flat buffer."""
     numel: int
     row_numel: int
-    """Elements per row, ``prod(shape[1:])`` (1 for 1-D parameters, 0 if a trailing dim is 0)."""
+    """Elements per row, the product of every dim but ``shard_dim`` (1 for 1-D parameters,
+    0 if another dim is 0)."""
+    shard_dim: int = 0
+    """The dim the parameter is cut along (its "rows"); stored first in the flat buffer."""
 
     @property
     def num_rows(self) -> int:
-        """Size of the first dimension: the unit in which the parameter is sharded."""
-        return self.shape[0]
+        """Size of the sharded dimension: the unit in which the parameter is sharded."""
+        return self.shape[self.shard_dim]
+
+    @property
+    def stored_shape(self) -> torch.Size:
+        """The shape it is stored in: ``shape`` with ``shard_dim`` moved first."""
+        d = self.shard_dim
+        return torch.Size([self.shape[d], *self.shape[:d], *self.shape[d + 1 :]])
+
+    def rows_view(self, flat: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
+        """``flat`` (``num_rows`` stored rows, all of them by default) viewed in the user's
+        dim order: zero-copy, contiguous only when ``shard_dim`` is 0."""
+        rows = self.num_rows if num_rows is None else num_rows
+        stored = flat.view(rows, *self.stored_shape[1:])
+        return stored if self.shard_dim == 0 else stored.movedim(0, self.shard_dim)
+
+    def rows_of(self, tensor: torch.Tensor, row_start: int, row_end: int) -> torch.Tensor:
+        """Rows ``[row_start, row_end)`` of a tensor of the user's shape (a view)."""
+        return tensor.narrow(self.shard_dim, row_start, row_end - row_start)
+
+    def flatten(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor of the user's shape (or some of its rows) in storage order, 1-D (a copy
+        only when ``shard_dim`` is not 0)."""
+        stored = tensor if self.shard_dim == 0 else tensor.movedim(self.shard_dim, 0)
+        return stored.reshape(-1)
 
     @property
     def end(self) -> int:
@@ -90,8 +122,16 @@ def _normalize_shape(index: int, shape: Sequence[int] | torch.Size) -> torch.Siz
     return torch.Size(dims)
 
 
-def _row_numel(shape: torch.Size) -> int:
-    return math.prod(shape[1:])
+def _shard_dim(index: int, shape: torch.Size, dim: int) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -len(shape) <= dim < len(shape):
+        raise ValueError(
+            f"shard_dims[{index}]={dim!r} is not a dim of a parameter of shape {tuple(shape)}"
+        )
+    return dim % len(shape)
+
+
+def _row_numel(shape: torch.Size, dim: int) -> int:
+    return math.prod(shape[:dim]) * math.prod(shape[dim + 1 :])
 
 
 @dataclass(frozen=True)
@@ -151,11 +191,13 @@ class FlatLayout:
         shapes: Sequence[Sequence[int] | torch.Size],
         world_size: int,
         alignment: int = 1,
+        shard_dims: Sequence[int] | None = None,
     ) -> FlatLayout:
         """Pack ``shapes`` in order; pick the smallest ``shard_numel`` the packing allows.
 
         ``alignment`` is in elements: every parameter and every shard starts at a
         multiple of it (use it for vectorised kernels or collective alignment).
+        ``shard_dims`` (default all 0): the dim each parameter is cut along.
 
         Algorithm, for a candidate shard size ``S``:
 
@@ -182,8 +224,13 @@ class FlatLayout:
         if isinstance(alignment, bool) or operator.index(alignment) < 1:
             raise ValueError(f"alignment must be an int >= 1, got {alignment!r}")
         norm = [_normalize_shape(i, s) for i, s in enumerate(shapes)]
+        if shard_dims is None:
+            shard_dims = [0] * len(norm)
+        if len(shard_dims) != len(norm):
+            raise ValueError(f"shard_dims has {len(shard_dims)} dims for {len(norm)} shapes")
+        dims = [_shard_dim(i, s, d) for i, (s, d) in enumerate(zip(norm, shard_dims, strict=True))]
         numels = [math.prod(s) for s in norm]
-        rows = [_row_numel(s) for s in norm]
+        rows = [_row_numel(s, d) for s, d in zip(norm, dims, strict=True)]
         data_numel = sum(numels)
 
         shard = _smallest_feasible(ceil_div(data_numel, world_size), numels, rows, alignment)
@@ -195,8 +242,8 @@ class FlatLayout:
             shard = _smallest_feasible(start, numels, rows, alignment)
 
         placements = tuple(
-            ParamPlacement(index=i, shape=s, offset=o, numel=n, row_numel=r)
-            for i, (s, o, n, r) in enumerate(zip(norm, offsets, numels, rows, strict=True))
+            ParamPlacement(index=i, shape=s, offset=o, numel=n, row_numel=r, shard_dim=d)
+            for i, (s, o, n, r, d) in enumerate(zip(norm, offsets, numels, rows, dims, strict=True))
         )
         return cls(
             placements=placements,

@@ -51,20 +51,29 @@ class RowChunk:
     stride: int = 1
     """A strided TP partition (``TPSpec.partition_stride``): the TP-local rows are this many
     blocks, each at its own place in the global tensor; ``base`` is the first block's."""
+    dim: int = 0
+    """The dim the rows are along (FSDP2's ``Shard(dim)``; never with TP, so ``base`` is
+    None when it is not 0)."""
 
     @property
     def offsets(self) -> torch.Size:
-        base = self.base or (0,) * len(self.global_shape)
-        return torch.Size([base[0] + self.row_start, *base[1:]])
+        base = list(self.base or (0,) * len(self.global_shape))
+        base[self.dim] += self.row_start
+        return torch.Size(base)
 
     @property
     def sizes(self) -> torch.Size:
-        shape = self.local_shape if self.local_shape is not None else self.global_shape
-        return torch.Size([self.row_end - self.row_start, *shape[1:]])
+        shape = list(self.local_shape if self.local_shape is not None else self.global_shape)
+        shape[self.dim] = self.row_end - self.row_start
+        return torch.Size(shape)
 
     def like(self, shape: torch.Size) -> RowChunk:
         """The same rows of a tensor of ``shape`` (optimizer state row-aligned with them)."""
-        return RowChunk(shape, self.row_start, self.row_end, self.writes)
+        return RowChunk(shape, self.row_start, self.row_end, self.writes, dim=self.dim)
+
+    def rows_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This chunk's rows of ``full``, a tensor of the (TP-local) shape: a view."""
+        return full.narrow(self.dim, self.row_start, self.row_end - self.row_start)
 
     def storage(self) -> ChunkStorageMetadata:
         return ChunkStorageMetadata(offsets=self.offsets, sizes=self.sizes)
@@ -111,17 +120,19 @@ def group_chunks(group: ParameterGroup) -> tuple[RowChunk, ...]:
         if spec is not None:
             whole, base, local = spec.global_shape, spec.local_offset, size
         stride = spec.partition_stride if spec is not None else 1
+        dim = group.optim_layout.placements[index].shard_dim
+        rows = size[dim]
         if group.strategy == ShardingStrategy.NO_SHARD:
-            chunks.append(RowChunk(whole, 0, size[0], True, base, local, stride))
+            chunks.append(RowChunk(whole, 0, rows, True, base, local, stride, dim))
             continue
         piece = group.optim_layout.local_piece(index, rank)
         if size.numel() == 0:
             # Nothing to write anywhere; one rank still records the tensor so it has metadata.
-            chunks.append(RowChunk(whole, 0, size[0], rank == 0, base, local, stride))
+            chunks.append(RowChunk(whole, 0, rows, rank == 0, base, local, stride, dim))
             continue
         writes = not piece.is_empty
         row_start, row_end = piece.row_start, piece.row_end
-        chunks.append(RowChunk(whole, row_start, row_end, writes, base, local, stride))
+        chunks.append(RowChunk(whole, row_start, row_end, writes, base, local, stride, dim))
     result = tuple(chunks)
     _CACHE[group] = result
     return result
@@ -189,11 +200,12 @@ def _row_chunk_for(tensor: DTensor, param_chunk: RowChunk) -> RowChunk | None:
     local = local_tensor(tensor).shape
     if shape == param_chunk.global_shape:
         return param_chunk
+    dim = param_chunk.dim
     if (
         param_chunk.base is None
-        and len(shape) >= 1
-        and shape[0] == param_chunk.global_shape[0]
-        and local[0] == (param_chunk.row_end - param_chunk.row_start)
+        and len(shape) > dim
+        and shape[dim] == param_chunk.global_shape[dim]
+        and local[dim] == (param_chunk.row_end - param_chunk.row_start)
     ):
         return param_chunk.like(torch.Size(shape))
     return None

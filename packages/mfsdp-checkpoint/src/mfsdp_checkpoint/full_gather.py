@@ -75,7 +75,8 @@ def _gather_group(group: ParameterGroup, to_all: bool) -> list[torch.Tensor] | N
         piece = layout.local_piece(index, rank)
         if piece.numel:
             start = piece.shard_offset
-            shard[start : start + piece.numel].copy_(local_tensor(param).reshape(-1))
+            flat = layout.placements[index].flatten(local_tensor(param))
+            shard[start : start + piece.numel].copy_(flat)
     if world == 1:
         return [shard]
     dst = dist.get_global_rank(holders, 0)
@@ -103,7 +104,7 @@ def _full_param(group: ParameterGroup, index: int, shards: list[torch.Tensor]) -
     shape = group.shapes[index]
     if not pieces:
         return torch.zeros(shape, dtype=shards[0].dtype, device=shards[0].device)
-    return torch.cat(pieces).reshape(shape)
+    return layout.placements[index].rows_view(torch.cat(pieces)).contiguous()
 
 
 def _full_value(

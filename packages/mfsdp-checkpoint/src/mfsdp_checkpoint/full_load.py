@@ -133,7 +133,7 @@ def _copy_rows(ref: ParamRef, full: torch.Tensor) -> None:
     chunk = ref.chunk
     local = local_tensor(ref.param)
     with torch.no_grad():
-        local.copy_(full[chunk.row_start : chunk.row_end])
+        local.copy_(chunk.rows_of(full))
 
 
 def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -41,7 +41,7 @@ def _as_local_rows(value: torch.Tensor, ref: ParamRef) -> torch.Tensor:
     target = ref.param
     assert isinstance(target, DTensor)
     chunk = ref.chunk
-    rows = value[chunk.row_start : chunk.row_end]
+    rows = chunk.rows_of(value)
     return dtensor_like(rows, target)
 
 

@@ -38,7 +38,7 @@ from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy, from_fsdp2_
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.strategy import ShardingStrategy, parse_strategy
 from mfsdp_hooks.config.unit_options import RootOptions, UnitOptions
-from mfsdp_hooks.dtensor.tensor_parallel import check_tp_parameters
+from mfsdp_hooks.dtensor.tensor_parallel import check_tp_parameters, tp_spec_of
 from mfsdp_hooks.runtime.member_forwards import ModuleGroup, unit_members
 from mfsdp_hooks.runtime.root import FSDPRoot
 from mfsdp_hooks.runtime.slots import (
@@ -148,23 +148,58 @@ def check_offload_policy(policy: object, device: torch.device) -> None:
         )
 
 
-def check_shard_placements(fn: Callable[[nn.Parameter], Any] | None, slots: SlotMap) -> None:
-    """FSDP2's ``shard_placement_fn``: the engine shards rows (dim 0) only, so each answer
-    must be ``Shard(0)`` (or None, the default); it is asked before any collective."""
+def check_shard_placements(
+    fn: Callable[[nn.Parameter], Any] | None,
+    slots: SlotMap,
+    claimed: Callable[[nn.Parameter], bool] = lambda p: False,
+    tp_mesh: DeviceMesh | None = None,
+) -> tuple[tuple[str, int], ...]:
+    """FSDP2's ``shard_placement_fn``: each parameter's ``Shard(dim)`` (None: dim 0). Returns
+    ``(name, dim)`` of those cut along another dim than 0, which the layout stores with that
+    dim first. Tensor-parallel parameters and ones a codec ``claimed`` (float8 weights) are
+    cut along dim 0 only. It is asked before any collective."""
     if fn is None:
-        return
+        return ()
     if not callable(fn):
         raise TypeError(f"shard_placement_fn must be callable, got {type(fn).__name__}")
+    dims = []
     for param, name, _ in slots.values():
         placement = fn(param)
-        if placement is None or (
-            isinstance(placement, Shard) and placement.dim in (0, -param.dim())
-        ):
+        if placement is None:
             continue
-        raise NotImplementedError(
-            f"shard_placement_fn returned {placement!r} for {name!r}: sharding along another "
-            "dim than 0 is not supported yet; return Shard(0) or None for it"
-        )
+        if type(placement) is not Shard or not -param.dim() <= placement.dim < param.dim():
+            raise ValueError(
+                f"shard_placement_fn returned {placement!r} for {name!r} of shape "
+                f"{tuple(param.shape)}: return Shard(d) for one of its dims, or None (dim 0)"
+            )
+        dim = placement.dim % param.dim()
+        if dim == 0:
+            continue
+        tensor_parallel = tp_spec_of(param, tp_mesh) is not None
+        if tensor_parallel or claimed(param):
+            kind = "a tensor-parallel" if tensor_parallel else "a codec-claimed"
+            raise NotImplementedError(
+                f"shard_placement_fn returned {placement!r} for {name!r}, {kind} parameter: "
+                "those are sharded along dim 0 only so far; return Shard(0) or None for it"
+            )
+        dims.append((name, dim))
+    return tuple(dims)
+
+
+def _check_parameters(
+    slots: SlotMap,
+    target: nn.Module,
+    codecs: tuple[ParamClassCodec, ...],
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
+    topology: FSDPTopology,
+) -> tuple[tuple[str, int], ...]:
+    """Refuse parameters the engine cannot shard; the dims ``shard_placement_fn`` cuts along."""
+
+    def claimed(param: nn.Parameter) -> bool:
+        return any(codec.claims(param) for codec in codecs)
+
+    check_parameters_supported(slots, target, claimed)
+    return check_shard_placements(shard_placement_fn, slots, claimed, topology.tp_mesh)
 
 
 def _check_hfsdp_strategy(topology: FSDPTopology, strategy: ShardingStrategy) -> None:
@@ -286,7 +321,8 @@ def fully_shard(
     instead, with their gradient mean over the dense DP size (expert parallelism).
     ``offload_policy``: FSDP2's ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy()``; see
     :func:`check_offload_policy`. ``shard_placement_fn`` (FSDP2's): each parameter's
-    placement, ``Shard(0)`` or None (the same); other dims raise naming the parameter.
+    placement, ``Shard(d)`` or None (``Shard(0)``); a parameter cut along ``d`` is a
+    ``Shard(d)`` DTensor to the optimizer and ``state_dict`` (see :func:`check_shard_placements`).
     """
     refuse_unknown_arguments(unsupported)
     members = unit_members(module)
@@ -315,8 +351,7 @@ def fully_shard(
         materializer.materialize(sub)
     slots = collect_slots(target, _ignored_ids(ignored_params))
     codecs = tuple(param_codecs)
-    check_parameters_supported(slots, target, lambda p: any(c.claims(p) for c in codecs))
-    check_shard_placements(shard_placement_fn, slots)
+    shard_dims = _check_parameters(slots, target, codecs, shard_placement_fn, topology)
     options = UnitOptions(
         topology=topology,
         strategy=strategy,
@@ -344,6 +379,7 @@ def fully_shard(
         codecs=codecs,
         experts=experts,
         max_bucket_numel=max_bucket_numel,
+        shard_dims=shard_dims,
     )
     _agree_on_wrap(label, target, slots, options, host_transport)
     _make_unit(target, members, _with_transports(options, host_transport), slots)

@@ -81,6 +81,9 @@ class UnitOptions:
     """The reference's ``bucket_size``: a unit's parameters of one kind are split into
     groups (one collective each) of at most this many elements (a larger parameter gets one
     of its own); None: one group per kind. All of a unit's groups are gathered together."""
+    shard_dims: tuple[tuple[str, int], ...] = ()
+    """FSDP2's ``shard_placement_fn``: ``(name, dim)`` of the parameters cut along another dim
+    than 0 (``ShardCuts`` stores them with that dim first)."""
 
 
 def claiming_codec(options: UnitOptions, param: torch.Tensor) -> ParamClassCodec | None:

@@ -13,6 +13,9 @@ those rows exactly over mesh dim 0 first; any further change (the TP dim of a 2-
 ``(dp, tp)`` mesh) follows torch's own rules from there. ``full_tensor()`` calls
 ``redistribute``, so it is right too.
 
+A parameter cut along another dim ``d`` (FSDP2's ``Shard(d)``) is ``Shard(d)`` on mesh dim 0,
+and its "rows" are slices along ``d``: the ranges are along ``d`` (``dp_shard_dim``).
+
 On a ``(dp, tp)`` mesh the ranges are rows of the TP-local tensor: when the TP placement also
 shards dim 0 (``ColwiseParallel``), dim 0 is cut over tp first and then over dp, which is
 what FSDP2 spells ``_StridedShard``; here ``Shard(0)`` plus the ranges say it.
@@ -49,6 +52,13 @@ class RowShardedDTensor(DTensor):
 
     dp_row_ranges: tuple[tuple[int, int], ...]
     """``[start, end)`` rows of the (TP-local) tensor that each rank of mesh dim 0 holds."""
+
+    @property
+    def dp_shard_dim(self) -> int:
+        """The tensor dim the ranges are along: that of the ``Shard`` on mesh dim 0."""
+        placement = self.placements[0]
+        assert isinstance(placement, Shard)
+        return placement.dim
 
     @property
     def data(self) -> RowShardedDTensor:
@@ -93,7 +103,9 @@ class RowShardedDTensor(DTensor):
     def _gathered_over_dp(self) -> DTensor:
         mesh = self.device_mesh
         with torch.no_grad():
-            rows = _all_gather_rows(self._local_tensor, self.dp_row_ranges, mesh.get_group(0))
+            local = self._local_tensor.movedim(self.dp_shard_dim, 0)
+            rows = _all_gather_rows(local, self.dp_row_ranges, mesh.get_group(0))
+            rows = rows.movedim(0, self.dp_shard_dim).contiguous()
             return DTensor.from_local(
                 rows,
                 mesh,
@@ -108,22 +120,27 @@ def row_sharded(tensor: DTensor, dp_row_ranges: Sequence[tuple[int, int]]) -> Ro
     """``tensor`` (no copy) as a :class:`RowShardedDTensor` whose rank ``r`` of mesh dim 0
     holds rows ``dp_row_ranges[r]``.
 
-    ``tensor`` must be ``Shard(0)`` on mesh dim 0; the ranges, one per rank of that dim, must
-    tile the rows of the (TP-local) tensor, and this rank's local tensor must hold its range.
+    ``tensor`` must be ``Shard(d)`` on mesh dim 0; the ranges, one per rank of that dim, must
+    tile dim ``d`` of the (TP-local) tensor, and this rank's local tensor must hold its range.
     """
     mesh = tensor.device_mesh
     ranges = tuple((int(start), int(end)) for start, end in dp_row_ranges)
-    if tensor.placements[0] != Shard(0):
-        raise ValueError(f"row_sharded needs Shard(0) on mesh dim 0, got {tensor.placements}")
+    placement = tensor.placements[0]
+    if not isinstance(placement, Shard) or (placement.dim and len(tensor.placements) > 1):
+        raise ValueError(
+            f"row_sharded needs Shard(d) on mesh dim 0 (Shard(0) with a second mesh dim), "
+            f"got {tensor.placements}"
+        )
     if len(ranges) != mesh.size(0):
         raise ValueError(
             f"dp_row_ranges has {len(ranges)} ranges for a mesh dim 0 of {mesh.size(0)} ranks"
         )
     local = tensor._local_tensor
     start, end = ranges[mesh.get_local_rank(0)]
-    if local.shape[0] != end - start:
+    if local.shape[placement.dim] != end - start:
         raise ValueError(
-            f"this rank's local tensor has {local.shape[0]} rows; dp_row_ranges gives it "
+            f"this rank's local tensor has {local.shape[placement.dim]} rows along dim "
+            f"{placement.dim}; dp_row_ranges gives it "
             f"rows [{start}, {end})"
         )
     next_row = 0

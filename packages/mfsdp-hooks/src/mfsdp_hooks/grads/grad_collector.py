@@ -60,7 +60,7 @@ class GradCollector:
         The caller makes sure no reduction of these gradients is in flight (the buffer may
         be reused). Returns True when every gradient of the group arrived in this backward.
         """
-        flat = grad.reshape(-1)
+        flat = self.layout.placements[index].flatten(grad)  # storage order
         if self._held is not None:
             self._hold(index, flat)
         else:

@@ -85,11 +85,10 @@ class GradShard:
         """Parameter ``index``'s rows on this rank inside ``flat`` (its whole value unsharded)."""
         placement = self.layout.placements[index]
         if not self.sharded:
-            return flat[placement.offset : placement.end].view(placement.shape)
+            return placement.rows_view(flat[placement.offset : placement.end])
         piece = self.layout.local_piece(index, self.rank)
-        return flat[piece.shard_offset : piece.shard_offset + piece.numel].view(
-            piece.num_rows, *placement.shape[1:]
-        )
+        piece_flat = flat[piece.shard_offset : piece.shard_offset + piece.numel]
+        return placement.rows_view(piece_flat, piece.num_rows)
 
     def _dtensor(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         return self._make_dtensor(self.local_rows(flat, index), index, sharded=self.sharded)

@@ -38,6 +38,7 @@ def build_groups(
             (index, BucketKey(unit_name, param.dtype, kind, param.requires_grad), param.numel())
         )
     groups, group_slots = [], []
+    shard_dims = dict(options.shard_dims)
     for bucket in build_buckets(keys, max_bucket_numel=options.max_bucket_numel):
         members = [entries[i] for i in bucket.param_indices]
         topology, reduce_config = options.topology, options.reduce_config
@@ -54,6 +55,7 @@ def build_groups(
             grad_allocator=options.grad_allocator,
             codec=options.codec,
             class_codec=codecs.get(bucket.key.group),
+            shard_dims=[shard_dims.get(n, 0) for _, n, _ in members],
         )
         groups.append(group)
         group_slots.append([s for _, _, s in members])

@@ -84,6 +84,18 @@ class _DecodeAfter:
                 decode()
 
 
+def _require_main_weights(
+    codec: ParamCodec, main: object, name: str, compute_dtype: torch.dtype
+) -> None:
+    """A codec encodes the main weights into the wire buffer: they must exist apart."""
+    if codec is not IDENTITY and main is None:
+        raise NotImplementedError(
+            f"param_codec={type(codec).__name__} for {name!r} needs main weights apart "
+            f"from the compute weights, but both are {compute_dtype}: pass a "
+            "MixedPrecisionPolicy whose param_dtype differs from main_params_dtype"
+        )
+
+
 class ParameterGroup:
     """The parameters of one FSDP unit that share dtype and ``requires_grad``."""
 
@@ -100,9 +112,11 @@ class ParameterGroup:
         alignment: int = DEFAULT_ALIGNMENT,
         codec: ParamCodec = IDENTITY,
         class_codec: ParamClassCodec | None = None,
+        shard_dims: Sequence[int] = (),
     ) -> None:
         """``codec`` carries the weights of every gather; ``class_codec`` (parameters it
-        claims, e.g. float8 weights) is bound to this group and also decides what travels."""
+        claims, e.g. float8 weights) is bound to this group and also decides what travels.
+        ``shard_dims`` (default all 0): the dim each parameter is cut along."""
         self.names = list(names)
         self.root: GroupRoot | None = None
         self.topology = topology
@@ -114,7 +128,13 @@ class ParameterGroup:
         values = [local_value(p) for p in params]
         self.shapes = [v.shape for v in values]
         check_shardable(self.names, self.shapes)
-        self.cuts = ShardCuts(self.shapes, topology, alignment=alignment, tp_specs=self.tp_specs)
+        self.cuts = ShardCuts(
+            self.shapes,
+            topology,
+            alignment=alignment,
+            tp_specs=self.tp_specs,
+            shard_dims=shard_dims,
+        )
         self.layout, self.optim_layout = self.cuts.layout, self.cuts.optim_layout
         self.compute_dtype = policy.compute_dtype(self.original_dtype)
         self.wrap_reduce_dtype = policy.grad_reduce_dtype(self.original_dtype)
@@ -131,12 +151,7 @@ class ParameterGroup:
             compute_dtype=self.compute_dtype,
             optimizer_dtype=optimizer_dtype,
         )
-        if codec is not IDENTITY and self.main is None:
-            raise NotImplementedError(
-                f"param_codec={type(codec).__name__} for {names[0]!r} needs main weights apart "
-                f"from the compute weights, but both are {self.compute_dtype}: pass a "
-                "MixedPrecisionPolicy whose param_dtype differs from main_params_dtype"
-            )
+        _require_main_weights(codec, self.main, names[0], self.compute_dtype)
         self.codec = codec
         self.grads: GradShard | None = None
         if self.requires_grad:

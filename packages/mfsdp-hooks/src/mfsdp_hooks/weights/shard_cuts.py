@@ -9,7 +9,9 @@ parameters the optimizer and ``state_dict`` see are DTensors over this rank's ro
 optimizer-facing shard (``dist_params``, :class:`RowShardedDTensor` so that ``full_tensor()``
 gathers the true rows), on the topology's optimizer mesh; a
 tensor-parallel parameter's (its shape here is the TP-local one) on the 2-D ``(dp, tp)``
-mesh, with its TP placement on the second dim (``dtensor``).
+mesh, with its TP placement on the second dim (``dtensor``). A parameter cut along another dim
+than 0 (FSDP2's ``Shard(d)``, ``shard_dims``) is stored with that dim first; its views and
+its DTensor (``Shard(d)`` over the ranges along ``d``) are in the user's dim order.
 """
 
 from __future__ import annotations
@@ -41,14 +43,19 @@ class ShardCuts:
         *,
         alignment: int,
         tp_specs: Sequence[TPSpec | None] = (),
+        shard_dims: Sequence[int] = (),
     ) -> None:
         self.shapes = list(shapes)
+        self.shard_dims = list(shard_dims) or [0] * len(self.shapes)
         self.topology = topology
         self.tp_specs = list(tp_specs) or [None] * len(self.shapes)
         self._dp_tp_meshes = {id(s.mesh): topology.with_tp(s.mesh) for s in self.tp_specs if s}
         self._optim_indices: dict[int, tuple[int, ...]] = {}
         self.optim_layout = FlatLayout.build(
-            self.shapes, world_size=topology.optim_size, alignment=alignment
+            self.shapes,
+            world_size=topology.optim_size,
+            alignment=alignment,
+            shard_dims=self.shard_dims,
         )
         self.layout = self.optim_layout.merged(topology.optim_size // topology.shard_size)
         self.optim_rank = topology.optim_rank
@@ -63,11 +70,12 @@ class ShardCuts:
     def local_rows(self, buffer: DataParallelBuffer, index: int) -> torch.Tensor:
         """This rank's optimizer-facing rows of parameter ``index`` in ``buffer``'s storage."""
         piece = self.optim_layout.local_piece(index, self.optim_rank)
+        placement = self.optim_layout.placements[index]
         if buffer.sharded:
             flat = self.sub_shard(buffer)[piece.shard_offset : piece.shard_offset + piece.numel]
-            return flat.view(piece.num_rows, *self.shapes[index][1:])
+            return placement.rows_view(flat, piece.num_rows)
         buffer.materialize()
-        return buffer.unsharded_view(index)[piece.row_start : piece.row_end]
+        return placement.rows_of(buffer.unsharded_view(index), piece.row_start, piece.row_end)
 
     def dtensor(self, local: torch.Tensor, index: int, *, sharded: bool) -> torch.Tensor:
         """Parameter ``index``'s DTensor over ``local`` (this rank's rows of it, or all of it
@@ -79,7 +87,8 @@ class ShardCuts:
         if spec is None:
             if not sharded:
                 return replicated_dtensor(local, mesh)
-            tensor = sharded_dtensor(local, mesh, self.shapes[index])
+            placement = Shard(self.shard_dims[index])
+            tensor = sharded_dtensor(local, mesh, self.shapes[index], (placement,))
             return row_sharded(tensor, self.row_ranges(index, mesh))
         placements = [Shard(0) if sharded else Replicate(), *spec.placements]
         dp_tp = self._dp_tp_meshes[id(spec.mesh)]
