@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -83,6 +84,7 @@ COLS = (
     "train_eval",
     "decoupled_grad",
     "fine_grained",
+    "reshard_int",
 )
 
 STEPS = 10
@@ -105,6 +107,7 @@ _WORLD = {
     "tp_megatron": 4,
     "ep": 4,
     "cp": 4,
+    "reshard_int": 4,
 }
 _STRATEGY = {"zero0": 0, "zero1": 1, "zero2": 2}
 _STRATEGY_NAME = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
@@ -420,6 +423,8 @@ def _seed_kwargs(col: str, layout: Layout) -> dict[str, Any]:
         kwargs["use_decoupled_grad"] = True
     if col == "fine_grained":
         kwargs["enable_fine_grained_param_gather"] = True
+    if col == "reshard_int":
+        kwargs["reshard_after_forward_group_size"] = 2
     return kwargs
 
 
@@ -526,6 +531,7 @@ def _class_api(
         overlap_param_gather=True,
         megatron_fsdp_use_decoupled_grad=col == "decoupled_grad",
         megatron_fsdp_enable_fine_grained_param_gather=col == "fine_grained",
+        reshard_after_forward_group_size=2 if col == "reshard_int" else None,
     )
     kwargs: dict[str, Any] = {"fsdp_unit_modules": units}
     if col == "meta_init":
@@ -546,6 +552,8 @@ def _per_module(module: nn.Module, col: str, layout: Layout, unit: type[nn.Modul
         options["mp_policy"] = MixedPrecisionPolicy(use_decoupled_grad=True)
     if col == "cpu_offload":
         options["offload_policy"] = CPUOffloadPolicy()
+    if col == "reshard_int":
+        options["reshard_after_forward"] = 2
     if family(col) == "float8":
         from mfsdp_te import float8_codecs
 
@@ -586,6 +594,9 @@ def _mcore(module: nn.Module, col: str, layout: Layout, units: list[type[nn.Modu
         megatron_fsdp_use_decoupled_grad=col == "decoupled_grad",
         megatron_fsdp_enable_fine_grained_param_gather=col == "fine_grained",
     )
+    if col == "reshard_int":  # not in Megatron-Core's config: megatron_fsdp's config carries it
+        ours = DistributedDataParallelConfig.from_any(ddp_config)
+        ddp_config = dataclasses.replace(ours, reshard_after_forward_group_size=2)
     if col == "bf16":  # Megatron-Core's Float16Module: the model itself in bf16
         module = module.bfloat16()
     extra: dict[str, Any] = {}
@@ -669,6 +680,15 @@ def _check_decoupled(built: Built, col: str) -> None:
             assert held is not None and held.shape == param.shape, name
 
 
+def _check_post_forward_groups(built: Built, col: str) -> None:
+    """reshard_int: the option reached every unit, as pairs of consecutive ranks."""
+    if col != "reshard_int":
+        return
+    units = mfsdp_hooks.fsdp_units(built.inner)
+    assert units and all(u.options.post_forward is not None for u in units), "not honoured"
+    assert {u.options.post_forward.size for u in units if u.options.post_forward} == {2}
+
+
 def _check_tied_and_frozen(built: Built, col: str, trained: bool) -> None:
     inner = built.inner
     if col == "tied":
@@ -730,6 +750,7 @@ def cell_worker(rank: int, world: int, row: str, col: str, ckpt: str) -> dict[st
         if col == "train_eval":
             evals.append(eval_loss(built, col, layout))
     _check_tied_and_frozen(built, col, trained=True)
+    _check_post_forward_groups(built, col)
     # Plain lists: tensors sent back from a rank would travel as shared-memory handles that
     # die with the rank.
     weights = {k: v.tolist() for k, v in final_weights(built, col, layout).items()}

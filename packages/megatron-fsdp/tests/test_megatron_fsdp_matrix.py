@@ -74,6 +74,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("seed", "train_eval"): PARITY,
     ("seed", "decoupled_grad"): PARITY,
     ("seed", "fine_grained"): PARITY,
+    ("seed", "reshard_int"): PARITY,
     # ---- fully_shard_model(...) + fully_shard_optimizer(...)
     ("model_optimizer", "zero0"): PARITY,
     ("model_optimizer", "zero1"): PARITY,
@@ -99,6 +100,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("model_optimizer", "train_eval"): PARITY,
     ("model_optimizer", "decoupled_grad"): PARITY,
     ("model_optimizer", "fine_grained"): PARITY,
+    ("model_optimizer", "reshard_int"): PARITY,
     # ---- MegatronFSDP(module, FSDPDistributedIndex(...), DistributedDataParallelConfig(...))
     ("class", "zero0"): PARITY,
     ("class", "zero1"): PARITY,
@@ -124,6 +126,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("class", "train_eval"): PARITY,
     ("class", "decoupled_grad"): PARITY,
     ("class", "fine_grained"): PARITY,
+    ("class", "reshard_int"): PARITY,
     # ---- mfsdp_hooks.fully_shard on each block, then the root (FSDP2's pattern)
     ("per_module", "zero0"): PARITY,
     ("per_module", "zero1"): PARITY,
@@ -149,6 +152,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("per_module", "train_eval"): PARITY,
     ("per_module", "decoupled_grad"): PARITY,
     ("per_module", "fine_grained"): PARITY,
+    ("per_module", "reshard_int"): PARITY,
     # ---- megatron_fsdp.mcore.FullyShardedDataParallel (Megatron-Core's loop)
     ("mcore", "zero0"): PARITY,
     ("mcore", "zero1"): PARITY,
@@ -174,6 +178,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("mcore", "train_eval"): PARITY,
     ("mcore", "decoupled_grad"): PARITY,
     ("mcore", "fine_grained"): PARITY,
+    ("mcore", "reshard_int"): PARITY,
 }
 
 # The plain-pytest cross-section: every row and every column at least once, 2 ranks where
@@ -208,6 +213,7 @@ CI_CELLS: tuple[tuple[str, str], ...] = (
     ("mcore", "cpu_offload"),
     ("mcore", "tp_megatron"),
     ("mcore", "hsdp"),
+    ("mcore", "reshard_int"),
 )
 
 

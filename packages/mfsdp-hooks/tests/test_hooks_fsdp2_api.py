@@ -285,7 +285,7 @@ def test_cpu_offload_policy_keeps_the_state_on_the_host_as_fsdp2() -> None:
 def test_cpu_offload_from_an_accelerator_is_refused_naming_it() -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from mfsdp_hooks.api.fully_shard import check_offload_policy
+    from mfsdp_hooks.api.fsdp2_options import check_offload_policy
 
     check_offload_policy(CPUOffloadPolicy(), torch.device("cpu"))  # honoured as it stands
     with pytest.raises(NotImplementedError, match=r"offload_policy=CPUOffloadPolicy\(\) with"):
@@ -381,7 +381,7 @@ def test_shard_placement_fn_on_dim_0_trains_as_fsdp2() -> None:
 def test_shard_placement_fn_answers_are_checked_naming_the_parameter() -> None:
     from torch.distributed.tensor import Replicate, Shard
 
-    from mfsdp_hooks.api.fully_shard import check_shard_placements
+    from mfsdp_hooks.api.fsdp2_options import check_shard_placements
     from mfsdp_hooks.runtime.slots import collect_slots
 
     slots = collect_slots(make_model())

@@ -62,6 +62,7 @@ def fully_shard_model(
     use_decoupled_grad: bool = False,
     host_transport: str = "auto",
     backward_prefetch_grad_fraction: float = 0.5,
+    reshard_after_forward_group_size: int | None = None,
 ) -> MegatronFSDP:
     """Shard ``module`` (every ``fsdp_unit_modules`` match, then the root) and wrap it.
 
@@ -147,6 +148,12 @@ def fully_shard_model(
         backward_prefetch_grad_fraction: in backward, a unit prefetches the next unit's
             weights once this fraction of its gradient elements arrived (0.0: at its
             pre-backward, as FSDP2).
+        reshard_after_forward_group_size: after a unit's forward, keep its weights sharded
+            over this many consecutive ranks of ``dp_shard_dim`` (e.g. one node's) instead of
+            the whole group, so its backward all-gather stays among them, for ``P / size``
+            elements more per rank between forward and backward (FSDP2's
+            ``reshard_after_forward=<int>``, DeepSpeed's hpZ). A divisor of the shard group's
+            size; ZeRO-3 only. None: reshard over the whole group.
     """
     options = sharding_options(
         module,
@@ -181,6 +188,7 @@ def fully_shard_model(
         use_decoupled_grad=use_decoupled_grad,
         host_transport=host_transport,
         backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
+        reshard_after_forward_group_size=reshard_after_forward_group_size,
     )
     wrapped = MegatronFSDP(module, fsdp_unit_modules=fsdp_unit_modules, options=options)
     if preproc_state_dict_for_dcp_ckpt:
@@ -266,6 +274,7 @@ def fully_shard(
     use_decoupled_grad: bool = False,
     host_transport: str = "auto",
     backward_prefetch_grad_fraction: float = 0.5,
+    reshard_after_forward_group_size: int | None = None,
 ) -> tuple[MegatronFSDP, torch.optim.Optimizer]:
     """One-line change for an initialised model and optimizer: shard both, keep param groups.
 
@@ -281,7 +290,7 @@ def fully_shard(
         fsdp_unit_modules: classes (or import paths) of the submodules that become FSDP
             units.
 
-    Every keyword argument (``device_mesh`` ... ``backward_prefetch_grad_fraction``) has
+    Every keyword argument (``device_mesh`` ... ``reshard_after_forward_group_size``) has
     the name, default and meaning it has in :func:`fully_shard_model`, whose docstring
     describes each; ``preproc_state_dict_for_dcp_ckpt`` applies to the optimizer too.
     """
@@ -323,6 +332,7 @@ def fully_shard(
         use_decoupled_grad=use_decoupled_grad,
         host_transport=host_transport,
         backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
+        reshard_after_forward_group_size=reshard_after_forward_group_size,
     )
     _rebind_optimizer(optimizer)
     return model, fully_shard_optimizer(

@@ -55,6 +55,12 @@ class DistributedDataParallelConfig:
     megatron_fsdp_cuda_graph_mode: bool = False
     megatron_fsdp_enable_fine_grained_param_gather: bool = False
     megatron_fsdp_max_pool_double_buffer: bool = False
+    reshard_after_forward_group_size: int | None = None
+    """Not in the reference (megatron-fsdp's): after a unit's forward its weights stay sharded
+    over this many consecutive ranks of the shard group, so backward gathers among them
+    (``fully_shard_model(reshard_after_forward_group_size=...)``; FSDP2's int
+    ``reshard_after_forward``). Megatron-Core's own config has no such field: pass this
+    class as ``ddp_config`` to set it through the adapter."""
     use_distributed_optimizer: bool = False
     """Megatron-Core sets it with FSDP: an optimizer over sharded parameters is distributed
     by construction, so either value is honoured."""

@@ -21,7 +21,7 @@ from megatron_fsdp.expert_mesh import expert_sharding
 from megatron_fsdp.hybrid import hybrid_topology, parse_outer_strategy
 from megatron_fsdp.unsupported import refuse_unsupported
 from mfsdp_buffers import OnFull
-from mfsdp_collectives import FSDPTopology
+from mfsdp_collectives import FSDPTopology, check_post_forward_size
 from mfsdp_hooks import (
     DoubleBuffer,
     MixedPrecisionPolicy,
@@ -89,6 +89,16 @@ def _check_units_for(strategy: ShardingStrategy, units: Sequence[UnitSpec] | Non
 
 
 def _policy(
+    given: MixedPrecisionPolicy | None,
+    grad_reduce_in_fp32: bool,
+    preserve_fp32_weights: bool,
+    use_decoupled_grad: bool,
+) -> MixedPrecisionPolicy:
+    policy = _dtypes_policy(given, grad_reduce_in_fp32, preserve_fp32_weights)
+    return dataclasses.replace(policy, use_decoupled_grad=True) if use_decoupled_grad else policy
+
+
+def _dtypes_policy(
     given: MixedPrecisionPolicy | None, grad_reduce_in_fp32: bool, preserve_fp32_weights: bool
 ) -> MixedPrecisionPolicy:
     if given is not None:
@@ -133,6 +143,52 @@ def grad_buffer_choice(
     return DoubleBuffer(max_pool=max_pool, on_full=on_full)
 
 
+@dataclasses.dataclass(frozen=True)
+class _MeshArguments:
+    device_mesh: DeviceMesh | None
+    dp_shard_dim: str | None
+    dp_outer_dim: str | None
+    tp_dim: str | None
+    hybrid_fsdp_group: dist.ProcessGroup | None
+
+
+def _resolve_topology(
+    module: nn.Module,
+    mesh: _MeshArguments,
+    outer_strategy: str,
+    device: torch.device | str | None,
+) -> FSDPTopology:
+    """The topology the mesh arguments name: one DP dim, or HSDP/HFSDP over two."""
+    if mesh.dp_outer_dim is None and mesh.hybrid_fsdp_group is None:
+        if outer_strategy == "optim":
+            raise ValueError(
+                "outer_dp_sharding_strategy='optim' (HFSDP) shards across dp_outer: pass "
+                "device_mesh, dp_outer_dim and hybrid_fsdp_group too"
+            )
+        return _topology(module, mesh.device_mesh, mesh.dp_shard_dim, device, mesh.tp_dim)
+    return hybrid_topology(
+        mesh.device_mesh,
+        dp_shard_dim=mesh.dp_shard_dim,
+        dp_outer_dim=mesh.dp_outer_dim,
+        hybrid_fsdp_group=mesh.hybrid_fsdp_group,
+        outer_strategy=outer_strategy,
+        tp_dim=mesh.tp_dim,
+    )
+
+
+def _check_group_size(size: int | None, strategy: ShardingStrategy, shard_size: int) -> None:
+    """``reshard_after_forward_group_size``: a divisor of the shard group's size, ZeRO-3 only
+    (the other strategies keep the weights unsharded anyway)."""
+    if size is None:
+        return
+    check_post_forward_size(size, shard_size, "reshard_after_forward_group_size")
+    if strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
+        raise ValueError(
+            f"reshard_after_forward_group_size={size} with zero_dp_strategy={int(strategy)}: "
+            "only ZeRO-3 reshards weights after forward; pass zero_dp_strategy=3 or leave it None"
+        )
+
+
 def sharding_options(
     module: nn.Module,
     fsdp_unit_modules: Sequence[UnitSpec] | None = None,
@@ -167,6 +223,7 @@ def sharding_options(
     use_decoupled_grad: bool = False,
     host_transport: str = "auto",
     backward_prefetch_grad_fraction: float = 0.5,
+    reshard_after_forward_group_size: int | None = None,
 ) -> ShardingOptions:
     """Check ``fully_shard_model``'s arguments (locally, then the topology's collectives),
     move ``module`` to ``device`` when asked, and return the engine's options record.
@@ -187,31 +244,18 @@ def sharding_options(
     _check_module_and_units(module, fsdp_unit_modules)
     strategy = parse_strategy(zero_dp_strategy, "zero_dp_strategy")
     _check_units_for(strategy, fsdp_unit_modules)
-    policy = _policy(mixed_precision_policy, grad_reduce_in_fp32, preserve_fp32_weights)
-    if use_decoupled_grad:
-        policy = dataclasses.replace(policy, use_decoupled_grad=True)
+    policy = _policy(
+        mixed_precision_policy, grad_reduce_in_fp32, preserve_fp32_weights, use_decoupled_grad
+    )
     if device is not None and not init_model_with_meta_device:
         module.to(device)  # in place: an nn.Module's .to() returns the module itself
     outer_strategy = parse_outer_strategy(outer_dp_sharding_strategy, int(strategy))
-    if dp_outer_dim is None and hybrid_fsdp_group is None:
-        if outer_strategy == "optim":
-            raise ValueError(
-                "outer_dp_sharding_strategy='optim' (HFSDP) shards across dp_outer: pass "
-                "device_mesh, dp_outer_dim and hybrid_fsdp_group too"
-            )
-        topology = _topology(module, device_mesh, dp_shard_dim, device, tp_dim)
-    else:
-        topology = hybrid_topology(
-            device_mesh,
-            dp_shard_dim=dp_shard_dim,
-            dp_outer_dim=dp_outer_dim,
-            hybrid_fsdp_group=hybrid_fsdp_group,
-            outer_strategy=outer_strategy,
-            tp_dim=tp_dim,
-        )
+    mesh = _MeshArguments(device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group)
+    topology = _resolve_topology(module, mesh, outer_strategy, device)
     experts = expert_sharding(
         expt_device_mesh, dp_shard_dim=dp_shard_dim, tp_dim=tp_dim, dense=topology
     )
+    _check_group_size(reshard_after_forward_group_size, strategy, topology.shard_size)
     return ShardingOptions(
         zero_dp_strategy=strategy,
         device_mesh=topology,
@@ -231,6 +275,7 @@ def sharding_options(
         ),
         experts=experts,
         fine_grained_param_gather=enable_fine_grained_param_gather,
+        reshard_after_forward=reshard_after_forward_group_size,
         reduce_scatter_in_no_sync=True,  # Megatron-FSDP's no_sync: ZeRO-2/3 still reduce-scatter
         param_codecs=float8_codecs(),  # torchao float8 weights travel as float8 bytes
     )

@@ -103,23 +103,7 @@ def reference_options(
                 "set the dtypes in one of them"
             )
         policy = mixed_precision_policy
-    instances = config.num_distributed_optimizer_instances
-    outer = dist_index.outer_fsdp_group
-    if instances > 1 and (outer is None or outer.size() != instances):
-        raise ValueError(
-            f"ddp_config.num_distributed_optimizer_instances={instances} asks for HSDP over "
-            f"{instances} replicas, but dist_index has "
-            + ("no dp_outer_dim" if outer is None else f"a dp_outer dim of {outer.size()}")
-            + f": give FSDPDistributedIndex a dp_outer_dim of size {instances}, or leave "
-            "num_distributed_optimizer_instances at 1"
-        )
-    outer_sharded = config.outer_dp_sharding_strategy in ("optim", 1)
-    if dist_index.hsdp_outer_dp_shard != outer_sharded:
-        raise ValueError(
-            f"FSDPDistributedIndex(hsdp_outer_dp_shard={dist_index.hsdp_outer_dp_shard}) "
-            f"contradicts ddp_config.outer_dp_sharding_strategy="
-            f"{config.outer_dp_sharding_strategy!r}: set both for HFSDP, neither for HSDP"
-        )
+    _check_hsdp_fields(config, dist_index)
     options = sharding_options(
         module,
         fsdp_unit_modules,
@@ -150,8 +134,32 @@ def reference_options(
         fsdp_double_buffer=config.fsdp_double_buffer,
         fsdp_db_use_persist_buf_on_alloc_fail=config.fsdp_db_use_persist_buf_on_alloc_fail,
         use_decoupled_grad=config.megatron_fsdp_use_decoupled_grad,
+        reshard_after_forward_group_size=config.reshard_after_forward_group_size,
     )
     return _with_config_only_fields(options, config)
+
+
+def _check_hsdp_fields(
+    config: DistributedDataParallelConfig, dist_index: FSDPDistributedIndex
+) -> None:
+    """The config's HSDP fields agree with the index's mesh."""
+    instances = config.num_distributed_optimizer_instances
+    outer = dist_index.outer_fsdp_group
+    if instances > 1 and (outer is None or outer.size() != instances):
+        raise ValueError(
+            f"ddp_config.num_distributed_optimizer_instances={instances} asks for HSDP over "
+            f"{instances} replicas, but dist_index has "
+            + ("no dp_outer_dim" if outer is None else f"a dp_outer dim of {outer.size()}")
+            + f": give FSDPDistributedIndex a dp_outer_dim of size {instances}, or leave "
+            "num_distributed_optimizer_instances at 1"
+        )
+    outer_sharded = config.outer_dp_sharding_strategy in ("optim", 1)
+    if dist_index.hsdp_outer_dp_shard != outer_sharded:
+        raise ValueError(
+            f"FSDPDistributedIndex(hsdp_outer_dp_shard={dist_index.hsdp_outer_dp_shard}) "
+            f"contradicts ddp_config.outer_dp_sharding_strategy="
+            f"{config.outer_dp_sharding_strategy!r}: set both for HFSDP, neither for HSDP"
+        )
 
 
 def _with_config_only_fields(

@@ -35,6 +35,7 @@ from .ops import (
     reduce_scatter_into,
 )
 from .optim_sharding import OptimizerSharding
+from .post_forward import PostForwardGroup, check_post_forward_size, post_forward_group
 from .shm import SharedMemoryTransport
 from .streams import CommStreams
 from .strict import strict_async, strict_async_enabled
@@ -55,6 +56,7 @@ __all__ = [
     "HOST_TRANSPORTS",
     "OptimizerSharding",
     "PeerDiedError",
+    "PostForwardGroup",
     "RankMismatchError",
     "ReduceSpec",
     "SharedMemoryTransport",
@@ -64,6 +66,7 @@ __all__ = [
     "all_reduce_",
     "broadcast_",
     "check_host_transport",
+    "check_post_forward_size",
     "check_ranks_agree",
     "coalesced_gathers",
     "dead_ranks",
@@ -76,6 +79,7 @@ __all__ = [
     "host_transport_of",
     "hsdp_reduce_scatter_into",
     "naming_dead_peers",
+    "post_forward_group",
     "reduce_scatter_into",
     "strict_async",
     "strict_async_enabled",

@@ -169,12 +169,16 @@ class FSDPModule(FSDP2Refusals, TorchFSDPModule):
         return units_under(modules)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Reshard after forward (True, the root included) or keep the weights for backward."""
+        """Reshard after forward (True, the root included, over the whole shard group, as
+        FSDP2's setter does even after an int) or keep the weights for backward."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
         for unit in self._units(recurse):
             unit.options = dataclasses.replace(
-                unit.options, reshard_after_forward=reshard_after_forward
+                unit.options,
+                reshard_after_forward=reshard_after_forward,
+                reshard_after_forward_group_size=None,
+                post_forward=None,
             )
 
     def set_reshard_after_backward(

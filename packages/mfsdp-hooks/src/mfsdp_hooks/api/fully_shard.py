@@ -14,20 +14,24 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-from torch.distributed.tensor import Shard
 
 from mfsdp_buffers import Allocator
 from mfsdp_collectives import (
     FSDPTopology,
     check_host_transport,
     check_ranks_agree,
+    post_forward_group,
 )
 from mfsdp_hooks.api.argument_checks import (
     check_flag,
     check_numel_caps,
     check_overlap_options,
     refuse_unknown_arguments,
+)
+from mfsdp_hooks.api.fsdp2_options import (
+    check_offload_policy,
+    check_reshard_after_forward,
+    check_shard_placements,
 )
 from mfsdp_hooks.api.fsdp_module import FSDPModule, UnshardHandle
 from mfsdp_hooks.api.wrap_agreement import UNITS_INSIDE, explain_wrap_mismatch, units_inside
@@ -38,7 +42,7 @@ from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy, from_fsdp2_
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.strategy import ShardingStrategy, parse_strategy
 from mfsdp_hooks.config.unit_options import RootOptions, UnitOptions
-from mfsdp_hooks.dtensor.tensor_parallel import check_tp_parameters, tp_spec_of
+from mfsdp_hooks.dtensor.tensor_parallel import check_tp_parameters
 from mfsdp_hooks.runtime.member_forwards import ModuleGroup, unit_members
 from mfsdp_hooks.runtime.root import FSDPRoot
 from mfsdp_hooks.runtime.slots import (
@@ -119,73 +123,6 @@ def _ignored_ids(ignored: Iterable[nn.Parameter] | None) -> frozenset[int]:
     return frozenset(id(p) for p in params)
 
 
-def _reshard_after_forward(value: bool | int | None) -> bool | None:
-    if value is None or isinstance(value, bool):
-        return value
-    raise NotImplementedError(
-        f"reshard_after_forward={value!r}: resharding onto a smaller group after forward is "
-        "not supported yet; pass True (reshard fully) or False (keep the weights unsharded)"
-    )
-
-
-def check_offload_policy(policy: object, device: torch.device) -> None:
-    """FSDP2's offload policies. ``CPUOffloadPolicy`` asks for the sharded weights, the
-    gradients and the optimizer step on the host: when the model computes on the CPU they
-    are there already, so it is honoured as it stands. Keeping them on the host while an
-    accelerator computes is not built yet and raises."""
-    if policy is None or type(policy) is OffloadPolicy:
-        return
-    if not isinstance(policy, CPUOffloadPolicy):
-        raise TypeError(
-            f"offload_policy must be torch.distributed.fsdp.OffloadPolicy or CPUOffloadPolicy, "
-            f"got {type(policy).__name__}"
-        )
-    if device.type != "cpu":
-        raise NotImplementedError(
-            f"offload_policy=CPUOffloadPolicy() with the model on {device}: keeping the sharded "
-            "weights, gradients and optimizer step on the host while the accelerator computes "
-            "is not supported yet; leave offload_policy None (or shard more widely)"
-        )
-
-
-def check_shard_placements(
-    fn: Callable[[nn.Parameter], Any] | None,
-    slots: SlotMap,
-    claimed: Callable[[nn.Parameter], bool] = lambda p: False,
-    tp_mesh: DeviceMesh | None = None,
-) -> tuple[tuple[str, int], ...]:
-    """FSDP2's ``shard_placement_fn``: each parameter's ``Shard(dim)`` (None: dim 0). Returns
-    ``(name, dim)`` of those cut along another dim than 0, which the layout stores with that
-    dim first. Tensor-parallel parameters and ones a codec ``claimed`` (float8 weights) are
-    cut along dim 0 only. It is asked before any collective."""
-    if fn is None:
-        return ()
-    if not callable(fn):
-        raise TypeError(f"shard_placement_fn must be callable, got {type(fn).__name__}")
-    dims = []
-    for param, name, _ in slots.values():
-        placement = fn(param)
-        if placement is None:
-            continue
-        if type(placement) is not Shard or not -param.dim() <= placement.dim < param.dim():
-            raise ValueError(
-                f"shard_placement_fn returned {placement!r} for {name!r} of shape "
-                f"{tuple(param.shape)}: return Shard(d) for one of its dims, or None (dim 0)"
-            )
-        dim = placement.dim % param.dim()
-        if dim == 0:
-            continue
-        tensor_parallel = tp_spec_of(param, tp_mesh) is not None
-        if tensor_parallel or claimed(param):
-            kind = "a tensor-parallel" if tensor_parallel else "a codec-claimed"
-            raise NotImplementedError(
-                f"shard_placement_fn returned {placement!r} for {name!r}, {kind} parameter: "
-                "those are sharded along dim 0 only so far; return Shard(0) or None for it"
-            )
-        dims.append((name, dim))
-    return tuple(dims)
-
-
 def _check_parameters(
     slots: SlotMap,
     target: nn.Module,
@@ -200,6 +137,21 @@ def _check_parameters(
 
     check_parameters_supported(slots, target, claimed)
     return check_shard_placements(shard_placement_fn, slots, claimed, topology.tp_mesh)
+
+
+def _check_topology_options(
+    topology: FSDPTopology, strategy: ShardingStrategy, offload_policy: Any, reshard: Any
+) -> tuple[bool | None, int | None]:
+    """The options that depend on the topology; returns ``check_reshard_after_forward``'s."""
+    check_offload_policy(offload_policy, topology.device)
+    _check_hfsdp_strategy(topology, strategy)
+    after_forward, group_size = check_reshard_after_forward(reshard, topology.shard_size)
+    if group_size is not None and strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
+        raise ValueError(
+            f"reshard_after_forward={reshard} with sharding_strategy={int(strategy)}: only "
+            "ZeRO-3 reshards weights after forward; pass sharding_strategy=3 or a bool"
+        )
+    return after_forward, group_size
 
 
 def _check_hfsdp_strategy(topology: FSDPTopology, strategy: ShardingStrategy) -> None:
@@ -342,13 +294,12 @@ def fully_shard(
     scope = modules_in_scope(target, skip=lambda m: unit_of(m) is not None)
     check_initialisable(scope, f"fully_shard({label})")
     topology = resolve_topology(mesh, target)
-    check_offload_policy(offload_policy, topology.device)
-    _check_hfsdp_strategy(topology, strategy)
+    reshard, post_forward_size = _check_topology_options(
+        topology, strategy, offload_policy, reshard_after_forward
+    )
     # Before initialising meta modules: their TP parameters are refused, not initialised.
     check_tp_parameters(_own_parameters(scope), topology, f"fully_shard({label})")
-    materializer = MetaMaterializer(topology.device)
-    for _, sub in scope:
-        materializer.materialize(sub)
+    MetaMaterializer(topology.device).materialize_all(sub for _, sub in scope)
     slots = collect_slots(target, _ignored_ids(ignored_params))
     codecs = tuple(param_codecs)
     shard_dims = _check_parameters(slots, target, codecs, shard_placement_fn, topology)
@@ -361,7 +312,8 @@ def fully_shard(
             gradient_scaling_factor=gradient_scaling_factor,
             calculate_per_token_loss=calculate_per_token_loss,
         ),
-        reshard_after_forward=_reshard_after_forward(reshard_after_forward),
+        reshard_after_forward=reshard,
+        reshard_after_forward_group_size=post_forward_size,
         overlap_param_gather=overlap_param_gather,
         root=RootOptions(
             overlap_grad_reduce=overlap_grad_reduce,
@@ -389,11 +341,16 @@ def fully_shard(
 def _with_transports(options: UnitOptions, host_transport: str) -> UnitOptions:
     """The options over topologies with their CPU transports chosen (collective over the
     groups unless ``"gloo"``, so only after the ranks agreed on every option)."""
-    experts = options.experts
+    experts, topology = options.experts, options.topology
+    size = options.reshard_after_forward_group_size
+    on_host = host_transport if topology.device.type == "cpu" else "gloo"
     return dataclasses.replace(
         options,
-        topology=options.topology.with_host_transport(host_transport),
+        topology=topology.with_host_transport(host_transport),
         experts=None if experts is None else experts.adopted(host_transport),
+        post_forward=None
+        if size is None
+        else post_forward_group(topology.shard_group, size, on_host),
     )
 
 

@@ -62,7 +62,10 @@ class ShardingOptions:
     param_codecs: tuple[ParamClassCodec, ...] = ()
     """Codecs that claim tensor-subclass parameters (FP8 weights)."""
     param_codec: ParamCodec | None = None
-    reshard_after_forward: bool | None = None
+    reshard_after_forward: bool | int | None = None
+    """FSDP2's: None (True but for the root), True, False, or an int, the number of
+    consecutive ranks of the shard group that keep each unit's weights between forward and
+    backward (the seed API's ``reshard_after_forward_group_size``)."""
     fine_grained_param_gather: bool = False
     """The seed's ``enable_fine_grained_param_gather``: each parameter-holding leaf module
     of a unit (a Linear, a norm) becomes a unit of its own, gathered just before it runs and

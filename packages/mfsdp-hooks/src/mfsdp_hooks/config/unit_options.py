@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from mfsdp_buffers import Allocator
-from mfsdp_collectives import FSDPTopology
+from mfsdp_collectives import FSDPTopology, PostForwardGroup
 from mfsdp_hooks.config.codec import IDENTITY, ParamClassCodec, ParamCodec
 from mfsdp_hooks.config.experts import ExpertSharding
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
@@ -67,6 +67,12 @@ class UnitOptions:
     reshard_after_forward: bool | None = None
     """None: FSDP2's default, True for every unit but the root (whose weights backward needs
     at once); True or False: as given, the root included."""
+    reshard_after_forward_group_size: int | None = None
+    """FSDP2's int ``reshard_after_forward``: after forward the weights are kept sharded over
+    this many consecutive ranks of the shard group (``post_forward``), so the backward
+    all-gather stays among them; None: over the whole shard group."""
+    post_forward: PostForwardGroup | None = None
+    """That smaller group, made once the ranks agreed on the options (a collective)."""
     reshard_after_backward: bool = True
     overlap_param_gather: bool = True
     root: RootOptions = RootOptions()

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from mfsdp_collectives import CommStreams
+from mfsdp_collectives import CommStreams, PostForwardGroup
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.config.unit_options import UnitOptions
 from mfsdp_hooks.dtensor.tensor_parallel import grad_local
@@ -274,11 +274,11 @@ class FSDPUnit:
         self.request_unshard()
         self.wait_unshard()
 
-    def reshard(self) -> None:
+    def reshard(self, onto: PostForwardGroup | None = None) -> None:
         handles, self._pending_unshard = self._pending_unshard, []
         _await_gathers(self, handles)
         for group in self.groups:
-            group.reshard()
+            group.reshard(onto)
         self._swap(use_unsharded=False)
 
     # ----------------------------------------------------------------- forward
@@ -343,7 +343,7 @@ class FSDPUnit:
         reshard = self.options.reshard_after_forward
         keep = is_root if reshard is None else not reshard
         if not keep or (is_root and not torch.is_grad_enabled()):
-            self.reshard()
+            self.reshard(self.options.post_forward if torch.is_grad_enabled() else None)
         self._move_to(TrainingState.IDLE)
 
     # ----------------------------------------------------------------- backward

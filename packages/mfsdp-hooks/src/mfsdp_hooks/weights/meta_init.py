@@ -122,6 +122,11 @@ class MetaMaterializer:
         self._made[id(old)] = (old, piece)
         return piece
 
+    def materialize_all(self, modules: Iterable[nn.Module]) -> None:
+        """``materialize`` each of ``modules``, in order (a tied tensor gets one storage)."""
+        for module in modules:
+            self.materialize(module)
+
     def materialize(self, module: nn.Module) -> None:
         """Real storage for ``module``'s own meta tensors, then its ``reset_parameters()``."""
         if not has_meta_state(module):

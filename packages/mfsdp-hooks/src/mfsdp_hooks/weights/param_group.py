@@ -35,9 +35,10 @@ from mfsdp_collectives import (
     CommHandle,
     CommStreams,
     FSDPTopology,
+    PostForwardGroup,
     all_gather_into,
 )
-from mfsdp_hooks.config.codec import IDENTITY, CodecContext, ParamClassCodec, ParamCodec
+from mfsdp_hooks.config.codec import IDENTITY, ParamClassCodec, ParamCodec
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.strategy import ShardingStrategy
@@ -51,6 +52,7 @@ from mfsdp_hooks.weights.group_storage import (
     grad_shard,
     weight_buffers,
 )
+from mfsdp_hooks.weights.post_forward_shard import PostForwardShard
 from mfsdp_hooks.weights.shard_cuts import ShardCuts
 from mfsdp_hooks.weights.weight_freshness import WeightFreshness, WeightPath, weight_path
 
@@ -99,6 +101,10 @@ def _require_main_weights(
 class ParameterGroup:
     """The parameters of one FSDP unit that share dtype and ``requires_grad``."""
 
+    _post_forward: PostForwardShard | None = None
+    """FSDP2's int ``reshard_after_forward``: this rank's slice of the gathered weights, held
+    from ``reshard(onto=...)`` after forward to the next unshard, which gathers from it."""
+
     def __init__(
         self,
         params: Sequence[nn.Parameter],
@@ -141,7 +147,7 @@ class ParameterGroup:
         optimizer_dtype = policy.optimizer_dtype(self.original_dtype)
         bound = None
         if class_codec is not None:
-            bound = class_codec.bind(params, self._codec_context(topology))
+            bound = class_codec.bind(params, self.cuts.codec_context(self.compute_dtype))
             codec, self.compute_dtype = bound, bound.wire_dtype
             values = [bound.high_precision(i) for i in range(len(params))]
         self.model, self.main = weight_buffers(
@@ -191,16 +197,6 @@ class ParameterGroup:
             allocator=grad_allocator or PlainAllocator(),
         )
 
-    def _codec_context(self, topology: FSDPTopology) -> CodecContext:
-        """What the codec encodes from: this rank's main-weight shard. Under HFSDP that is a
-        ``dp_shard x dp_outer`` sub-shard, encoded into its slot of the compute shard
-        (``_refresh_compute_shard``), with scales agreed over every rank holding a piece."""
-        if topology.shards_optimizer_across_outer:
-            group = topology.optim_group if topology.optim_size > 1 else None
-            return CodecContext(self.optim_layout, topology.optim_rank, group, self.compute_dtype)
-        group = topology.shard_group if topology.shard_size > 1 else None
-        return CodecContext(self.layout, topology.shard_rank, group, self.compute_dtype)
-
     @property
     def reduce_dtype(self) -> torch.dtype:
         """The dtype gradients are reduced in now: the reducer's (a ``mixed_precision_context``
@@ -228,11 +224,12 @@ class ParameterGroup:
 
     def _make_current(self, path: WeightPath, streams: CommStreams | None) -> Waitable | None:
         """Follow ``path``; the compute weights are current once the returned handle is."""
+        post_forward, self._post_forward = self._post_forward, None
         if path is WeightPath.CURRENT:
             return None
         self.freshness.installed()
         if path is WeightPath.GATHER:
-            return self._gather(streams)
+            return self._gather(streams, post_forward)
         if path is WeightPath.REFRESH:
             self._refresh_compute_shard(streams)
             return None
@@ -278,14 +275,19 @@ class ParameterGroup:
         transport = self.topology.outer_transport
         all_gather_into(slot, self.model.shard, outer, stream=streams, transport=transport).wait()
 
-    def _gather(self, streams: CommStreams | None) -> Waitable:
-        """All-gather ZeRO-3 weights straight into the unsharded buffer.
+    def _gather(
+        self, streams: CommStreams | None, post_forward: PostForwardShard | None = None
+    ) -> Waitable:
+        """All-gather ZeRO-3 weights straight into the unsharded buffer: over the smaller
+        group from the slices kept after forward (``post_forward``), else over the shard group.
 
         With separate main weights (and no HFSDP) nothing of the compute dtype persists: this
         rank's slot of the unsharded buffer is filled by encoding the main shard, then
         gathered in place.
         """
         unsharded = self.model.materialize()
+        if post_forward is not None:
+            return self._decoded(post_forward.gather_into(unsharded, streams), unsharded)
         if self.main is not None and not self.model.has_persistent_shard:
             with torch.no_grad():
                 self.codec.encode(self.main.shard, self.model.shard)
@@ -303,9 +305,20 @@ class ParameterGroup:
             return handle
         return _DecodeAfter(handle, lambda: self.codec.decode(gathered))
 
-    def reshard(self) -> None:
-        if self.model.sharded:
-            self.model.release()
+    def reshard(self, onto: PostForwardGroup | None = None) -> None:
+        """Free the unsharded weights; ``onto`` (after forward, FSDP2's int
+        ``reshard_after_forward``) first keeps this rank's slice of them for backward."""
+        if not self.model.sharded:
+            return
+        gathered = self.model.unsharded
+        if onto is not None and gathered is not None and onto.serves(self.topology.shard_group):
+            self._post_forward = PostForwardShard(gathered, onto)
+        self.model.release()
+
+    @property
+    def post_forward_numel(self) -> int:
+        """Elements of the gathered weights held between forward and backward (0: none)."""
+        return 0 if self._post_forward is None else self._post_forward.numel
 
     def install_weights(self, streams: CommStreams | None = None) -> Waitable | None:
         """Bring the compute weights up to date with optimizer-updated weights."""

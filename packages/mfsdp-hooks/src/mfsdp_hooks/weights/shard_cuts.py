@@ -25,6 +25,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from mfsdp_buffers import DataParallelBuffer, FlatLayout
 from mfsdp_collectives import FSDPTopology
+from mfsdp_hooks.config.codec import CodecContext
 from mfsdp_hooks.config.strategy import ShardingStrategy
 from mfsdp_hooks.dtensor.dtensor_views import replicated_dtensor, sharded_dtensor
 from mfsdp_hooks.dtensor.row_sharded import row_sharded
@@ -59,6 +60,17 @@ class ShardCuts:
         )
         self.layout = self.optim_layout.merged(topology.optim_size // topology.shard_size)
         self.optim_rank = topology.optim_rank
+
+    def codec_context(self, compute_dtype: torch.dtype) -> CodecContext:
+        """What a codec encodes from: this rank's main-weight shard. Under HFSDP that is a
+        ``dp_shard x dp_outer`` sub-shard, encoded into its slot of the compute shard, with
+        scales agreed over every rank holding a piece."""
+        topology = self.topology
+        if topology.shards_optimizer_across_outer:
+            group = topology.optim_group if topology.optim_size > 1 else None
+            return CodecContext(self.optim_layout, topology.optim_rank, group, compute_dtype)
+        group = topology.shard_group if topology.shard_size > 1 else None
+        return CodecContext(self.layout, topology.shard_rank, group, compute_dtype)
 
     def sub_shard(self, buffer: DataParallelBuffer) -> torch.Tensor:
         """This rank's optimizer-facing shard inside ``buffer``'s shard (a buffer of either

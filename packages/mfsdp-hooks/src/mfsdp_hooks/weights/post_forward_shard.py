@@ -1,0 +1,51 @@
+"""A unit's gathered weights resharded onto a smaller group between forward and backward.
+
+FSDP2's ``reshard_after_forward=<int>``: when a unit's forward ends, this rank copies its
+``1/size`` slice of the gathered (compute-dtype, or a codec's wire) buffer and the buffer is
+released. The backward unshard puts the slice back into its place of a fresh buffer and
+all-gathers over the ``size`` ranks of ``PostForwardGroup``, so no byte crosses the rest of
+the shard group. The slice is dropped as soon as the buffer is rebuilt from it, or when the
+weights change before that (an optimizer step, a load): then the next unshard gathers the
+whole shard group as usual.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mfsdp_collectives import CommHandle, CommStreams, PostForwardGroup, all_gather_into
+
+__all__ = ["PostForwardShard"]
+
+
+class PostForwardShard:
+    """This rank's slice of one group's gathered weights, held from forward to backward."""
+
+    def __init__(self, gathered: torch.Tensor, subgroup: PostForwardGroup) -> None:
+        self.subgroup = subgroup
+        with torch.no_grad():
+            self._slice: torch.Tensor | None = self._slot(gathered).clone()
+
+    @property
+    def numel(self) -> int:
+        """Elements held (0 once given back)."""
+        return 0 if self._slice is None else self._slice.numel()
+
+    def _slot(self, buffer: torch.Tensor) -> torch.Tensor:
+        share = buffer.numel() // self.subgroup.size
+        start = self.subgroup.rank * share
+        return buffer[start : start + share]
+
+    def gather_into(self, buffer: torch.Tensor, streams: CommStreams | None) -> CommHandle:
+        """Rebuild the whole of ``buffer`` (a fresh unsharded buffer) from the subgroup's
+        slices; the slice is given back at once (it lives on in ``buffer``)."""
+        held, self._slice = self._slice, None
+        assert held is not None, "a post-forward shard is gathered once"
+        slot = self._slot(buffer)
+        with torch.no_grad():
+            slot.copy_(held)
+        del held
+        subgroup = self.subgroup
+        return all_gather_into(
+            slot, buffer, subgroup.group, stream=streams, transport=subgroup.transport
+        )
