@@ -93,6 +93,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="ours: gather N blocks ahead as one all-gather (suggested_communication_unit_size)",
     )
     p.add_argument(
+        "--reshard-after-forward",
+        type=int,
+        default=0,
+        help="both: keep each block's weights over N consecutive ranks from forward to backward",
+    )
+    p.add_argument(
         "--hsdp-outer",
         type=int,
         default=1,

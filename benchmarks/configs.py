@@ -110,6 +110,10 @@ class RunSpec:
     float8: bool = False
     """torchao float8 training of the blocks' Linear layers with float8 all-gather (both
     implementations; FSDP2 with torchao's recommended per-step scale precompute)."""
+    reshard_after_forward: int = 0
+    """Both implementations: N > 1 keeps each block's weights sharded over N consecutive ranks
+    between forward and backward (FSDP2's ``reshard_after_forward=N``), so backward gathers
+    among them; 0: the default (blocks reshard over every rank)."""
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -131,6 +135,10 @@ class RunSpec:
             raise ValueError("float8 compares FSDP implementations in fp32 without TP")
         if self.outer_optim and self.hsdp_outer == 1:
             raise ValueError("outer_optim (HFSDP) needs hsdp_outer > 1: pass --hsdp-outer N")
+        if self.reshard_after_forward < 0:
+            raise ValueError(
+                f"reshard_after_forward must be >= 0, got {self.reshard_after_forward}"
+            )
         if self.merge_blocks < 0:
             raise ValueError(f"merge_blocks must be >= 0, got {self.merge_blocks}")
         if self.steps < 1 or self.warmup < 0:

@@ -117,6 +117,11 @@ def _adamw(params: list[torch.Tensor] | list[nn.Parameter]) -> torch.optim.Optim
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
 
 
+def _block_reshard(spec: RunSpec) -> bool | int:
+    """The blocks' ``reshard_after_forward``: True, or the smaller group's size."""
+    return spec.reshard_after_forward if spec.reshard_after_forward > 1 else True
+
+
 def build_ours(model: GPT, spec: RunSpec) -> Trainer:
     import mfsdp_hooks
     import mfsdp_te
@@ -136,6 +141,7 @@ def build_ours(model: GPT, spec: RunSpec) -> Trainer:
     for module in [*model.blocks, model]:
         mfsdp_hooks.fully_shard(
             module,
+            reshard_after_forward=_block_reshard(spec) if module is not model else None,
             mesh=topology or mesh,
             sharding_strategy=3,
             mp_policy=policy,
@@ -171,7 +177,7 @@ def build_fsdp2(model: GPT, spec: RunSpec, device: torch.device) -> Trainer:
     )
     _float8(model, spec)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=_block_reshard(spec))
     # reshard_after_forward left at its default: True for blocks, False for the root (whose
     # parameters backward needs at once), which is what our engine does too.
     fully_shard(model, mesh=mesh, mp_policy=policy)

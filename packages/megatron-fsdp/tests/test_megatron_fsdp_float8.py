@@ -146,6 +146,7 @@ def _hfsdp_float8(rank: int, world: int, entry: str) -> dict[str, Any]:
     return {"losses": losses, "weights": weights, "wire": wire}
 
 
+@pytest.mark.skipif(os.environ.get("MFSDP_FULL_MATRIX") != "1", reason="MFSDP_FULL_MATRIX=1 only")
 @pytest.mark.parametrize(
     "entry",
     [

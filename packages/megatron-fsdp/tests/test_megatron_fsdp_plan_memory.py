@@ -3,7 +3,8 @@ within 5% of the peak measured while the same model really trains (three AdamW s
 the optimizer state exists; ``LiveTensorTracker`` counts every tensor storage, and torch's
 ``MemTracker`` checks three more steps independently), and the planned bytes between
 steps within 1% of those live after ``optimizer.step()``. ZeRO-0/1/2/3, fp32 and bf16
-compute, 2 and 4 ranks, HSDP 2x2 and HFSDP, with and without an example input.
+compute, 2 and 4 ranks, HSDP 2x2 and HFSDP, weights kept over pairs between forward and
+backward (``reshard_after_forward_group_size=2``), with and without an example input.
 """
 
 from __future__ import annotations
@@ -76,17 +77,18 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 
 
-# (name, world, zero, bf16, outer_dp_size, outer strategy)
+# (name, world, zero, bf16, outer_dp_size, outer strategy, reshard_after_forward_group_size)
 CASES = [
-    ("zero0", 2, 0, False, 1, 0),
-    ("zero1", 2, 1, False, 1, 0),
-    ("zero2-bf16", 2, 2, True, 1, 0),
-    ("zero3", 2, 3, False, 1, 0),
-    ("zero3-bf16", 2, 3, True, 1, 0),
-    ("zero1-bf16", 4, 1, True, 1, 0),
-    ("zero3", 4, 3, False, 1, 0),
-    ("hsdp-2x2", 4, 3, False, 2, 0),
-    ("hfsdp-2x2", 4, 3, False, 2, "optim"),
+    ("zero0", 2, 0, False, 1, 0, None),
+    ("zero1", 2, 1, False, 1, 0, None),
+    ("zero2-bf16", 2, 2, True, 1, 0, None),
+    ("zero3", 2, 3, False, 1, 0, None),
+    ("zero3-bf16", 2, 3, True, 1, 0, None),
+    ("zero1-bf16", 4, 1, True, 1, 0, None),
+    ("zero3", 4, 3, False, 1, 0, None),
+    ("zero3-pairs", 4, 3, False, 1, 0, 2),
+    ("hsdp-2x2", 4, 3, False, 2, 0, None),
+    ("hfsdp-2x2", 4, 3, False, 2, "optim", None),
 ]
 
 
@@ -94,7 +96,7 @@ def _policy(bf16: bool) -> MixedPrecisionPolicy | None:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else None
 
 
-def _wrap(zero: int, bf16: bool, outer: int, outer_strategy: Any) -> nn.Module:
+def _wrap(zero: int, bf16: bool, outer: int, outer_strategy: Any, pairs: int | None) -> nn.Module:
     hybrid: dict[str, Any] = {}
     if outer > 1:
         shard = dist.get_world_size() // outer
@@ -107,7 +109,12 @@ def _wrap(zero: int, bf16: bool, outer: int, outer_strategy: Any) -> nn.Module:
             outer_dp_sharding_strategy=outer_strategy,
         )
     return fully_shard_model(
-        GPT(), [Block], zero_dp_strategy=zero, mixed_precision_policy=_policy(bf16), **hybrid
+        GPT(),
+        [Block],
+        zero_dp_strategy=zero,
+        mixed_precision_policy=_policy(bf16),
+        reshard_after_forward_group_size=pairs,
+        **hybrid,
     )
 
 
@@ -121,14 +128,14 @@ def _measure(rank: int, world: int, tiny: bool) -> list[dict[str, int]]:
     torch.set_num_threads(1)
     results = []
     batch, seq = (1, 2) if tiny else (BATCH, SEQ)
-    for _, case_world, zero, bf16, outer, outer_strategy in CASES:
+    for _, case_world, zero, bf16, outer, outer_strategy, pairs in CASES:
         if case_world != world:
             continue
         tokens, targets = _batch(rank, batch, seq)
         gc.collect()
         with LiveTensorTracker() as tracker:
             torch.manual_seed(0)
-            model = _wrap(zero, bf16, outer, outer_strategy)
+            model = _wrap(zero, bf16, outer, outer_strategy, pairs)
             optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
             for _ in range(3):
                 _loss(model(tokens), targets).backward()
@@ -156,7 +163,15 @@ def _measure(rank: int, world: int, tiny: bool) -> list[dict[str, int]]:
     return results
 
 
-def _plan(world: int, zero: int, bf16: bool, outer: int, strategy: Any, with_input: bool) -> Any:
+def _plan(
+    world: int,
+    zero: int,
+    bf16: bool,
+    outer: int,
+    strategy: Any,
+    pairs: int | None,
+    with_input: bool,
+) -> Any:
     with torch.device("meta"):
         meta = GPT()
     tokens, targets = _batch(0)
@@ -173,6 +188,7 @@ def _plan(world: int, zero: int, bf16: bool, outer: int, strategy: Any, with_inp
         outer_dp_size=outer,
         outer_dp_sharding_strategy=strategy,
         device="cpu",
+        reshard_after_forward_group_size=pairs,
         **inputs,
     )
 
@@ -193,8 +209,8 @@ WORLDS = [
 def test_the_planned_peak_is_the_measured_peak(world: int, with_input: bool) -> None:
     measured = run_distributed(_measure, world, not with_input, timeout=240)
     cases = [case for case in CASES if case[1] == world]
-    for index, (name, _, zero, bf16, outer, strategy) in enumerate(cases):
-        plan = _plan(world, zero, bf16, outer, strategy, with_input)
+    for index, (name, _, zero, bf16, outer, strategy, pairs) in enumerate(cases):
+        plan = _plan(world, zero, bf16, outer, strategy, pairs, with_input)
         peak = max(rank[index]["peak"] for rank in measured)
         between = max(rank[index]["between"] for rank in measured)
         independent = max(rank[index]["memtracker"] for rank in measured)
@@ -236,6 +252,10 @@ def test_options_it_cannot_plan_are_refused_by_name() -> None:
             outer_dp_sharding_strategy="optim",
             zero_dp_strategy=1,
         )
+    with pytest.raises(ValueError, match="reshard_after_forward_group_size=3 must be a divisor"):
+        plan_memory(meta, world_size=4, reshard_after_forward_group_size=3)
+    with pytest.raises(NotImplementedError, match="plans ZeRO-3 without expert parallelism"):
+        plan_memory(meta, world_size=4, zero_dp_strategy=2, reshard_after_forward_group_size=2)
     # A builder instead of a model: called under the meta device.
     plan = plan_memory(GPT, world_size=2, fsdp_unit_modules=[Block], device="cpu")
     assert plan.peak_bytes >= plan.between_steps_bytes > 0

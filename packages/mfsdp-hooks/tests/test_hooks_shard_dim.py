@@ -161,6 +161,7 @@ def test_shard_along_uneven_last_dims_matches_one_process_on_4_ranks() -> None:
     _assert_as_one_process(4, hfsdp=False)
 
 
+@_FULL_ONLY
 def test_shard_along_last_dims_under_hfsdp_matches_one_process() -> None:
     _assert_as_one_process(4, hfsdp=True)
 
@@ -214,7 +215,7 @@ def _variant_worker(rank: int, world: int, variant: str, cut: bool) -> dict[str,
 
 @pytest.mark.parametrize(
     "variant",
-    [v if v in ("zero1", "accumulate") else pytest.param(v, marks=_FULL_ONLY) for v in _VARIANTS],
+    [v if v == "accumulate" else pytest.param(v, marks=_FULL_ONLY) for v in _VARIANTS],
 )
 def test_cutting_along_dim_1_trains_as_dim_0_under_every_strategy_and_precision(
     variant: str,

@@ -8,9 +8,12 @@ Rules (those of ``mfsdp_hooks``' units, roots and reducers):
 * ZeRO-3 gathers a unit's weights (a codec's encode temporaries a moment before) at its
   pre-forward and pre-backward unless prefetched,
   frees them after its forward and after its backward; the root's stay from its forward to
-  the end of backward. With ``overlap_param_gather`` the next unit in forward order is
-  gathered at a unit's pre-forward, and in backward the next unit in backward order once
-  ``prefetch_fraction`` of the running unit's gradient elements arrived (the root at once).
+  the end of backward. With ``post_forward_size`` k (``reshard_after_forward_group_size``)
+  every unit, the root included, keeps ``1/k`` of them from its forward until its backward
+  gathers them again (counted as gathered weights). With ``overlap_param_gather`` the next
+  unit in forward order is gathered at a unit's pre-forward, and in backward the next unit
+  in backward order once ``prefetch_fraction`` of the running unit's gradient elements
+  arrived (the root at once).
 * Each arriving gradient is kept (reduced in place: ``in_place``, its bytes in the compute
   dtype) or lands in the unit's padded reduce buffer (allocated at its first gradient).
   A unit's backward ends with its last gradient: its reduction is launched (its gradient
@@ -73,11 +76,14 @@ class EngineLedger:
         in_place: bool,
         prefetch_fraction: float,
         window: int = 1,
+        post_forward_size: int | None = None,
     ) -> None:
         self.tracker, self.units = tracker, units
         self.forward_order, self.backward_order = list(forward_order), list(backward_order)
         self.overlap, self.in_place = overlap, in_place
         self.prefetch_fraction, self.window = prefetch_fraction, window
+        self.post_forward_size = post_forward_size
+        self._slices: dict[str, int] = {}
         self.phases: list[tuple[str, PhaseMark]] = []
         self._phase: str | None = None  # before the root's forward: nothing to report
         self._stack: list[str] = []
@@ -107,10 +113,19 @@ class EngineLedger:
             return
         self._gathered.add(unit)
         self.tracker.charge(self.units[unit].gathered, GATHERED)
+        self._drop_slice(unit)  # copied into its place in the gathered buffer, then freed
         scratch = self.units[unit].codec_scratch
         if scratch:  # encoded into the gathered buffer's slot, then freed
             self.tracker.charge(scratch, CODEC)
             self.tracker.charge(-scratch, CODEC)
+
+    def _keep_slice(self, unit: str) -> None:
+        if self.post_forward_size and unit in self._gathered:
+            self._slices[unit] = self.units[unit].gathered // self.post_forward_size
+            self.tracker.charge(self._slices[unit], GATHERED)
+
+    def _drop_slice(self, unit: str) -> None:
+        self.tracker.charge(-self._slices.pop(unit, 0), GATHERED)
 
     def _reshard(self, unit: str) -> None:
         if unit in self._gathered:
@@ -141,7 +156,10 @@ class EngineLedger:
         self._stack.pop()
         parent = self._stack[-1] if self._stack else ""
         self._close(f"forward of {self._name(parent)}")
-        if unit:  # the root keeps its weights for the backward
+        if self.post_forward_size:  # every unit keeps its slice, the root's too
+            self._keep_slice(unit)
+            self._reshard(unit)
+        elif unit:  # the root keeps its weights for the backward
             self._reshard(unit)
 
     def loss_start(self) -> None:
@@ -215,3 +233,5 @@ class EngineLedger:
         self._close("end of backward")
         for unit in list(self._gathered):
             self._reshard(unit)
+        for unit in list(self._slices):  # a unit no gradient reached
+            self._drop_slice(unit)

@@ -55,6 +55,7 @@ from megatron_fsdp.plan.model_states import (
     topology_of,
 )
 from mfsdp_buffers import FlatLayout, LiveTensorTracker, PhaseMark
+from mfsdp_collectives import check_post_forward_size
 from mfsdp_hooks import (
     MixedPrecisionPolicy,
     UnitSpec,
@@ -177,6 +178,7 @@ def plan_memory(
     is_expert: ExpertPredicate = is_megatron_expert,
     device: torch.device | str = "cuda",
     host_transport: str = "auto",
+    reshard_after_forward_group_size: int | None = None,
     **fully_shard_model_arguments: Any,
 ) -> MemoryPlan:
     """Plan the peak of ``module`` trained with ``fully_shard_model(module, ...)`` on each of
@@ -190,6 +192,8 @@ def plan_memory(
     without them the plan has no activation category and assumes the units run in the
     order they are registered. ``tp_size``/``ep_size``/``is_expert``: tensor and expert
     parallelism, with ``module`` the model one rank holds (``plan_model_states``).
+    ``reshard_after_forward_group_size``: each unit keeps ``1/size`` of its gathered weights
+    from its forward to its backward (counted as gathered weights).
     ``device``: where the ranks train (``"cuda"``: gradients reduced through a buffer;
     ``"cpu"``: in place through shared memory unless ``host_transport="gloo"``).
     """
@@ -200,6 +204,7 @@ def plan_memory(
     strategy = int(parse_strategy(zero_dp_strategy, "zero_dp_strategy"))
     outer = parse_outer_strategy(outer_dp_sharding_strategy, strategy)
     topology = topology_of(world_size, outer_dp_size, outer, tp_size, ep_size)
+    _check_group_size(reshard_after_forward_group_size, topology, strategy)
     policy = mixed_precision_policy or MixedPrecisionPolicy()
     states = plan_model_states(
         module,
@@ -237,6 +242,7 @@ def plan_memory(
             overlap=overlap_param_gather,
             in_place=in_place,
             prefetch_fraction=backward_prefetch_grad_fraction,
+            post_forward_size=reshard_after_forward_group_size,
         )
         run(walked, walked.tracker)
         if (walked.forward_seen, walked.backward_seen) == (forward, backward):
@@ -287,6 +293,17 @@ def _fake_device(device: torch.device) -> torch.device:
     if device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available()):
         return device
     return torch.device("cpu")
+
+
+def _check_group_size(size: int | None, topology: Topology, strategy: int) -> None:
+    if size is None:
+        return
+    check_post_forward_size(size, topology.shard, "reshard_after_forward_group_size")
+    if strategy != 3 or topology.ep > 1:
+        raise NotImplementedError(
+            "plan_memory with reshard_after_forward_group_size plans ZeRO-3 without expert "
+            "parallelism only (the engine keeps no slices otherwise): drop one of them"
+        )
 
 
 def _check_arguments(arguments: dict[str, Any]) -> None:

@@ -310,6 +310,7 @@ class ParameterGroup:
         ``reshard_after_forward``) first keeps this rank's slice of them for backward."""
         if not self.model.sharded:
             return
+        self._post_forward = None  # a plain reshard also drops one no backward came for
         gathered = self.model.unsharded
         if onto is not None and gathered is not None and onto.serves(self.topology.shard_group):
             self._post_forward = PostForwardShard(gathered, onto)
