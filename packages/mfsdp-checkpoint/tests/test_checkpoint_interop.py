@@ -162,6 +162,8 @@ class RowSpy(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.Tensor.__getitem__:
             cls.log.append(("rows", args[1].start, args[1].stop))
+        elif func is torch.Tensor.narrow and args[1] == 0:  # rows along dim 0, as a view
+            cls.log.append(("rows", args[2], args[2] + args[3]))
         elif getattr(func, "__name__", "") not in ("__get__", "size", "dim", "shape", "dtype"):
             cls.log.append(("call", getattr(func, "__name__", str(func))))
         with torch._C.DisableTorchFunctionSubclass():

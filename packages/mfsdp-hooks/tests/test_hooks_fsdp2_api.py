@@ -92,7 +92,6 @@ def _option_worker(rank: int, world: int, option: str) -> str:
             return f"{type(error).__name__}: {error}"
         return "accepted"
     options: dict[str, Any] = {
-        "reshard_after_forward": {"reshard_after_forward": 2},
         "ignored_params": {"ignored_params": ["fc1.weight"]},
         "offload_policy": {"offload_policy": object()},
     }[option]
@@ -106,7 +105,6 @@ def _option_worker(rank: int, world: int, option: str) -> str:
 @pytest.mark.parametrize(
     ("option", "expected"),
     [
-        ("reshard_after_forward", "NotImplementedError: reshard_after_forward=2"),
         ("ignored_params", "TypeError: ignored_params[0] is a str, not a parameter"),
         ("offload_policy", "TypeError: offload_policy must be torch.distributed.fsdp"),
         ("nested_modules", "ValueError: module: Block is inside ToyModel"),
