@@ -34,6 +34,7 @@ __all__ = [
     "ToyModel",
     "assert_close_rel",
     "full_state",
+    "hfsdp_topology",
     "local_rows",
     "local_slice",
     "loss_fn",
@@ -108,3 +109,17 @@ def shard_blocks_then_root(model: nn.Module, impl: str, **options: Any) -> None:
     for block in model.blocks:  # type: ignore[union-attr]
         shard(block, **options)
     shard(model, **options)
+
+
+def hfsdp_topology(outer: int, shard: int) -> Any:
+    """HFSDP on an ``(outer, shard)`` CPU mesh: the optimizer state cut across ``dp_outer`` too
+    (every rank of the default group holds a sub-shard)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mfsdp_collectives import FSDPTopology
+
+    mesh = init_device_mesh("cpu", (outer, shard), mesh_dim_names=("dp_outer", "dp_shard"))
+    topology = FSDPTopology.from_mesh(mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
+    topology.shard_optimizer_across_outer(dist.group.WORLD)  # type: ignore[arg-type]
+    return topology

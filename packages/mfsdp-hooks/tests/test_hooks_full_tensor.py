@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from hooks_models import Block, assert_close_rel, local_slice, loss_fn, make_batches, make_model
+from hooks_models import (
+    Block,
+    assert_close_rel,
+    hfsdp_topology,
+    local_slice,
+    loss_fn,
+    make_batches,
+    make_model,
+)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from mfsdp_collectives import FSDPTopology
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import MegatronFSDP, RowShardedDTensor, fully_shard, row_sharded
 from mfsdp_hooks.dtensor.dtensor_views import sharded_dtensor
@@ -76,9 +82,7 @@ def _train_once(model: nn.Module, reference: nn.Module, rank: int, world: int) -
 def _fsdp_worker(rank: int, world: int, strategy: int, hfsdp: bool) -> int:
     reference = make_model()
     if hfsdp:
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_outer", "dp_shard"))
-        topology = FSDPTopology.from_mesh(mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
-        topology.shard_optimizer_across_outer(dist.group.WORLD)  # type: ignore[arg-type]
+        topology = hfsdp_topology(2, world // 2)
         model: nn.Module = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], mesh=topology)
     else:
         model = make_model()

@@ -17,6 +17,7 @@ from hooks_models import (
     Block,
     assert_close_rel,
     full_state,
+    hfsdp_topology,
     local_slice,
     loss_fn,
     make_batches,
@@ -35,13 +36,6 @@ GLOBAL_BATCH = 8
 MICRO = 2
 
 
-def _hfsdp_topology(outer: int, shard: int) -> FSDPTopology:
-    mesh = init_device_mesh("cpu", (outer, shard), mesh_dim_names=("dp_outer", "dp_shard"))
-    topology = FSDPTopology.from_mesh(mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
-    topology.shard_optimizer_across_outer(dist.group.WORLD)  # type: ignore[arg-type]
-    return topology
-
-
 def _parity_worker(
     rank: int, world: int, outer: int, accumulate: str, sync_each: bool, transport: str = "auto"
 ) -> None:
@@ -55,7 +49,7 @@ def _parity_worker(
     model = MegatronFSDP(
         make_model(),
         fsdp_unit_modules=[Block],
-        mesh=_hfsdp_topology(outer, world // outer),
+        mesh=hfsdp_topology(outer, world // outer),
         sync_model_each_microbatch=sync_each,
         host_transport=transport,
     )
@@ -103,7 +97,7 @@ def test_hfsdp_trains_as_one_process_with_gradient_accumulation(mode: str, sync_
 
 def _cycle_comm_worker(rank: int, world: int, mode: str) -> tuple[list[dict[str, int]], list[int]]:
     """Per optimisation cycle of 3 micro-batches: the calls and bytes of each collective."""
-    model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], mesh=_hfsdp_topology(2, 2))
+    model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], mesh=hfsdp_topology(2, 2))
     optimizer = attach_optimizer(make_optimizer("sgd", trainable(model)))
     micro, cycles = 3, []
     for step, (tokens, targets) in enumerate(make_batches(3 * micro, GLOBAL_BATCH)):
@@ -154,7 +148,7 @@ def test_hfsdp_crosses_dp_outer_once_per_cycle_with_the_analytic_bytes(mode: str
 
 def _optimizer_state_worker(rank: int, world: int, outer: int) -> tuple[int, int, int]:
     model = MegatronFSDP(
-        make_model(), fsdp_unit_modules=[Block], mesh=_hfsdp_topology(outer, world // outer)
+        make_model(), fsdp_unit_modules=[Block], mesh=hfsdp_topology(outer, world // outer)
     )
     optimizer = make_optimizer("adamw", trainable(model))
     tokens, targets = make_batches(1, GLOBAL_BATCH)[0]

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from hooks_models import (
     assert_close_rel,
+    hfsdp_topology,
     loss_fn,
     make_batches,
     make_model,
@@ -25,7 +25,6 @@ from hooks_models import (
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from mfsdp_collectives import FSDPTopology
 from mfsdp_collectives.testing import run_distributed
 
 STEPS = 10
@@ -113,24 +112,12 @@ def test_shard_dim_1_trains_as_fsdp2_with_the_same_placements_grads_and_norm() -
                 )
 
 
-def _topology(world: int, hfsdp: bool) -> FSDPTopology | None:
-    if not hfsdp:
-        return None
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_outer", "dp_shard"))
-    topology = FSDPTopology.from_mesh(mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
-    topology.shard_optimizer_across_outer(dist.group.WORLD)  # type: ignore[arg-type]
-    return topology
-
-
 def _uneven_worker(rank: int, world: int, hfsdp: bool) -> dict[str, Any]:
     """Every 2-D parameter cut along its last dim, whatever its size."""
     model = make_model()
     options: dict[str, Any] = {"shard_placement_fn": lambda p: Shard(-1) if p.dim() > 1 else None}
-    topology = _topology(world, hfsdp)
-    if topology is not None:
-        options["mesh"] = topology
+    if hfsdp:
+        options["mesh"] = hfsdp_topology(2, world // 2)
     shard_blocks_then_root(model, "ours", **options)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.1)
