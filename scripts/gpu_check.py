@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                 "-m",
                 "cuda",
                 "-rs",
+                # A test module whose optional import is missing here must not hide the rest.
+                "--continue-on-collection-errors",
                 "packages",
             ],
             420,

@@ -40,14 +40,15 @@ def test_user_buffers_warn_once_and_do_nothing_on_gloo() -> None:
     assert run_distributed(_gloo_world, 2, timeout=60) == [[1, 1], [1, 1]]
 
 
-def _nccl_world(rank: int, ws: int) -> bool:
+def _nccl_world(rank: int, ws: int) -> tuple[bool, bool, list[str]]:
+    """Registers where this NCCL can; else checks the warned fallback still gathers right."""
     device = torch.device("cuda", torch.cuda.current_device())
     group = dist.group.WORLD
     assert group is not None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         pool = UserBufferPool(group, enabled=True, device=device)
-    assert pool.active
+    said = [str(w.message) for w in caught]
     with pool.allocation_context():
         shard = torch.full((1024,), float(rank), device=device)
         full = torch.empty(1024 * ws, device=device)
@@ -56,7 +57,7 @@ def _nccl_world(rank: int, ws: int) -> bool:
     expected = torch.arange(ws, device=device, dtype=torch.float32).repeat_interleave(1024)
     ok = bool(torch.equal(full, expected))
     pool.deregister()
-    return ok
+    return pool.active, ok, said
 
 
 @pytest.mark.cuda
@@ -64,7 +65,17 @@ def test_user_buffers_register_on_nccl() -> None:
     if not torch.cuda.is_available() or not dist.is_nccl_available():
         pytest.skip("needs CUDA and NCCL: user-buffer registration is NCCL-only")
     ws = min(2, torch.cuda.device_count())
-    assert run_distributed(_nccl_world, ws, backend="nccl", timeout=120) == [True] * ws
+    results = run_distributed(_nccl_world, ws, backend="nccl", timeout=120)
+    for active, ok, said in results:
+        assert ok, "the all-gather through the pool's buffers is wrong"
+        if active:
+            assert said == [], f"registration warned although it is active: {said}"
+        else:
+            # The NCCL build lacks ncclMemAlloc: one warning saying so, nothing else.
+            assert len(said) == 1 and "no effect" in said[0], said
+    if not all(active for active, _, _ in results):
+        reason = results[0][2]
+        pytest.skip(f"this NCCL cannot register user buffers ({reason}); the fallback passed")
 
 
 def test_warn_once_registry_is_per_reason() -> None:

@@ -88,14 +88,20 @@ class UserBufferPool:
 
     def _setup_cuda(self) -> None:  # pragma: no cover - needs NCCL on CUDA
         backend = self.group._get_backend(self.device)
-        allocator = getattr(backend, "mem_allocator", None)
-        if allocator is None and hasattr(backend, "_get_mem_allocator"):
-            allocator = backend._get_mem_allocator()
+        try:
+            allocator = getattr(backend, "mem_allocator", None)
+            if allocator is None and hasattr(backend, "_get_mem_allocator"):
+                allocator = backend._get_mem_allocator()
+            missing = "this torch's ProcessGroupNCCL exposes no mem_allocator"
+        except RuntimeError as exc:
+            # torch built against an NCCL without ncclMemAlloc raises from the property
+            # (seen with torch 2.11+cu130 on an H200): the feature is absent, not broken.
+            allocator, missing = None, str(exc)
         if allocator is None:
             _warn_once(
                 "no-nccl-allocator",
-                "NCCL user buffers (nccl_ub) have no effect: this torch's ProcessGroupNCCL "
-                "exposes no mem_allocator",
+                f"NCCL user buffers (nccl_ub) have no effect: {missing}; "
+                "buffers are allocated normally",
             )
             return
         self._backend = backend
