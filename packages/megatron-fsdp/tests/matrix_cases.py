@@ -53,6 +53,11 @@ from megatron_fsdp import (
 from megatron_fsdp.mcore import FullyShardedDataParallel
 from mfsdp_checkpoint import gather_full_state_dict, load_checkpoint, save_checkpoint
 from mfsdp_collectives import FSDPTopology
+from mfsdp_collectives.counting_comms import (
+    CountingAllGather,
+    CountingReduceScatter,
+    GradientRecorder,
+)
 from mfsdp_hooks import ExpertSharding
 from mfsdp_hooks.testing import Block, ToyModel, loss_fn, make_batches, make_model
 from mfsdp_hooks.testing.moe import MOE_OUT, MOE_WIDTH, NUM_EXPERTS, MoEBlock, moe_model
@@ -85,6 +90,7 @@ COLS = (
     "decoupled_grad",
     "fine_grained",
     "reshard_int",
+    "comm_hooks",
 )
 
 STEPS = 10
@@ -689,6 +695,33 @@ def _check_post_forward_groups(built: Built, col: str) -> None:
     assert {u.options.post_forward.size for u in units if u.options.post_forward} == {2}
 
 
+def _install_comm_hooks(built: Built) -> list[tuple[Any, ...]]:
+    """comm_hooks: FSDP2's custom all-gather and reduce-scatter (exact, counted) and an
+    all-reduce hook on every unit the entry point made; per unit, its comms and how many
+    gradient reductions a step makes."""
+    installed = []
+    for module in built.model.modules():
+        if not isinstance(module, mfsdp_hooks.FSDPModule):
+            continue
+        gather, scatter, hook = CountingAllGather(), CountingReduceScatter(), GradientRecorder()
+        module.set_custom_all_gather(gather)
+        module.set_custom_reduce_scatter(scatter)
+        module.set_all_reduce_hook(hook)
+        unit = mfsdp_hooks.fsdp_units(module)[0]  # its own unit comes first
+        installed.append((gather, scatter, hook, sum(g.reducer is not None for g in unit.groups)))
+    return installed
+
+
+def _check_comm_hooks(installed: list[tuple[Any, ...]]) -> None:
+    """Every unit gathered through its comm and reduced through its comm once per step,
+    the hook seeing each reduction."""
+    if not installed:
+        return
+    for gather, scatter, hook, reductions in installed:
+        assert gather.calls > 0 and len(gather.allocated) == gather.calls, "gathers bypassed"
+        assert scatter.calls == len(hook.sums) == STEPS * reductions, "reductions bypassed"
+
+
 def _check_tied_and_frozen(built: Built, col: str, trained: bool) -> None:
     inner = built.inner
     if col == "tied":
@@ -739,6 +772,7 @@ def cell_worker(rank: int, world: int, row: str, col: str, ckpt: str) -> dict[st
     if col == "to_device":  # transformers.Trainer's call, and a dtype no-op
         built.model.to(torch.device("cpu", 0))
         built.model.float()
+    comms = _install_comm_hooks(built) if col == "comm_hooks" else []
     _check_tied_and_frozen(built, col, trained=False)
     losses, evals = [], []
     for step in range(STEPS):
@@ -751,6 +785,7 @@ def cell_worker(rank: int, world: int, row: str, col: str, ckpt: str) -> dict[st
             evals.append(eval_loss(built, col, layout))
     _check_tied_and_frozen(built, col, trained=True)
     _check_post_forward_groups(built, col)
+    _check_comm_hooks(comms)
     # Plain lists: tensors sent back from a rank would travel as shared-memory handles that
     # die with the rank.
     weights = {k: v.tolist() for k, v in final_weights(built, col, layout).items()}

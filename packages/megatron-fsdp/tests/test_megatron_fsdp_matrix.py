@@ -75,6 +75,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("seed", "decoupled_grad"): PARITY,
     ("seed", "fine_grained"): PARITY,
     ("seed", "reshard_int"): PARITY,
+    ("seed", "comm_hooks"): PARITY,
     # ---- fully_shard_model(...) + fully_shard_optimizer(...)
     ("model_optimizer", "zero0"): PARITY,
     ("model_optimizer", "zero1"): PARITY,
@@ -101,6 +102,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("model_optimizer", "decoupled_grad"): PARITY,
     ("model_optimizer", "fine_grained"): PARITY,
     ("model_optimizer", "reshard_int"): PARITY,
+    ("model_optimizer", "comm_hooks"): PARITY,
     # ---- MegatronFSDP(module, FSDPDistributedIndex(...), DistributedDataParallelConfig(...))
     ("class", "zero0"): PARITY,
     ("class", "zero1"): PARITY,
@@ -127,6 +129,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("class", "decoupled_grad"): PARITY,
     ("class", "fine_grained"): PARITY,
     ("class", "reshard_int"): PARITY,
+    ("class", "comm_hooks"): PARITY,
     # ---- mfsdp_hooks.fully_shard on each block, then the root (FSDP2's pattern)
     ("per_module", "zero0"): PARITY,
     ("per_module", "zero1"): PARITY,
@@ -153,6 +156,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("per_module", "decoupled_grad"): PARITY,
     ("per_module", "fine_grained"): PARITY,
     ("per_module", "reshard_int"): PARITY,
+    ("per_module", "comm_hooks"): PARITY,
     # ---- megatron_fsdp.mcore.FullyShardedDataParallel (Megatron-Core's loop)
     ("mcore", "zero0"): PARITY,
     ("mcore", "zero1"): PARITY,
@@ -179,6 +183,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("mcore", "decoupled_grad"): PARITY,
     ("mcore", "fine_grained"): PARITY,
     ("mcore", "reshard_int"): PARITY,
+    ("mcore", "comm_hooks"): PARITY,
 }
 
 # The plain-pytest cross-section: every row and every column at least once, 2 ranks where
@@ -214,6 +219,7 @@ CI_CELLS: tuple[tuple[str, str], ...] = (
     ("mcore", "tp_megatron"),
     ("mcore", "hsdp"),
     ("mcore", "reshard_int"),
+    ("model_optimizer", "comm_hooks"),
 )
 
 

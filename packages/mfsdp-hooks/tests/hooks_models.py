@@ -123,3 +123,29 @@ def hfsdp_topology(outer: int, shard: int) -> Any:
     topology = FSDPTopology.from_mesh(mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
     topology.shard_optimizer_across_outer(dist.group.WORLD)  # type: ignore[arg-type]
     return topology
+
+
+class AlignedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 64, bias=False)
+        self.down = nn.Linear(64, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class AlignedModel(nn.Module):
+    """Three MLP blocks and a head, dims in multiples of 16, so FSDP2's per-parameter padding
+    and our layout agree: both engines then move the same bytes (side-by-side tests)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(AlignedBlock() for _ in range(3))
+        self.out = nn.Linear(32, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from hooks_models import AlignedModel
 from torch import nn
 
 from mfsdp_buffers import LiveTensorTracker
@@ -20,31 +21,6 @@ from mfsdp_collectives.testing import run_distributed
 
 STEPS = 4
 WORLD = 4
-
-
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(32, 64, bias=False)
-        self.down = nn.Linear(64, 32, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class _Model(nn.Module):
-    """Dims in multiples of 16, so FSDP2's per-parameter padding and our layout agree."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(_Block() for _ in range(3))
-        self.out = nn.Linear(32, 16, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
 
 
 def _shard(model: nn.Module, impl: str, reshard: bool | int) -> None:
@@ -73,7 +49,7 @@ def _worker(rank: int, world: int, impl: str, reshard: bool | int) -> dict[str, 
     out: dict[str, Any] = {"losses": [], "forward": [], "backward": [], "peaks": [], "held": []}
     out["held_after_backward"] = []
     with LiveTensorTracker() as memory:
-        model = _Model()
+        model = AlignedModel()
         _shard(model, impl, reshard)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(STEPS):
@@ -227,7 +203,7 @@ def _refusal_worker(rank: int, world: int, value: Any, strategy: int) -> str:
     from mfsdp_hooks import fully_shard
 
     try:
-        fully_shard(_Model(), reshard_after_forward=value, sharding_strategy=strategy)
+        fully_shard(AlignedModel(), reshard_after_forward=value, sharding_strategy=strategy)
     except ValueError as error:
         return str(error)  # raised on every rank before anything was communicated
     return "no error"
@@ -255,7 +231,7 @@ def _hsdp_worker(rank: int, world: int, reshard: bool | int) -> dict[str, Any]:
     from mfsdp_hooks import fully_shard
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_outer", "dp_shard"))
-    model = _Model()
+    model = AlignedModel()
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)

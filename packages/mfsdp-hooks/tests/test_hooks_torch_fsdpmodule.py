@@ -63,7 +63,7 @@ def _isinstance_worker(rank: int, world: int, api: str) -> list[str]:
     errors = []
     for call in (
         lambda: modules[1].set_unshard_in_backward(False),
-        lambda: modules[1].set_custom_all_gather(object()),
+        lambda: modules[1].set_symm_mem_for_comm(),
         lambda: modules[1]._get_fsdp_state(),
     ):
         with pytest.raises(NotImplementedError) as caught:
@@ -76,7 +76,7 @@ def _isinstance_worker(rank: int, world: int, api: str) -> list[str]:
 def test_units_are_torchs_fsdpmodule_and_refuse_what_they_lack(api: str) -> None:
     for errors in run_distributed(_isinstance_worker, 2, api, timeout=60):
         assert errors[0].startswith("set_unshard_in_backward(False) is not supported yet")
-        assert errors[1].startswith("set_custom_all_gather is not supported yet")
+        assert errors[1].startswith("set_symm_mem_for_comm is not supported yet")
         assert "keeps no FSDP2 state" in errors[2]
 
 

@@ -16,6 +16,7 @@ from ._reduce import ReduceSpec
 from .agreement import RankMismatchError, check_ranks_agree
 from .c10d_tracer import C10dTracer
 from .coalescing import coalesced_gathers
+from .custom_comms import AllGatherComm, CommAllocator, ReduceScatterComm, check_comm
 from .handle import CommHandle
 from .host_transport import (
     HOST_TRANSPORTS,
@@ -45,6 +46,10 @@ from .tracer import CommLog, CommRecord, CommTracer
 __version__ = "1.0.0"
 
 __all__ = [
+    "AllGatherComm",
+    "CommAllocator",
+    "ReduceScatterComm",
+    "check_comm",
     "mesh_has_dim",
     "CommHandle",
     "C10dTracer",

@@ -84,13 +84,13 @@ def host_route(
 
 
 def routed_reduce_op(
-    route: SharedMemoryTransport | None, group: dist.ProcessGroup, average: bool
+    route: SharedMemoryTransport | None, group: dist.ProcessGroup, reduction: Reduction
 ) -> tuple[dist.ReduceOp.RedOpType, float]:
     """``reduce_op`` for a reduction that ``route`` may carry: the shared-memory transport
-    averages the output chunk itself, so nothing is owed afterwards."""
-    if route is not None:
-        return (dist.ReduceOp.AVG if average else dist.ReduceOp.SUM), 1.0
-    return reduce_op(group, average)
+    averages the output chunk itself, so nothing is owed afterwards (unless ``sum_only``)."""
+    if route is not None and not reduction.sum_only:
+        return (dist.ReduceOp.AVG if reduction.average else dist.ReduceOp.SUM), 1.0
+    return reduce_op(group, reduction.average, sum_only=reduction.sum_only)
 
 
 def check_pieces(pieces: FlatPieces, arg: str, out: torch.Tensor, out_arg: str) -> FlatPieces:

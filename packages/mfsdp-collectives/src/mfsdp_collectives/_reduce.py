@@ -36,10 +36,16 @@ class ReduceSpec:
     pre_scale: float | None = None
     post_scale: float | None = None
     reduce_dtype: torch.dtype | None = None
+    sum_only: bool = False
+    """Carry a mean as a sum and a divide of the output, never ``ReduceOp.AVG`` (FSDP2's
+    ``set_force_sum_reduction_for_comms``: NCCL's zero-copy paths need SUM). The result is
+    the same; only the op on the wire changes."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.average, bool):
-            raise TypeError(f"average must be a bool, got {type(self.average).__name__}")
+        for name in ("average", "sum_only"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
         object.__setattr__(self, "pre_scale", check_scale(self.pre_scale, "pre_scale"))
         object.__setattr__(self, "post_scale", check_scale(self.post_scale, "post_scale"))
         check_dtype(self.reduce_dtype, "reduce_dtype")
@@ -47,7 +53,7 @@ class ReduceSpec:
     def resolve(self, dtype: torch.dtype, arg: str) -> Reduction:
         """This spec for an input of ``dtype`` (named ``arg`` in errors)."""
         reduction = Reduction(
-            self.average, self.pre_scale, self.post_scale, self.reduce_dtype or dtype
+            self.average, self.pre_scale, self.post_scale, self.reduce_dtype or dtype, self.sum_only
         )
         if self.average or self.pre_scale is not None or self.post_scale is not None:
             check_floating(
@@ -66,16 +72,19 @@ class Reduction:
     pre_scale: float | None
     post_scale: float | None
     reduce_dtype: torch.dtype
+    sum_only: bool = False
 
 
-def reduce_op(group: dist.ProcessGroup, average: bool) -> tuple[dist.ReduceOp.RedOpType, float]:
+def reduce_op(
+    group: dist.ProcessGroup, average: bool, *, sum_only: bool = False
+) -> tuple[dist.ReduceOp.RedOpType, float]:
     """The op to issue on ``group`` and the factor still owed to the output.
 
-    ``factor`` is ``1/size`` when averaging on a backend without AVG, else 1.
+    ``factor`` is ``1/size`` when averaging on a backend without AVG (or ``sum_only``), else 1.
     """
     if not average:
         return dist.ReduceOp.SUM, 1.0
-    if supports_avg(group):
+    if supports_avg(group) and not sum_only:
         return dist.ReduceOp.AVG, 1.0
     return dist.ReduceOp.SUM, 1.0 / dist.get_world_size(group)
 

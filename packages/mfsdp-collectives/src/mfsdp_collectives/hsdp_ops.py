@@ -25,6 +25,7 @@ from ._op_args import (
     side_stream,
 )
 from ._reduce import ReduceSpec, Reduction, finish_into, reduce_op
+from .custom_comms import ReduceScatterComm
 from .handle import CommHandle
 from .naming import group_name
 from .ops import MEAN, ReduceScatterStage, reduce_scatter_into
@@ -47,6 +48,8 @@ def hsdp_reduce_scatter_into(
     stream: CommStreams | None = None,
     transport: SharedMemoryTransport | None = None,
     outer_reduces_output: bool = False,
+    comm: ReduceScatterComm | None = None,
+    after_reduce: Callable[[torch.Tensor], None] | None = None,
 ) -> CommHandle:
     """Two-level gradient reduction for HSDP.
 
@@ -55,7 +58,9 @@ def hsdp_reduce_scatter_into(
     the result is the mean over all ``shard_size * outer_size`` ranks; no outer is FSDP.
     ``outer_reduces_output``: the outer all-reduce takes the whole ``out_shard`` after this
     call's part was added to it, i.e. also earlier parts reduced only inside the shard group
-    (gradient accumulation reduces across the replicas once per cycle).
+    (gradient accumulation reduces across the replicas once per cycle). ``comm`` runs the
+    reduce-scatter (as in ``reduce_scatter_into``); ``after_reduce`` sees the result of the
+    all-reduce across the replicas (of the reduce-scatter without one), as FSDP2's hook.
     """
     if outer_group is None:
         return reduce_scatter_into(
@@ -67,6 +72,8 @@ def hsdp_reduce_scatter_into(
             async_op=async_op,
             stream=stream,
             transport=transport,
+            comm=comm,
+            after_reduce=after_reduce,
         )
     args = check_reduce_scatter(unsharded_grad, out_shard, shard_group, "shard_group", spec)
     inp, out, shard_group, numel = args.inp, args.out, args.group, args.numel
@@ -78,12 +85,15 @@ def hsdp_reduce_scatter_into(
     outer_side = side_stream(stream, "outer", out.device)
     if out.numel() == 0:
         return CommHandle.completed()
-    rs_op, rs_factor = reduce_op(shard_group, reduction.average)
+    rs_op, rs_factor = reduce_op(shard_group, reduction.average, sum_only=reduction.sum_only)
     record_comm("reduce_scatter", group_name(shard_group), numel, reduction.reduce_dtype)
     record_comm("all_reduce", group_name(outer_group), out.numel(), reduction.reduce_dtype)
-    route = host_route(transport, shard_group, out)
-    stage = ReduceScatterStage(inp, out, reduction, shard_group, rs_op, bool(accumulate), route)
+    route = None if comm is not None else host_route(transport, shard_group, out)
+    stage = ReduceScatterStage(
+        inp, out, reduction, shard_group, rs_op, bool(accumulate), route, comm
+    )
     outer = _OuterStage(stage, out, outer_group, reduction, rs_factor, bool(accumulate))
+    outer.after_reduce = after_reduce
     run_outer, finish = outer.of_output if outer_reduces_output else outer.of_part
     return launch(
         [(rs_side, stage), (outer_side, run_outer)],
@@ -98,7 +108,10 @@ def hsdp_reduce_scatter_into(
 
 
 class _OuterStage:
-    """The all-reduce across the replicas, and the finish that lands the result in ``out``."""
+    """The all-reduce across the replicas, and the finish that lands the result in ``out``
+    (``after_reduce`` sees the all-reduced tensor first)."""
+
+    after_reduce: Callable[[torch.Tensor], None] | None = None
 
     def __init__(
         self,
@@ -110,7 +123,7 @@ class _OuterStage:
         accumulate: bool,
     ) -> None:
         self._inner, self._out, self._group, self._accumulate = inner, out, group, accumulate
-        self._op, self._outer_factor = reduce_op(group, spec.average)
+        self._op, self._outer_factor = reduce_op(group, spec.average, sum_only=spec.sum_only)
         post = spec.post_scale if spec.post_scale is not None else 1.0
         self._inner_factor = inner_factor * post
 
@@ -123,7 +136,10 @@ class _OuterStage:
 
         def finish() -> None:
             factor = self._inner_factor * self._outer_factor
-            finish_into(self._inner.result(), self._out, factor=factor, accumulate=self._accumulate)
+            result = self._inner.result()
+            if self.after_reduce is not None:
+                self.after_reduce(result)
+            finish_into(result, self._out, factor=factor, accumulate=self._accumulate)
 
         return run, finish
 
@@ -141,6 +157,8 @@ class _OuterStage:
             return all_reduce_async(self._out, self._op, self._group)
 
         def finish() -> None:
+            if self.after_reduce is not None:
+                self.after_reduce(self._out)
             if self._outer_factor != 1.0:
                 with torch.no_grad():
                     self._out.mul_(self._outer_factor)
@@ -193,10 +211,10 @@ def hfsdp_reduce_scatter_into(
     if out.numel() == 0:
         return CommHandle.completed()
     route = host_route(transport, shard_group, partial)
-    inner_op, inner_factor = routed_reduce_op(route, shard_group, reduction.average)
+    inner_op, inner_factor = routed_reduce_op(route, shard_group, reduction)
     inner_factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
     outer_route = host_route(outer_transport, outer_group, out)
-    outer_op, outer_factor = routed_reduce_op(outer_route, outer_group, reduction.average)
+    outer_op, outer_factor = routed_reduce_op(outer_route, outer_group, reduction)
     record_comm("reduce_scatter", group_name(shard_group), numel, reduction.reduce_dtype)
     record_comm("reduce_scatter", group_name(outer_group), partial.numel(), reduction.reduce_dtype)
     inner = ReduceScatterStage(

@@ -11,6 +11,8 @@ reduction rules (average in the collective, one copy at most, direct output), an
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -39,6 +41,13 @@ from ._op_args import (
 )
 from ._reduce import ReduceSpec, Reduction, finish_into, prepare_input, reduce_op
 from .coalescing import GatherRoute, issue_all_gather, queued_gathers
+from .custom_comms import (
+    AllGatherComm,
+    ReduceScatterComm,
+    allocate_flat,
+    check_comm,
+    custom_all_gather,
+)
 from .handle import CommHandle
 from .liveness import naming_dead_peers
 from .naming import group_name
@@ -65,11 +74,14 @@ def all_gather_into(
     async_op: bool = True,
     stream: CommStreams | None = None,
     transport: SharedMemoryTransport | None = None,
+    comm: AllGatherComm | None = None,
 ) -> CommHandle:
     """Gather every rank's ``shard`` straight into ``unsharded`` (no staging copy).
 
     ``shard`` may be this rank's own slot of ``unsharded`` (in-place gather). ``transport``
     (from ``enable_host_transport``) carries it over shared memory; otherwise c10d does.
+    ``comm`` (FSDP2's ``AllGather`` protocol, ``custom_comms``) runs it instead, in a buffer
+    of its own, never coalesced.
     """
     shard = check_flat(shard, "shard")
     unsharded = check_flat(unsharded, "unsharded")
@@ -88,8 +100,12 @@ def all_gather_into(
             f"unsharded[{rank * n}:{(rank + 1) * n}] or a separate tensor"
         )
     side = side_stream(stream, "all_gather", shard.device)
+    if comm is not None:
+        check_comm(comm, "comm")
     if n == 0:
         return CommHandle.completed()
+    if comm is not None:
+        return custom_all_gather(shard, unsharded, group, rank, comm, side=side, async_op=async_op)
     route = GatherRoute(group, size, host_route(transport, group, shard), side)
     queues = queued_gathers()
     if queues is not None and async_op:  # inside coalesced_gathers(): issued with others
@@ -113,10 +129,12 @@ class ReduceScatterStage:
         op: dist.ReduceOp.RedOpType,
         accumulate: bool,
         transport: SharedMemoryTransport | None = None,
+        comm: ReduceScatterComm | None = None,
     ) -> None:
         self.inp, self.out, self.spec = inp, out, spec
         self.group, self.op, self.accumulate = group, op, accumulate
         self.transport = transport
+        self.comm = comm
         self.recv: torch.Tensor | None = None
         self.send: torch.Tensor | FlatPieces | None = None
 
@@ -140,9 +158,21 @@ class ReduceScatterStage:
             and not any(overlaps(self.out, t) for t in sent)
         )
         recv = (
-            self.out if direct else self.out.new_empty(self.out.shape, dtype=self.spec.reduce_dtype)
+            self.out
+            if direct or self.comm is not None
+            else self.out.new_empty(self.out.shape, dtype=self.spec.reduce_dtype)
         )
         self.send, self.recv = send, recv
+        if self.comm is not None:  # its output buffer is the comm's; finish copies it out
+            assert isinstance(send, torch.Tensor)
+            self.recv = allocate_flat(self.comm, self.out.numel(), recv.dtype, recv.device)
+            return self.comm(
+                output_tensor=self.recv,
+                input_tensor=send,
+                group=self.group,
+                op=self.op,
+                async_op=True,
+            )
         if transport is not None:
             return transport.reduce_scatter(recv, send, average=self.op == dist.ReduceOp.AVG)
         assert isinstance(send, torch.Tensor)
@@ -164,6 +194,8 @@ def reduce_scatter_into(
     async_op: bool = True,
     stream: CommStreams | None = None,
     transport: SharedMemoryTransport | None = None,
+    comm: ReduceScatterComm | None = None,
+    after_reduce: Callable[[torch.Tensor], None] | None = None,
 ) -> CommHandle:
     """Reduce ``unsharded_grad`` over ``group`` and store (or add) this rank's chunk.
 
@@ -171,21 +203,29 @@ def reduce_scatter_into(
     where reduce is a mean over the group when ``spec.average`` else a sum.
     ``unsharded_grad`` may be ``FlatPieces`` (e.g. per-parameter gradients at their layout
     offsets): the shared-memory transport reads it in place; elsewhere it is copied into one
-    flat tensor first.
+    flat tensor first. ``comm`` (FSDP2's ``ReduceScatter`` protocol) runs the collective
+    instead of c10d or the transport. ``after_reduce`` (FSDP2's all-reduce hook) sees the
+    reduced chunk, in the reduce dtype, before any factor still owed is applied and before
+    it is stored: where the collective averaged, the mean; under ``spec.sum_only``, the sum.
     """
     args = check_reduce_scatter(unsharded_grad, out_shard, group, "group", spec)
     inp, out, group, reduction, numel = args.inp, args.out, args.group, args.spec, args.numel
     side = side_stream(stream, "reduce_scatter", out.device)
+    if comm is not None:
+        check_comm(comm, "comm")
     if out.numel() == 0:
         return CommHandle.completed()
-    route = host_route(transport, group, out)
-    op, factor = routed_reduce_op(route, group, reduction.average)
+    route = None if comm is not None else host_route(transport, group, out)
+    op, factor = routed_reduce_op(route, group, reduction)
     factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
     record_comm("reduce_scatter", group_name(group), numel, reduction.reduce_dtype)
-    stage = ReduceScatterStage(inp, out, reduction, group, op, bool(accumulate), route)
+    stage = ReduceScatterStage(inp, out, reduction, group, op, bool(accumulate), route, comm)
 
     def finish() -> None:
-        finish_into(stage.result(), out, factor=factor, accumulate=bool(accumulate))
+        result = stage.result()
+        if after_reduce is not None:
+            after_reduce(result)
+        finish_into(result, out, factor=factor, accumulate=bool(accumulate))
 
     return launch(
         [(side, stage)],
@@ -207,8 +247,11 @@ def all_reduce_(
     async_op: bool = True,
     stream: CommStreams | None = None,
     outer_group: dist.ProcessGroup | None = None,
+    after_reduce: Callable[[torch.Tensor], None] | None = None,
 ) -> CommHandle:
     """In-place all-reduce of a whole buffer (``no_shard`` gradients), same semantics as RS.
+    ``after_reduce`` sees the reduced tensor before any factor still owed (as in
+    ``reduce_scatter_into``).
 
     With ``stream`` it runs on the reduce-scatter stream: it is the gradient
     reduction of ``no_shard`` and must not queue behind parameter all-gathers. With
@@ -229,7 +272,7 @@ def all_reduce_(
     outer_side = side_stream(stream, "outer", tensor.device)
     if tensor.numel() == 0:
         return CommHandle.completed()
-    op, factor = reduce_op(group, reduction.average)
+    op, factor = reduce_op(group, reduction.average, sum_only=reduction.sum_only)
     factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
     record_comm("all_reduce", group_name(group), tensor.numel(), reduction.reduce_dtype)
     sent: list[torch.Tensor] = []
@@ -240,13 +283,18 @@ def all_reduce_(
 
     stages: list[Stage] = [(side, issue)]
     if outer_group is not None:
-        outer_op, outer_factor = reduce_op(outer_group, reduction.average)
+        outer_op, outer_factor = reduce_op(
+            outer_group, reduction.average, sum_only=reduction.sum_only
+        )
         factor *= outer_factor
         record_comm("all_reduce", group_name(outer_group), tensor.numel(), reduction.reduce_dtype)
         stages.append((outer_side, lambda: all_reduce_async(sent[0], outer_op, outer_group)))
 
     def finish() -> None:
-        finish_into(sent.pop(), tensor, factor=factor, accumulate=False)
+        result = sent.pop()
+        if after_reduce is not None:
+            after_reduce(result)
+        finish_into(result, tensor, factor=factor, accumulate=False)
 
     return launch(
         stages,

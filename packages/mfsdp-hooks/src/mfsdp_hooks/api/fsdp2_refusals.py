@@ -8,10 +8,7 @@ could call is then ours: implemented in ``fsdp_module``, or refused here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NoReturn
-
-import torch
+from typing import NoReturn
 
 __all__ = ["FSDP2Refusals"]
 
@@ -22,23 +19,6 @@ def _not_yet(method: str, why: str) -> NoReturn:
 
 class FSDP2Refusals:
     """Mixed in before torch's ``FSDPModule``: its methods we do not implement."""
-
-    def set_custom_all_gather(self, comm: Any) -> None:
-        _not_yet("set_custom_all_gather", "all-gathers run through mfsdp_collectives")
-
-    def set_custom_reduce_scatter(self, comm: Any) -> None:
-        _not_yet("set_custom_reduce_scatter", "reduce-scatters run through mfsdp_collectives")
-
-    def set_all_reduce_hook(
-        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
-    ) -> None:
-        _not_yet("set_all_reduce_hook", "HSDP's replica all-reduce takes no user hook")
-
-    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        _not_yet(
-            "set_force_sum_reduction_for_comms",
-            "use set_gradient_divide_factor(f) (sum in the collective, divide by f)",
-        )
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True

@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from mfsdp_hooks.api.describe import ShardingSummary, describe
+from mfsdp_hooks.api.fsdp2_comm_hooks import FSDP2CommHooks
 from mfsdp_hooks.api.fsdp2_refusals import FSDP2Refusals
 from mfsdp_hooks.api.module_conversion import managed_params_hidden
 from mfsdp_hooks.api.precision_region import mixed_precision_context
@@ -45,7 +46,7 @@ class UnshardHandle(TorchUnshardHandle):
             self._unit = None
 
 
-class FSDPModule(FSDP2Refusals, TorchFSDPModule):
+class FSDPModule(FSDP2CommHooks, FSDP2Refusals, TorchFSDPModule):
     """Methods every fully-sharded module gains (mixed into its class)."""
 
     def _mfsdp_unit(self) -> FSDPUnit:

@@ -24,13 +24,14 @@ import torch.distributed as dist
 from torch import nn
 
 from mfsdp_buffers import Allocator, FlatLayout
-from mfsdp_collectives import CommHandle, CommStreams, FSDPTopology, ReduceSpec
+from mfsdp_collectives import CommAllocator, CommHandle, CommStreams, FSDPTopology, ReduceSpec
+from mfsdp_hooks.config.comm_hooks import CommHooks
 from mfsdp_hooks.config.grad_allocator import pools_memory
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.strategy import ShardingStrategy
 from mfsdp_hooks.grads.grad_collector import GradCollector
 from mfsdp_hooks.grads.grad_shard import GradShard
-from mfsdp_hooks.grads.reduce_plans import ReduceInputs, choose_plan
+from mfsdp_hooks.grads.reduce_plans import NO_HOOKS, ReduceInputs, choose_plan
 
 __all__ = ["GradReducer", "PendingReduction"]
 
@@ -71,7 +72,19 @@ class GradReducer:
         self.layout = layout
         self.grads = grads
         self._topology = topology
+        self._strategy = strategy
+        self._dist_params = tuple(dist_params)
+        self._allocator = allocator
         self.reduce_dtype = reduce_dtype
+        self.hooks = NO_HOOKS
+        self._reduce_config = reduce_config
+        self._build()
+
+    def _build(self) -> None:
+        """The collector and plan for the current hooks (a custom reduce-scatter allocates
+        the buffer it reads)."""
+        topology, strategy, custom = self._topology, self._strategy, self.hooks.reduce_scatter
+        allocator = self._allocator if custom is None else CommAllocator(custom)
         # Per-parameter gradients are kept as they arrive when the reduce-scatter can read
         # them in place; a pre-scale then becomes the same post-scale on the output shard.
         in_place = (
@@ -79,23 +92,41 @@ class GradReducer:
             and strategy != ShardingStrategy.NO_SHARD
             and not pools_memory(allocator)
             and topology.host_transport is not None
+            and custom is None
         )
         self._in_place = in_place
         self._native_average = in_place or dist.get_backend(topology.shard_group) != "gloo"
         self._collector = GradCollector(
-            layout,
-            reduce_dtype=reduce_dtype,
-            device=grads.device,
+            self.layout,
+            reduce_dtype=self.reduce_dtype,
+            device=self.grads.device,
             allocator=allocator,
             hold=in_place,
             input_scale=None,
         )
-        inputs = ReduceInputs(self._collector, grads, tuple(dist_params), topology)
-        self._plan = choose_plan(inputs, strategy=strategy, partial_numel=layout.shard_numel)
-        self.configure(reduce_config)
+        inputs = ReduceInputs(self._collector, self.grads, self._dist_params, topology)
+        partial = self.layout.shard_numel
+        self._plan = choose_plan(inputs, strategy=strategy, partial_numel=partial)
+        self.configure(self._reduce_config)
+
+    def use_comm_hooks(self, hooks: CommHooks) -> None:
+        """Reduce through the unit's hooks (``config.comm_hooks``) from the next backward on;
+        only between steps, like a change of dtype."""
+        if self.has_grads:
+            raise RuntimeError(
+                "communication hooks can change only between steps: gradients are waiting "
+                "to be reduced"
+            )
+        rebuild = hooks.reduce_scatter is not self.hooks.reduce_scatter
+        self.hooks = hooks
+        if rebuild:
+            self._build()
+        else:
+            self.configure(self._reduce_config)
 
     def configure(self, reduce_config: GradReduceConfig) -> None:
         """How gradients are scaled and averaged from the next reduction on."""
+        self._reduce_config = reduce_config
         topology = self._topology
         # HSDP: the mean is over every data-parallel rank, inside and across the replicas.
         average, input_scale = reduce_config.collective_args(
@@ -106,7 +137,10 @@ class GradReducer:
             output_scale, input_scale = input_scale, None
         self._collector.input_scale = input_scale
         self._spec = ReduceSpec(
-            average=average, post_scale=output_scale, reduce_dtype=self.reduce_dtype
+            average=average,
+            post_scale=output_scale,
+            reduce_dtype=self.reduce_dtype,
+            sum_only=self.hooks.force_sum,
         )
 
     def set_reduce_dtype(self, dtype: torch.dtype) -> None:
@@ -155,7 +189,7 @@ class GradReducer:
         ``ends_cycle=False`` (a ``no_sync`` micro-batch under HSDP/HFSDP): the reduction
         stays inside the shard group; the one that ends the cycle crosses the replicas.
         """
-        launched = self._plan.launch(self._spec, streams, ends_cycle=ends_cycle)
+        launched = self._plan.launch(self._spec, streams, ends_cycle=ends_cycle, hooks=self.hooks)
         return PendingReduction(self, launched.handle, launched.release)
 
     def drop_partial(self) -> None:

@@ -38,6 +38,7 @@ from mfsdp_collectives import (
     hsdp_reduce_scatter_into,
     reduce_scatter_into,
 )
+from mfsdp_hooks.config.comm_hooks import CommHooks
 from mfsdp_hooks.config.strategy import ShardingStrategy
 from mfsdp_hooks.grads.grad_collector import GradCollector
 from mfsdp_hooks.grads.grad_shard import GradShard
@@ -53,6 +54,10 @@ __all__ = [
     "ReplicaSync",
     "choose_plan",
 ]
+
+
+NO_HOOKS = CommHooks()
+"""A unit's hooks until a setter gives it some: the built-in collectives."""
 
 
 @dataclass(frozen=True)
@@ -72,8 +77,16 @@ class ReducePlan(Protocol):
         ...
 
     def launch(
-        self, spec: ReduceSpec, streams: CommStreams | None, *, ends_cycle: bool
-    ) -> Launched: ...
+        self,
+        spec: ReduceSpec,
+        streams: CommStreams | None,
+        *,
+        ends_cycle: bool,
+        hooks: CommHooks = NO_HOOKS,
+    ) -> Launched:
+        """Issue the reduction; ``hooks``: the unit's custom reduce-scatter and all-reduce
+        hook (``check_comm_hooks`` let only the flat and HSDP plans have them)."""
+        ...
 
     def drop_partial(self) -> None:
         """Forget the parts kept inside the shard group (the gradients were zeroed)."""
@@ -130,7 +143,12 @@ class FlatPlan(_Plan):
     """A reduce-scatter in the shard group into this rank's shard."""
 
     def launch(
-        self, spec: ReduceSpec, streams: CommStreams | None, *, ends_cycle: bool
+        self,
+        spec: ReduceSpec,
+        streams: CommStreams | None,
+        *,
+        ends_cycle: bool,
+        hooks: CommHooks = NO_HOOKS,
     ) -> Launched:
         target, accumulate = self._in.target()
         handle = reduce_scatter_into(
@@ -141,6 +159,8 @@ class FlatPlan(_Plan):
             accumulate=accumulate,
             stream=streams,
             transport=self._topology.host_transport,
+            comm=hooks.reduce_scatter,
+            after_reduce=hooks.after_reduce(),
         )
         return Launched(handle, self._collector.clear)
 
@@ -150,8 +170,14 @@ class NoShardPlan(_Plan):
     place), moved into the gradients once it landed."""
 
     def launch(
-        self, spec: ReduceSpec, streams: CommStreams | None, *, ends_cycle: bool
+        self,
+        spec: ReduceSpec,
+        streams: CommStreams | None,
+        *,
+        ends_cycle: bool,
+        hooks: CommHooks = NO_HOOKS,
     ) -> Launched:
+        _refuse_custom(hooks, "no_shard")
         target, accumulate = self._in.target()
         buffer = self._collector.collected()
         assert isinstance(buffer, torch.Tensor)
@@ -190,15 +216,25 @@ class HSDPPlan(_AcrossReplicas):
     replicas, so each replica's accumulated gradient crosses them once per cycle."""
 
     def launch(
-        self, spec: ReduceSpec, streams: CommStreams | None, *, ends_cycle: bool
+        self,
+        spec: ReduceSpec,
+        streams: CommStreams | None,
+        *,
+        ends_cycle: bool,
+        hooks: CommHooks = NO_HOOKS,
     ) -> Launched:
         target, accumulate = self._in.target()
         if not accumulate:
             self._state = ReplicaSync.EMPTY
         if not self._collector.has_grads and self._state is ReplicaSync.INNER_ONLY:
             # finish_grad_sync: only what no_sync kept is left, already in the shard
+            outer_spec = ReduceSpec(average=spec.average, sum_only=spec.sum_only)
             handle = all_reduce_(
-                target, self._outer, spec=ReduceSpec(average=spec.average), stream=streams
+                target,
+                self._outer,
+                spec=outer_spec,
+                stream=streams,
+                after_reduce=hooks.after_reduce(),
             )
             self._state = ReplicaSync.COMPLETE
             return Launched(handle, _nothing)
@@ -214,6 +250,9 @@ class HSDPPlan(_AcrossReplicas):
             stream=streams,
             transport=self._topology.host_transport,
             outer_reduces_output=state is ReplicaSync.INNER_ONLY,
+            comm=hooks.reduce_scatter,
+            # FSDP2 calls it once the gradient crossed the replicas, not on a partial.
+            after_reduce=None if defer else hooks.after_reduce(),
         )
         self._state = ReplicaSync.INNER_ONLY if defer else ReplicaSync.COMPLETE
         return Launched(handle, self._collector.clear)
@@ -244,8 +283,14 @@ class HFSDPPlan(_AcrossReplicas):
         self._collector.clear()
 
     def launch(
-        self, spec: ReduceSpec, streams: CommStreams | None, *, ends_cycle: bool
+        self,
+        spec: ReduceSpec,
+        streams: CommStreams | None,
+        *,
+        ends_cycle: bool,
+        hooks: CommHooks = NO_HOOKS,
     ) -> Launched:
+        _refuse_custom(hooks, "HFSDP")
         topology = self._topology
         kept = self._state is ReplicaSync.INNER_ONLY
         if not ends_cycle:
@@ -287,6 +332,12 @@ class HFSDPPlan(_AcrossReplicas):
             outer_transport=topology.outer_transport,
         )
         return Launched(handle, self._release_all)
+
+
+def _refuse_custom(hooks: CommHooks, layout: str) -> None:
+    """``check_comm_hooks`` refuses these at the setter; a plan never ignores them."""
+    if hooks.reduce_scatter is not None or hooks.all_reduce_hook is not None:
+        raise NotImplementedError(f"custom reduce comms are not supported with {layout}")
 
 
 def _nothing() -> None:

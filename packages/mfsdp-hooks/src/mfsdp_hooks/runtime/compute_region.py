@@ -23,10 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from mfsdp_hooks.config.codec import IDENTITY
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
@@ -36,6 +37,8 @@ from mfsdp_hooks.weights.param_group import ParameterGroup
 __all__ = [
     "ComputeRegion",
     "RegionUnit",
+    "cast_inputs",
+    "cast_outputs",
     "enter_region",
     "forward_policy",
     "installed_params",
@@ -156,3 +159,28 @@ def leave_region(units: Sequence[RegionUnit]) -> None:
             if group.reducer is not None:
                 group.reducer.set_reduce_dtype(group.wrap_reduce_dtype)
         unit.reinstall_params()
+
+
+def cast_inputs(
+    policy: MixedPrecisionPolicy, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Floating-point inputs in the compute dtype, when the policy asks for it."""
+    dtype = policy.param_dtype
+    if dtype is None or not policy.cast_forward_inputs:
+        return args, kwargs
+    cast: tuple[tuple[Any, ...], dict[str, Any]] = tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+        (args, kwargs),
+    )
+    return cast
+
+
+def cast_outputs(policy: MixedPrecisionPolicy, output: Any) -> Any:
+    """Floating-point outputs in the policy's output dtype (the root's), when it has one."""
+    dtype = policy.output_dtype
+    if dtype is None:
+        return output
+    return tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+        output,
+    )

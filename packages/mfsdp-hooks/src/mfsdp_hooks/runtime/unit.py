@@ -8,16 +8,22 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from mfsdp_collectives import CommStreams, PostForwardGroup
-from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
+from mfsdp_hooks.config.comm_hooks import CommHooks
 from mfsdp_hooks.config.unit_options import UnitOptions
 from mfsdp_hooks.dtensor.tensor_parallel import grad_local
 from mfsdp_hooks.grads.grad_sync import SyncFlags
 from mfsdp_hooks.runtime import timeline
 from mfsdp_hooks.runtime.backward_prefetch import BackwardPrefetch
-from mfsdp_hooks.runtime.compute_region import ComputeRegion, forward_policy, installed_params
+from mfsdp_hooks.runtime.compute_region import (
+    ComputeRegion,
+    cast_inputs,
+    cast_outputs,
+    forward_policy,
+    installed_params,
+)
 from mfsdp_hooks.runtime.gather_ahead import gather_ahead
 from mfsdp_hooks.runtime.input_grad_trigger import route_inputs_through_trigger
 from mfsdp_hooks.runtime.member_forwards import MemberForwards
@@ -47,31 +53,6 @@ def units_under(modules: Iterable[nn.Module]) -> list[FSDPUnit]:
         if unit is not None:
             found.setdefault(id(unit), unit)
     return list(found.values())
-
-
-def _cast_inputs(
-    policy: MixedPrecisionPolicy, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Floating-point inputs in the compute dtype, when the policy asks for it."""
-    dtype = policy.param_dtype
-    if dtype is None or not policy.cast_forward_inputs:
-        return args, kwargs
-    cast: tuple[tuple[Any, ...], dict[str, Any]] = tree_map(
-        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-        (args, kwargs),
-    )
-    return cast
-
-
-def _cast_outputs(policy: MixedPrecisionPolicy, output: Any) -> Any:
-    """Floating-point outputs in the policy's output dtype (the root's), when it has one."""
-    dtype = policy.output_dtype
-    if dtype is None:
-        return output
-    return tree_map(
-        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-        output,
-    )
 
 
 def _hook_members(unit: FSDPUnit) -> list[Any]:
@@ -206,6 +187,7 @@ class FSDPUnit:
         self._inputs_trigger_armed = False
         # FSDP2's per-unit setters (set_requires_gradient_sync, set_requires_all_reduce).
         self.sync_flags = SyncFlags()
+        self.comm_hooks = CommHooks()  # FSDP2's comm hooks (given out by set_comm_hooks)
         self._took_part = False  # its forward ran (with grad) since its backward ended
         # mixed_precision_context (set by compute_region), and whether its casts are in use
         self.region: ComputeRegion | None = None
@@ -286,7 +268,7 @@ class FSDPUnit:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if not self.forwards.begin(module, alone=_outside_root_forward(self)):
-            return _cast_inputs(forward_policy(self.options, self.region), args, kwargs)
+            return cast_inputs(forward_policy(self.options, self.region), args, kwargs)
         if self.region is not None and torch.is_grad_enabled():
             _refuse_autograd_in_cast_region(self, self.region)
         if self.root is None:
@@ -310,7 +292,7 @@ class FSDPUnit:
         if not recomputing and self.options.overlap_param_gather:
             targets = self.root.order.forward_targets(self, self.forward_prefetch)
             gather_ahead(targets, coalesce=self.root.order.coalesce)
-        args, kwargs = _cast_inputs(forward_policy(self.options, self.region), args, kwargs)
+        args, kwargs = cast_inputs(forward_policy(self.options, self.region), args, kwargs)
         if not self._inputs_trigger_armed:  # a recompute of an armed forward needs none
             args, kwargs, self._inputs_trigger_armed = route_inputs_through_trigger(
                 args, kwargs, self._end_own_backward
@@ -331,7 +313,7 @@ class FSDPUnit:
                 if unit.forwards.abandon():
                     unit._end_forward(is_root=False)
         output = (
-            _cast_outputs(forward_policy(self.options, self.region), output) if is_root else output
+            cast_outputs(forward_policy(self.options, self.region), output) if is_root else output
         )
         if (recorder := timeline.ACTIVE) is not None:
             recorder.forward_ends(self)

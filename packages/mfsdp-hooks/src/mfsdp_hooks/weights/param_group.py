@@ -32,6 +32,7 @@ from torch import nn
 
 from mfsdp_buffers import Allocator, PlainAllocator
 from mfsdp_collectives import (
+    AllGatherComm,
     CommHandle,
     CommStreams,
     FSDPTopology,
@@ -104,6 +105,7 @@ class ParameterGroup:
     _post_forward: PostForwardShard | None = None
     """FSDP2's int ``reshard_after_forward``: this rank's slice of the gathered weights, held
     from ``reshard(onto=...)`` after forward to the next unshard, which gathers from it."""
+    all_gather_comm: AllGatherComm | None = None  # set_custom_all_gather's: runs the gathers
 
     def __init__(
         self,
@@ -179,23 +181,7 @@ class ParameterGroup:
         if bound is not None or (topology.shards_optimizer_across_outer and codec is not IDENTITY):
             # encoded compute weights exist only once the first gather or install made them
             self.freshness.mark_dirty()
-        self.reducer = self._reducer(reduce_config, grad_allocator)
-
-    def _reducer(
-        self, reduce_config: GradReduceConfig, grad_allocator: Allocator | None
-    ) -> GradReducer | None:
-        if self.grads is None:
-            return None
-        return GradReducer(
-            self.layout,
-            self.grads,
-            self.dist_params,
-            topology=self.topology,
-            strategy=self.strategy,
-            reduce_dtype=self.wrap_reduce_dtype,
-            reduce_config=reduce_config,
-            allocator=grad_allocator or PlainAllocator(),
-        )
+        self.reducer = None if self.grads is None else _reducer(self, reduce_config, grad_allocator)
 
     @property
     def reduce_dtype(self) -> torch.dtype:
@@ -297,6 +283,7 @@ class ParameterGroup:
             self.topology.shard_group,
             stream=streams,
             transport=self.topology.host_transport,
+            comm=self.all_gather_comm,
         )
         return self._decoded(handle, unsharded)
 
@@ -348,3 +335,20 @@ class ParameterGroup:
         """One flag per parameter: 1 when its local reduced gradient holds NaN or Inf."""
         assert self.grads is not None
         return self.grads.nonfinite_flags()
+
+
+def _reducer(
+    group: ParameterGroup, reduce_config: GradReduceConfig, grad_allocator: Allocator | None
+) -> GradReducer:
+    """The group's gradient reducer (a group without gradients has none)."""
+    assert group.grads is not None
+    return GradReducer(
+        group.layout,
+        group.grads,
+        group.dist_params,
+        topology=group.topology,
+        strategy=group.strategy,
+        reduce_dtype=group.wrap_reduce_dtype,
+        reduce_config=reduce_config,
+        allocator=grad_allocator or PlainAllocator(),
+    )
