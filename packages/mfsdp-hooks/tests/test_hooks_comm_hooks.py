@@ -15,7 +15,6 @@ with its tied and frozen weights goes through every entry point in the matrix's
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -33,7 +32,6 @@ from mfsdp_collectives.counting_comms import (
 from mfsdp_collectives.testing import run_distributed
 
 STEPS = 10
-FULL = os.environ.get("MFSDP_FULL_MATRIX") == "1"
 
 
 def _install(units: list[Any], setup: str) -> list[Any]:
@@ -120,7 +118,6 @@ def test_custom_all_gather_and_all_reduce_hook_match_fsdp2() -> None:
         assert all(calls == STEPS for calls in hook_calls)
 
 
-@pytest.mark.skipif(not FULL, reason="MFSDP_FULL_MATRIX=1 only")
 def test_force_sum_hands_the_comm_sums_and_matches_fsdp2() -> None:
     ours, fsdp2 = _runs("force_sum")
     for mine, theirs in zip(ours, fsdp2, strict=True):
@@ -199,7 +196,6 @@ def _four_rank_refusals_worker(rank: int, world: int) -> list[str]:
     return said
 
 
-@pytest.mark.skipif(not FULL, reason="MFSDP_FULL_MATRIX=1 only")
 def test_int_reshard_and_hfsdp_refuse_the_hooks_they_cannot_honour() -> None:
     for said in run_distributed(_four_rank_refusals_worker, 4, timeout=60):
         assert "int reshard_after_forward" in said[0]
