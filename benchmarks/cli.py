@@ -93,6 +93,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="ours: gather N blocks ahead as one all-gather (suggested_communication_unit_size)",
     )
     p.add_argument(
+        "--serial-reductions",
+        action="store_true",
+        help="ours, shared memory: reduce-scatters wait behind all-gathers (one worker lane)",
+    )
+    p.add_argument(
         "--reshard-after-forward",
         type=int,
         default=0,

@@ -110,6 +110,9 @@ class RunSpec:
     float8: bool = False
     """torchao float8 training of the blocks' Linear layers with float8 all-gather (both
     implementations; FSDP2 with torchao's recommended per-step scale precompute)."""
+    serial_reductions: bool = False
+    """Ours only, shared-memory transport: reduce-scatters queued behind the all-gathers on
+    one worker (the transport before its second lane), to measure what concurrency gives."""
     reshard_after_forward: int = 0
     """Both implementations: N > 1 keeps each block's weights sharded over N consecutive ranks
     between forward and backward (FSDP2's ``reshard_after_forward=N``), so backward gathers

@@ -153,6 +153,11 @@ def build_ours(model: GPT, spec: RunSpec) -> Trainer:
             prefetch_numel=spec.merge_blocks * block_numel if spec.merge_blocks else None,
             coalesce_prefetch=spec.merge_blocks > 0,
         )
+    if spec.serial_reductions:
+        for unit in mfsdp_hooks.fsdp_units(model):
+            transport = unit.options.topology.host_transport
+            if transport is not None:
+                transport.concurrent_reductions = False
     # The seed's optimizer integration: the same torch AdamW, stepped over contiguous runs of
     # the sharded buffers unless the run measures torch's per-parameter loop.
     optimizer = mfsdp_hooks.attach_optimizer(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -212,7 +213,7 @@ def _mailboxes_leave_no_files(rank: int, world: int) -> int:
     before = set(os.listdir("/dev/shm"))
     transport = enable_host_transport(group, "auto")
     assert transport is not None
-    assert transport.mapped_bytes == 64 + 2 * transport.chunk_bytes
+    assert transport.mapped_bytes == 2 * (64 + 2 * transport.chunk_bytes)  # two lanes
     dist.barrier()
     leaked = {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("mfsdp-")}
     assert not leaked, leaked
@@ -292,17 +293,17 @@ def test_groups_that_do_not_qualify_are_named_with_the_reason() -> None:
 
 
 def _one_rank_cannot_map(rank: int, world: int) -> list[str]:
-    import mfsdp_collectives.shm as shm
+    import mfsdp_collectives.shm_lane as shm_lane
 
-    real = shm._Mailbox.__init__
+    real = shm_lane.MailboxFile.__init__
 
-    def refuse_peers(self: object, path: str, slot_bytes: int, *, create: bool) -> None:
+    def refuse_peers(self: object, path: str, slot_bytes: int, lanes: int, *, create: bool) -> None:
         if not create:
             raise PermissionError(13, "Permission denied")
-        real(self, path, slot_bytes, create=create)  # type: ignore[arg-type]
+        real(self, path, slot_bytes, lanes, create=create)  # type: ignore[arg-type]
 
     if rank == 1:
-        shm._Mailbox.__init__ = refuse_peers  # type: ignore[method-assign]
+        shm_lane.MailboxFile.__init__ = refuse_peers  # type: ignore[method-assign]
     outcomes = []
     group = dist.new_group(list(range(world)))
     outcomes.append("gloo" if enable_host_transport(group, "auto") is None else "shm")
@@ -374,3 +375,37 @@ def test_a_transport_given_for_another_group_is_refused_before_any_collective() 
     for message in run_distributed(_transport_of_another_group, 2, timeout=60):
         assert "not the collective's group" in message
         assert "enable_host_transport" in message
+
+
+def _gather_passes_a_waiting_reduction(rank: int, world: int) -> list[Any]:
+    """Rank 0 issues a reduce-scatter, then an all-gather; rank 1 issues the all-gather, waits
+    for it, and only then its reduce-scatter. On one lane rank 0's reduce-scatter would meet
+    rank 1's all-gather (wrong bytes, or a wait for a peer that waits for it); on two, each
+    lane sees the same order on both ranks and rank 0's all-gather overtakes its reduction."""
+    group = dist.new_group(list(range(world)))
+    transport = enable_host_transport(group, "shm", chunk_bytes=CHUNK)
+    assert transport is not None and transport.concurrent_reductions
+    grads = torch.arange(2 * world * CHUNK // 4, dtype=torch.float32) * (rank + 1)
+    shard = torch.empty(grads.numel() // world)
+    gathered = torch.empty(4 * world)
+    mine = torch.full((4,), float(rank))
+    if rank == 0:
+        reduced = reduce_scatter_into(grads, shard, group, transport=transport)
+        all_gather_into(mine, gathered, group, transport=transport).wait()
+        reduced.wait()
+    else:
+        all_gather_into(mine, gathered, group, transport=transport).wait()
+        reduce_scatter_into(grads, shard, group, transport=transport).wait()
+    names = sorted(t.name for t in threading.enumerate() if t.name.startswith("mfsdp-shm-"))
+    return [gathered.tolist(), shard.tolist(), names]
+
+
+def test_an_all_gather_overtakes_a_reduce_scatter_waiting_for_its_peer() -> None:
+    results = run_distributed(_gather_passes_a_waiting_reduction, 2, timeout=60)
+    n = 2 * 2 * CHUNK // 4
+    mean = torch.arange(n, dtype=torch.float32) * 1.5
+    for rank, (gathered, shard, names) in enumerate(results):
+        assert gathered == [0.0] * 4 + [1.0] * 4
+        assert shard == mean[rank * n // 2 : (rank + 1) * n // 2].tolist()
+        assert any(name.endswith("-gather") for name in names), names
+        assert any(name.endswith("-reduce") for name in names), names

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from . import _futex
 from .liveness import ProcessIdentity, record_identities
 from .naming import group_name
-from .shm import ALIGN, DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT_S, SharedMemoryTransport, _Mailbox
+from .shm import DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT_S, LANES, SharedMemoryTransport
+from .shm_lane import ALIGN, MailboxFile
 
 __all__ = [
     "HOST_TRANSPORTS",
@@ -41,7 +42,7 @@ _transports: weakref.WeakKeyDictionary[dist.ProcessGroup, SharedMemoryTransport]
     weakref.WeakKeyDictionary()
 )
 _registry_lock = threading.Lock()
-_OWN_BOXES: dict[str, _Mailbox] = {}  # created, not yet shared: path -> mailbox
+_OWN_BOXES: dict[str, MailboxFile] = {}  # created, not yet shared: path -> mailbox
 
 
 @dataclass(frozen=True)
@@ -165,15 +166,15 @@ def enable_host_transport(
 
 def _map_all(
     facts: list[_HostFacts], rank: int, slot_bytes: int
-) -> tuple[list[_Mailbox], str | None]:
-    boxes: list[_Mailbox] = []
+) -> tuple[list[MailboxFile], str | None]:
+    boxes: list[MailboxFile] = []
     for peer, fact in enumerate(facts):
         assert fact.path is not None
         if peer == rank:
             boxes.append(_OWN_BOXES[fact.path])
             continue
         try:
-            boxes.append(_Mailbox(fact.path, slot_bytes, create=False))
+            boxes.append(MailboxFile(fact.path, slot_bytes, LANES, create=False))
         except OSError as exc:
             return [], f"{fact.path}: {exc.strerror}"
     return boxes, None
@@ -185,7 +186,7 @@ def _gather_facts(group: dist.ProcessGroup, slot_bytes: int) -> list[_HostFacts]
     if directory is not None:
         path = os.path.join(directory, f"mfsdp-{os.getpid()}-{uuid.uuid4().hex}")
         try:
-            _OWN_BOXES[path] = _Mailbox(path, slot_bytes, create=True)
+            _OWN_BOXES[path] = MailboxFile(path, slot_bytes, LANES, create=True)
         except OSError:
             path = None
     mine = _HostFacts(
