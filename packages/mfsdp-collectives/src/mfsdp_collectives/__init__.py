@@ -37,6 +37,12 @@ from .ops import (
 )
 from .optim_sharding import OptimizerSharding
 from .post_forward import PostForwardGroup, check_post_forward_size, post_forward_group
+from .quantized import (
+    BlockQuantization,
+    NonFiniteError,
+    quantized_all_gather_into,
+    quantized_reduce_scatter_into,
+)
 from .shm import SharedMemoryTransport
 from .streams import CommStreams
 from .strict import strict_async, strict_async_enabled
@@ -46,6 +52,10 @@ from .tracer import CommLog, CommRecord, CommTracer
 __version__ = "1.0.0"
 
 __all__ = [
+    "BlockQuantization",
+    "NonFiniteError",
+    "quantized_all_gather_into",
+    "quantized_reduce_scatter_into",
     "AllGatherComm",
     "CommAllocator",
     "ReduceScatterComm",

@@ -1,0 +1,125 @@
+"""Block-quantized reduce-scatter and all-gather on 2, 3 and 4 gloo ranks, with chunk sizes
+that are multiples of neither 8 nor the block: every value within half its block's scale of
+the exact result, the bytes counted at <= 0.26x (int8) and <= 0.14x (int4) of fp32's, all
+ranks holding the same gathered weights, and an inf on one rank reported on every rank with
+that rank and element."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mfsdp_collectives import CommTracer
+from mfsdp_collectives.quantized import (
+    BlockQuantization,
+    NonFiniteError,
+    quantized_all_gather_into,
+    quantized_reduce_scatter_into,
+)
+from mfsdp_collectives.testing import run_distributed
+
+N = 3001  # per rank: odd, not a multiple of 8, of 64 or of 2048
+
+
+def _bound(chunks: list[torch.Tensor], spec: BlockQuantization) -> torch.Tensor:
+    """Per element: half the block scale of each chunk, summed (what quantizing them costs)."""
+    total = torch.zeros(N)
+    for chunk in chunks:
+        blocks = math.ceil(N / spec.block)
+        padded = torch.zeros(blocks * spec.block)
+        padded[:N] = chunk.abs()
+        scale = padded.view(blocks, spec.block).amax(dim=1) / spec.qmax
+        total += (scale / 2).repeat_interleave(spec.block)[:N]
+    return total
+
+
+def _bytes(summary: dict[str, dict[str, int]], op: str) -> int:
+    (key,) = [k for k in summary if k.endswith(f"/{op}")]
+    return summary[key]["bytes"]
+
+
+def _world(rank: int, world: int, bits: int, block: int) -> dict[str, Any]:
+    group = dist.group.WORLD
+    assert group is not None
+    spec = BlockQuantization(bits=bits, block=block)
+    inputs = [
+        torch.randn(world * N, generator=torch.Generator().manual_seed(r)) for r in range(world)
+    ]
+    mine = inputs[rank] * (1 + rank)  # ranks of different magnitude
+    exact = sum(x * (1 + r) for r, x in enumerate(inputs))[rank * N : (rank + 1) * N] / world
+    out = torch.empty(N)
+    with CommTracer() as log:
+        quantized_reduce_scatter_into(mine, out, group, spec)
+        shard = mine[rank * N : (rank + 1) * N].clone()
+        full = torch.empty(world * N)
+        quantized_all_gather_into(shard, full, group, spec)
+    peers = [(x * (1 + r))[rank * N : (rank + 1) * N] for r, x in enumerate(inputs) if r != rank]
+    rs_error_ok = bool(((out - exact).abs() <= _bound(peers, spec) / world + 1e-6).all())
+    shards = [(x * (1 + r))[r * N : (r + 1) * N] for r, x in enumerate(inputs)]
+    ag_error_ok = all(
+        bool(((full[r * N : (r + 1) * N] - s).abs() <= _bound([s], spec) + 1e-6).all())
+        for r, s in enumerate(shards)
+    )
+    summary = log.summary()
+    fp32_bytes = world * N * 4
+    return {
+        "rs_ok": rs_error_ok,
+        "ag_ok": ag_error_ok,
+        "rs_ratio": _bytes(summary, "reduce_scatter") / fp32_bytes,
+        "ag_ratio": _bytes(summary, "all_gather") / (N * 4),
+        "full": full.tolist()[::97],
+        "changed": not torch.equal(out, exact),
+    }
+
+
+@pytest.mark.parametrize(
+    ("world", "bits", "block"), [(2, 8, 2048), (3, 8, 2048), (4, 4, 2048), (3, 4, 64)]
+)
+def test_quantized_collectives_stay_within_half_a_scale_and_move_a_quarter_of_the_bytes(
+    world: int, bits: int, block: int
+) -> None:
+    results = run_distributed(_world, world, bits, block, timeout=120)
+    # the default block: the issue's limits; a small one pays 4 bytes of scale per block
+    limit = (0.26 if bits == 8 else 0.14) if block == 2048 else bits / 32 + 4 / block + 0.002
+    for result in results:
+        assert result["rs_ok"] and result["ag_ok"]
+        assert result["changed"]  # the values did travel quantized
+        assert result["rs_ratio"] <= limit and result["ag_ratio"] <= limit, result
+    assert all(r["full"] == results[0]["full"] for r in results)  # the same weights everywhere
+
+
+def _inf_world(rank: int, world: int) -> list[str]:
+    group = dist.group.WORLD
+    assert group is not None
+    spec = BlockQuantization()
+    grad = torch.ones(world * 10)
+    if rank == 1:
+        grad[13] = float("inf")
+    said = []
+    with pytest.raises(NonFiniteError) as caught:
+        quantized_reduce_scatter_into(grad, torch.empty(10), group, spec)
+    said.append(str(caught.value))
+    shard = torch.ones(7)
+    if rank == 0:
+        shard[5] = float("nan")
+    with pytest.raises(NonFiniteError) as caught:
+        quantized_all_gather_into(shard, torch.empty(7 * world), group, spec)
+    said.append(str(caught.value))
+    return said
+
+
+def test_a_non_finite_input_is_reported_on_every_rank_with_its_rank_and_element() -> None:
+    for said in run_distributed(_inf_world, 3, timeout=60):
+        assert "rank 1's input holds a non-finite value at element 13 of 30" in said[0]
+        assert "rank 0's input holds a non-finite value at element 5 of 7" in said[1]
+
+
+def test_bad_settings_are_refused_naming_the_argument() -> None:
+    with pytest.raises(ValueError, match="bits=3"):
+        BlockQuantization(bits=3)
+    with pytest.raises(ValueError, match="block=1"):
+        BlockQuantization(block=1)
