@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ._checks import check_flat
 from ._compat import all_gather_single
-from ._op_args import membership
+from ._op_args import check_shard_sizes, membership
 from .naming import group_name
 from .tracer import record_comm
 
@@ -161,15 +161,10 @@ def quantized_reduce_scatter_into(
     """``out_shard = mean (or sum) over ranks of unsharded[rank chunk]``, each peer's chunk
     carried block-quantized (blocking). Any chunk size; fp32 sums; non-finite inputs raise
     ``NonFiniteError`` on every rank."""
-    unsharded = check_flat(unsharded, "unsharded")
-    out_shard = check_flat(out_shard, "out_shard")
+    unsharded, out_shard = check_flat(unsharded, "unsharded"), check_flat(out_shard, "out_shard")
     group, rank, size = membership(group, "group")
+    check_shard_sizes(unsharded.numel(), "unsharded", out_shard, "out_shard", size)
     n = out_shard.numel()
-    if unsharded.numel() != n * size:
-        raise ValueError(
-            f"unsharded has {unsharded.numel()} elements, out_shard {n}, the group {size} "
-            "ranks: need unsharded.numel() == out_shard.numel() * group size"
-        )
     grad = unsharded.detach().float()
     first_bad = _first_non_finite(grad)
     width = spec.payload_bytes(n)
@@ -198,15 +193,10 @@ def quantized_all_gather_into(
     """``unsharded`` = every rank's ``shard``, carried block-quantized (blocking); every slot,
     this rank's included, holds the dequantized values, so all ranks hold the same weights.
     Non-finite shards raise ``NonFiniteError`` on every rank."""
-    shard = check_flat(shard, "shard")
-    unsharded = check_flat(unsharded, "unsharded")
+    shard, unsharded = check_flat(shard, "shard"), check_flat(unsharded, "unsharded")
     group, _, size = membership(group, "group")
+    check_shard_sizes(unsharded.numel(), "unsharded", shard, "shard", size)
     n = shard.numel()
-    if unsharded.numel() != n * size:
-        raise ValueError(
-            f"unsharded has {unsharded.numel()} elements, shard {n}, the group {size} ranks: "
-            "need unsharded.numel() == shard.numel() * group size"
-        )
     values = shard.detach().float()
     mine = torch.zeros(spec.payload_bytes(n), dtype=torch.uint8)
     _pack(values, spec, _first_non_finite(values), mine)
