@@ -93,6 +93,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="ours: gather N blocks ahead as one all-gather (suggested_communication_unit_size)",
     )
     p.add_argument(
+        "--quantize-comms",
+        choices=("none", "grads", "grads+weights"),
+        default="none",
+        help="ours: int8 block-quantized reduce-scatters (and all-gathers), 2048-value blocks",
+    )
+    p.add_argument(
         "--serial-reductions",
         action="store_true",
         help="ours, shared memory: reduce-scatters wait behind all-gathers (one worker lane)",

@@ -110,6 +110,9 @@ class RunSpec:
     float8: bool = False
     """torchao float8 training of the blocks' Linear layers with float8 all-gather (both
     implementations; FSDP2 with torchao's recommended per-step scale precompute)."""
+    quantize_comms: str = "none"
+    """Ours only: ``grads`` (int8 block-quantized reduce-scatters) or ``grads+weights`` (and
+    all-gathers), through ``mfsdp_hooks.quantize_communication``."""
     serial_reductions: bool = False
     """Ours only, shared-memory transport: reduce-scatters queued behind the all-gathers on
     one worker (the transport before its second lane), to measure what concurrency gives."""

@@ -153,6 +153,11 @@ def build_ours(model: GPT, spec: RunSpec) -> Trainer:
             prefetch_numel=spec.merge_blocks * block_numel if spec.merge_blocks else None,
             coalesce_prefetch=spec.merge_blocks > 0,
         )
+    if spec.quantize_comms != "none":
+        from mfsdp_collectives import BlockQuantization
+
+        weights = BlockQuantization() if spec.quantize_comms == "grads+weights" else None
+        mfsdp_hooks.quantize_communication(model, weights=weights)
     if spec.serial_reductions:
         for unit in mfsdp_hooks.fsdp_units(model):
             transport = unit.options.topology.host_transport

@@ -21,7 +21,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_fsdp import MixedPrecisionPolicy, fully_shard_model, fully_shard_optimizer
+from megatron_fsdp import (
+    BlockQuantization,
+    MixedPrecisionPolicy,
+    fully_shard_model,
+    fully_shard_optimizer,
+    quantize_communication,
+)
 from mfsdp_collectives import disable_host_transport
 
 
@@ -109,6 +115,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--zero-dp-strategy", default="optim_grads_params")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 main weights")
+    parser.add_argument(
+        "--quantize-comms",
+        choices=("none", "grads", "grads+weights"),
+        default="none",
+        help="int8 block-quantized gradient reduce-scatters (and weight all-gathers)",
+    )
+    parser.add_argument("--log-every", type=int, default=10, help="steps between loss reports")
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -136,6 +149,9 @@ def main() -> None:
         mixed_precision_policy=policy,
     )
     optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))
+    if args.quantize_comms != "none":
+        weights = BlockQuantization() if args.quantize_comms == "grads+weights" else None
+        quantize_communication(model, gradients=BlockQuantization(), weights=weights)
 
     generator = torch.Generator().manual_seed(1234 + rank)
     if rank == 0:
@@ -157,7 +173,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         tokens_seen += x.numel() * world
-        if step % 10 == 0 or step == 1 or step == args.steps:
+        if step % args.log_every == 0 or step == 1 or step == args.steps:
             stats = torch.tensor([loss.item(), memory_mib(device)], device=device)
             gathered = [torch.zeros_like(stats) for _ in range(world)]
             dist.all_gather(gathered, stats)

@@ -38,7 +38,7 @@ def _bound(chunks: list[torch.Tensor], spec: BlockQuantization) -> torch.Tensor:
 
 
 def _bytes(summary: dict[str, dict[str, int]], op: str) -> int:
-    (key,) = [k for k in summary if k.endswith(f"/{op}")]
+    (key,) = [k for k in summary if k.endswith(f"/quantized_{op}")]
     return summary[key]["bytes"]
 
 

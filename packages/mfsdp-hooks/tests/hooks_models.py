@@ -149,3 +149,23 @@ class AlignedModel(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.out(x)
+
+
+def train_aligned(
+    model: nn.Module, rank: int, steps: int, *, poison_rank: int | None = None
+) -> list[float]:
+    """AdamW steps of ``model`` (an ``AlignedModel``) on 2 ranks' shares of seeded batches;
+    ``poison_rank``'s inputs are inf (every gradient it computes is then non-finite)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 32, generator=generator), torch.randn(8, 16, generator=generator)
+        rows = slice(4 * rank, 4 * rank + 4)
+        inputs = x[rows] * float("inf") if rank == poison_rank else x[rows]
+        loss = nn.functional.mse_loss(model(inputs), y[rows])
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses

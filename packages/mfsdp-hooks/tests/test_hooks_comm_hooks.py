@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from hooks_models import AlignedModel, shard_blocks_then_root
+from hooks_models import AlignedModel, shard_blocks_then_root, train_aligned
 from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
@@ -60,18 +60,8 @@ def _worker(rank: int, world: int, impl: str, setup: str) -> dict[str, Any]:
     shard_blocks_then_root(model, impl)
     units = [m for m in model.modules() if isinstance(m, TorchFSDPModule)]
     installed = _install(units, setup)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
     with C10dTracer() as log:
-        for step in range(STEPS):
-            generator = torch.Generator().manual_seed(step)
-            x, y = torch.randn(8, 32, generator=generator), torch.randn(8, 16, generator=generator)
-            rows = slice(4 * rank, 4 * rank + 4)
-            loss = nn.functional.mse_loss(model(x[rows]), y[rows])
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+        losses = train_aligned(model, rank, STEPS)
     summary = {k.split("/")[-1]: v for k, v in log.summary().items()}
     return {
         "losses": losses,

@@ -6,11 +6,13 @@ from megatron_fsdp.dist_index import FSDPDistributedIndex
 from megatron_fsdp.plan import MemoryPlan, ModelStatesPlan, plan_memory, plan_model_states
 from megatron_fsdp.trace import OverlapReport, Timeline, trace
 from megatron_fsdp.wrapper import MegatronFSDP
-from mfsdp_hooks import MixedPrecisionPolicy, ShardingStrategy
+from mfsdp_collectives import BlockQuantization
+from mfsdp_hooks import MixedPrecisionPolicy, ShardingStrategy, quantize_communication
 
 __version__ = "1.0.0"
 
 __all__ = [
+    "BlockQuantization",
     "DistributedDataParallelConfig",
     "FSDPDistributedIndex",
     "MegatronFSDP",
@@ -24,6 +26,7 @@ __all__ = [
     "fully_shard_optimizer",
     "plan_memory",
     "plan_model_states",
+    "quantize_communication",
     "OverlapReport",
     "Timeline",
     "trace",

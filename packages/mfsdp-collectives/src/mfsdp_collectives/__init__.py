@@ -40,6 +40,8 @@ from .post_forward import PostForwardGroup, check_post_forward_size, post_forwar
 from .quantized import (
     BlockQuantization,
     NonFiniteError,
+    QuantizedAllGather,
+    QuantizedReduceScatter,
     quantized_all_gather_into,
     quantized_reduce_scatter_into,
 )
@@ -54,6 +56,8 @@ __version__ = "1.0.0"
 __all__ = [
     "BlockQuantization",
     "NonFiniteError",
+    "QuantizedAllGather",
+    "QuantizedReduceScatter",
     "quantized_all_gather_into",
     "quantized_reduce_scatter_into",
     "AllGatherComm",

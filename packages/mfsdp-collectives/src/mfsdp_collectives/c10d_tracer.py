@@ -35,6 +35,7 @@ _OPS: dict[str, tuple[str, int]] = {
     "allreduce_": ("all_reduce", 0),
     "allreduce_coalesced_": ("all_reduce", 0),
     "broadcast_": ("broadcast", 0),
+    "alltoall_base_": ("all_to_all", 1),
 }
 
 

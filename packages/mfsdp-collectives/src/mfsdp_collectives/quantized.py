@@ -23,13 +23,15 @@ for none), the codes (padded to 4 bytes), then the block scales (fp32).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
 from ._checks import check_flat
-from ._compat import all_gather_single
+from ._compat import Work, all_gather_single, reduce_scatter_single
 from ._op_args import check_shard_sizes, membership
 from .naming import group_name
 from .tracer import record_comm
@@ -37,6 +39,9 @@ from .tracer import record_comm
 __all__ = [
     "BlockQuantization",
     "NonFiniteError",
+    "QuantizedAllGather",
+    "QuantizedReduceScatter",
+    "QuantizedReduction",
     "dequantize_blocks",
     "quantize_blocks",
     "quantized_all_gather_into",
@@ -94,17 +99,28 @@ def _first_non_finite(x: torch.Tensor) -> int:
     return int(bad.nonzero()[0, 0])
 
 
+def _block_codes(x: torch.Tensor, spec: BlockQuantization) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (a whole number of blocks) as float codes and one scale per block."""
+    by_block = x.view(-1, spec.block)
+    amax = torch.linalg.vector_norm(by_block, ord=math.inf, dim=1)  # one pass: max |x|
+    scales = torch.where(amax > 0, amax / spec.qmax, torch.ones_like(amax))
+    codes = torch.div(by_block, scales[:, None]).round_().clamp_(-spec.qmax, spec.qmax)
+    return codes.view(-1), scales
+
+
 def quantize_blocks(x: torch.Tensor, spec: BlockQuantization, out: torch.Tensor) -> None:
     """Write ``x``'s codes and scales (finite ``x``, 1-D) into ``out`` (uint8, past the
     header: ``spec.payload_bytes(x.numel()) - 4`` bytes)."""
     n = x.numel()
-    blocks = math.ceil(n / spec.block)
-    padded = torch.zeros(blocks * spec.block, dtype=torch.float32)
-    padded[:n] = x
-    by_block = padded.view(blocks, spec.block)
-    amax = by_block.abs().amax(dim=1)
-    scales = torch.where(amax > 0, amax / spec.qmax, torch.ones_like(amax))
-    codes = torch.round(by_block / scales[:, None]).clamp_(-spec.qmax, spec.qmax).flatten()[:n]
+    whole = n // spec.block * spec.block
+    parts = [_block_codes(x[:whole], spec)] if whole else []
+    if whole < n:  # the ragged last block, padded with zeros (they code as 0)
+        tail = torch.zeros(spec.block, dtype=torch.float32)
+        tail[: n - whole] = x[whole:]
+        codes, scales = _block_codes(tail, spec)
+        parts.append((codes[: n - whole], scales))
+    codes = parts[0][0] if len(parts) == 1 else torch.cat([c for c, _ in parts])
+    scales = parts[0][1] if len(parts) == 1 else torch.cat([s for _, s in parts])
     code_bytes = spec.code_bytes(n)
     if spec.bits == 8:
         out[:n].copy_(codes.to(torch.int8).view(torch.uint8))
@@ -114,7 +130,7 @@ def quantize_blocks(x: torch.Tensor, spec: BlockQuantization, out: torch.Tensor)
             nibbles = torch.cat([nibbles, torch.full((1,), 8, dtype=torch.uint8)])
         pairs = nibbles.view(-1, 2)
         out[: pairs.shape[0]].copy_(pairs[:, 0] | (pairs[:, 1] << 4))
-    out[code_bytes : code_bytes + 4 * blocks].copy_(scales.view(torch.uint8))
+    out[code_bytes : code_bytes + 4 * scales.numel()].copy_(scales.view(torch.uint8))
 
 
 def dequantize_blocks(
@@ -136,7 +152,7 @@ def dequantize_blocks(
 
 def _pack(x: torch.Tensor, spec: BlockQuantization, first_bad: int, out: torch.Tensor) -> None:
     out[:_HEADER].copy_(torch.tensor([first_bad], dtype=torch.int32).view(torch.uint8))
-    if first_bad < 0:
+    if first_bad < 0 and x.numel():
         quantize_blocks(x, spec, out[_HEADER:])
 
 
@@ -150,6 +166,53 @@ def _raise_if_any_non_finite(
             raise NonFiniteError(op, group_name(group), rank, first, numel)
 
 
+class QuantizedReduction:
+    """The ``Work`` of an async quantized reduce-scatter: the all-to-all is in flight;
+    ``wait()`` lands it, checks every sender's header and sums the pieces into the output
+    (fp32, rank order). Until then the input and the output must stay untouched."""
+
+    def __init__(
+        self,
+        work: Work | None,
+        recv: torch.Tensor,
+        own: torch.Tensor,
+        out: torch.Tensor,
+        spec: BlockQuantization,
+        group: dist.ProcessGroup,
+        *,
+        average: bool,
+    ) -> None:
+        self._work, self._recv, self._own, self._out = work, recv, own, out
+        self._spec, self._group, self._average = spec, group, average
+        self._done = False
+
+    def is_completed(self) -> bool:
+        if not self._done and (self._work is None or self._work.is_completed()):
+            self.wait()
+        return self._done
+
+    def wait(self) -> bool:
+        if self._done:
+            return True
+        if self._work is not None:
+            self._work.wait()
+        self._done = True
+        group, n, size = self._group, self._out.numel(), self._recv.shape[0]
+        _raise_if_any_non_finite(self._recv, "reduce_scatter", group, n * size)
+        rank = dist.get_rank(group)
+        total, piece = torch.zeros(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
+        for src in range(size):  # rank order: the same sum on every run
+            if src == rank:
+                total.add_(self._own)
+                continue
+            dequantize_blocks(self._recv[src, _HEADER:], self._spec, n, piece)
+            total.add_(piece)
+        if self._average:
+            total.div_(size)
+        self._out.copy_(total)
+        return True
+
+
 def quantized_reduce_scatter_into(
     unsharded: torch.Tensor,
     out_shard: torch.Tensor,
@@ -157,34 +220,32 @@ def quantized_reduce_scatter_into(
     spec: BlockQuantization,
     *,
     average: bool = True,
-) -> None:
+    async_op: bool = False,
+) -> QuantizedReduction | None:
     """``out_shard = mean (or sum) over ranks of unsharded[rank chunk]``, each peer's chunk
-    carried block-quantized (blocking). Any chunk size; fp32 sums; non-finite inputs raise
-    ``NonFiniteError`` on every rank."""
+    carried block-quantized. Any chunk size; fp32 sums; non-finite inputs raise
+    ``NonFiniteError`` on every rank. ``async_op``: return the ``QuantizedReduction`` with
+    the all-to-all in flight (quantizing is done; summing waits for ``wait()``)."""
     unsharded, out_shard = check_flat(unsharded, "unsharded"), check_flat(out_shard, "out_shard")
     group, rank, size = membership(group, "group")
     check_shard_sizes(unsharded.numel(), "unsharded", out_shard, "out_shard", size)
     n = out_shard.numel()
     grad = unsharded.detach().float()
     first_bad = _first_non_finite(grad)
-    width = spec.payload_bytes(n)
-    send = torch.zeros(size, width, dtype=torch.uint8)
+    send = torch.zeros(size, spec.payload_bytes(n), dtype=torch.uint8)
     for dst in range(size):
-        _pack(grad[dst * n : (dst + 1) * n], spec, first_bad, send[dst])
-    record_comm("reduce_scatter", group_name(group), send.numel(), torch.uint8)
+        # its own chunk is summed exactly: to itself it sends the header only
+        chunk = grad[dst * n : (dst + 1) * n] if dst != rank else grad[:0]
+        _pack(chunk, spec, first_bad, send[dst])
+    record_comm("quantized_reduce_scatter", group_name(group), send.numel(), torch.uint8)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    _raise_if_any_non_finite(recv, "reduce_scatter", group, unsharded.numel())
-    total, piece = torch.zeros(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
-    for src in range(size):  # rank order: the same sum on every run
-        if src == rank:
-            total.add_(grad[rank * n : (rank + 1) * n])
-            continue
-        dequantize_blocks(recv[src, _HEADER:], spec, n, piece)
-        total.add_(piece)
-    if average:
-        total.div_(size)
-    out_shard.copy_(total)
+    work = cast("Work | None", dist.all_to_all_single(recv, send, group=group, async_op=True))
+    own = grad[rank * n : (rank + 1) * n]
+    reduction = QuantizedReduction(work, recv, own, out_shard, spec, group, average=average)
+    if async_op:
+        return reduction
+    reduction.wait()
+    return None
 
 
 def quantized_all_gather_into(
@@ -200,7 +261,7 @@ def quantized_all_gather_into(
     values = shard.detach().float()
     mine = torch.zeros(spec.payload_bytes(n), dtype=torch.uint8)
     _pack(values, spec, _first_non_finite(values), mine)
-    record_comm("all_gather", group_name(group), mine.numel(), torch.uint8)
+    record_comm("quantized_all_gather", group_name(group), mine.numel(), torch.uint8)
     gathered = torch.empty(size, mine.numel(), dtype=torch.uint8)
     all_gather_single(gathered.view(-1), mine, group, async_op=False)
     _raise_if_any_non_finite(gathered, "all_gather", group, n)
@@ -208,3 +269,59 @@ def quantized_all_gather_into(
     for src in range(size):  # its own slot too: every rank must compute with the same weights
         dequantize_blocks(gathered[src, _HEADER:], spec, n, piece)
         unsharded[src * n : (src + 1) * n].copy_(piece)
+
+
+class _QuantizedComm:
+    """FSDP2's comm protocol over the quantized collectives; ``min_numel``: a chunk smaller
+    than this (a tiny unit: norms, biases) travels in full precision, where the scales'
+    bytes and the error would buy nothing."""
+
+    def __init__(
+        self, spec: BlockQuantization | None = None, *, min_numel: int | None = None
+    ) -> None:
+        self.spec = spec if spec is not None else BlockQuantization()
+        self.min_numel = self.spec.block if min_numel is None else min_numel
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class QuantizedReduceScatter(_QuantizedComm):
+    """A reduce-scatter comm (``FSDPModule.set_custom_reduce_scatter``) that carries the
+    gradients block-quantized: ``quantized_reduce_scatter_into``."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> Work | None:
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise ValueError(f"a quantized reduce-scatter sums or averages, not {op}")
+        if output_tensor.numel() < self.min_numel:
+            return reduce_scatter_single(output_tensor, input_tensor, op, group, async_op)
+        average = op == dist.ReduceOp.AVG
+        return quantized_reduce_scatter_into(
+            input_tensor, output_tensor, group, self.spec, average=average, async_op=async_op
+        )
+
+
+class QuantizedAllGather(_QuantizedComm):
+    """An all-gather comm (``FSDPModule.set_custom_all_gather``) that carries the weights
+    block-quantized: ``quantized_all_gather_into``."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> Work | None:
+        if input_tensor.numel() < self.min_numel:
+            return all_gather_single(output_tensor, input_tensor, group, async_op)
+        quantized_all_gather_into(input_tensor, output_tensor, group, self.spec)
+        return None

@@ -1,5 +1,6 @@
 """mfsdp_hooks: the FSDP unit lifecycle, mixed precision and optimizer integration."""
 
+from mfsdp_hooks.api.comm_quantization import quantize_communication
 from mfsdp_hooks.api.describe import GroupSummary, ShardingSummary, describe
 from mfsdp_hooks.api.forward_methods import register_fsdp_forward_method
 from mfsdp_hooks.api.fully_shard import (
@@ -92,6 +93,7 @@ __all__ = [
     "is_fully_sharded",
     "local_tensor",
     "locate",
+    "quantize_communication",
     "fine_grained_units",
     "make_grad_allocator",
     "register_fsdp_forward_method",

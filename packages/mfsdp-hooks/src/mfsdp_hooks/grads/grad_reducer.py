@@ -15,8 +15,9 @@ and a pre-scale (1/N, ``gradient_scaling_factor``) rides on that copy.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +25,14 @@ import torch.distributed as dist
 from torch import nn
 
 from mfsdp_buffers import Allocator, FlatLayout
-from mfsdp_collectives import CommAllocator, CommHandle, CommStreams, FSDPTopology, ReduceSpec
+from mfsdp_collectives import (
+    CommAllocator,
+    CommHandle,
+    CommStreams,
+    FSDPTopology,
+    NonFiniteError,
+    ReduceSpec,
+)
 from mfsdp_hooks.config.comm_hooks import CommHooks
 from mfsdp_hooks.config.grad_allocator import pools_memory
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
@@ -33,7 +41,7 @@ from mfsdp_hooks.grads.grad_collector import GradCollector
 from mfsdp_hooks.grads.grad_shard import GradShard
 from mfsdp_hooks.grads.reduce_plans import NO_HOOKS, ReduceInputs, choose_plan
 
-__all__ = ["GradReducer", "PendingReduction"]
+__all__ = ["GradReducer", "PendingReduction", "named_non_finite"]
 
 
 @dataclass
@@ -50,8 +58,23 @@ class PendingReduction:
         if self.done:
             return
         self.done = True
-        self.handle.wait()
+        with self._naming_non_finite():
+            self.handle.wait()
         self.release()
+
+    def landed(self) -> bool:
+        """Whether it landed (without blocking); ``wait()`` still completes it."""
+        with self._naming_non_finite():
+            return self.handle.is_completed()
+
+    @contextlib.contextmanager
+    def _naming_non_finite(self) -> Iterator[None]:
+        """An async quantized comm reports a non-finite gradient where it lands: name it."""
+        try:
+            yield
+        except NonFiniteError as error:
+            reducer = self.reducer
+            raise named_non_finite(error, reducer.layout, reducer.names, "gradient") from error
 
 
 class GradReducer:
@@ -68,6 +91,7 @@ class GradReducer:
         reduce_dtype: torch.dtype,
         reduce_config: GradReduceConfig,
         allocator: Allocator,
+        names: Sequence[str] = (),
     ) -> None:
         self.layout = layout
         self.grads = grads
@@ -76,6 +100,7 @@ class GradReducer:
         self._dist_params = tuple(dist_params)
         self._allocator = allocator
         self.reduce_dtype = reduce_dtype
+        self.names = list(names)
         self.hooks = NO_HOOKS
         self._reduce_config = reduce_config
         self._build()
@@ -189,9 +214,29 @@ class GradReducer:
         ``ends_cycle=False`` (a ``no_sync`` micro-batch under HSDP/HFSDP): the reduction
         stays inside the shard group; the one that ends the cycle crosses the replicas.
         """
-        launched = self._plan.launch(self._spec, streams, ends_cycle=ends_cycle, hooks=self.hooks)
+        try:
+            launched = self._plan.launch(
+                self._spec, streams, ends_cycle=ends_cycle, hooks=self.hooks
+            )
+        except NonFiniteError as error:  # a quantized comm: name the parameter
+            raise named_non_finite(error, self.layout, self.names, "gradient") from error
         return PendingReduction(self, launched.handle, launched.release)
 
     def drop_partial(self) -> None:
         """Forget the ``no_sync`` parts kept in the shard group (the gradients were zeroed)."""
         self._plan.drop_partial()
+
+
+def named_non_finite(
+    error: NonFiniteError, layout: FlatLayout, names: Sequence[str], what: str
+) -> FloatingPointError:
+    """``error`` (a flat-buffer element) told as the parameter holding it."""
+    for placement, name in zip(layout.placements, names, strict=False):
+        if placement.offset <= error.index < placement.offset + placement.numel:
+            element = error.index - placement.offset
+            return FloatingPointError(
+                f"the {what} of {name} holds a non-finite value on rank {error.rank} (element "
+                f"{element} of {placement.numel}), so it cannot be quantized for the "
+                "collective: check the loss scale or the step that produced it"
+            )
+    return error

@@ -104,7 +104,7 @@ class ReductionQueue:
         Without this a unit's gradients live until the next unit's reduction pushes it out
         of the in-flight window, i.e. through all of that unit's backward.
         """
-        while self._reap_early and self._in_flight and self._in_flight[0].handle.is_completed():
+        while self._reap_early and self._in_flight and self._in_flight[0].landed():
             self._finish(self._in_flight.popleft())
 
     def drain(self) -> None:

@@ -351,4 +351,5 @@ def _reducer(
         reduce_dtype=group.wrap_reduce_dtype,
         reduce_config=reduce_config,
         allocator=grad_allocator or PlainAllocator(),
+        names=group.names,
     )

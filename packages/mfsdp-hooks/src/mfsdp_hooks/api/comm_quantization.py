@@ -1,0 +1,52 @@
+"""Block-quantized collectives for a whole model (or one part of it), in one call.
+
+``quantize_communication(model)`` gives every fully-sharded unit under ``model`` a
+``QuantizedReduceScatter`` (and, with ``weights=``, a ``QuantizedAllGather``) through
+FSDP2's comm hooks, so it reaches the units of every entry point: the seed API,
+``fully_shard_model``, the ``MegatronFSDP`` class, the Megatron-Core adapter and FSDP2's
+per-module ``fully_shard``. Call it on a submodule to quantize that part only. A unit whose
+chunk per rank is smaller than one block (norms, biases, a small head) keeps full precision.
+What travels and how errors are reported: ``mfsdp_collectives.quantized``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from mfsdp_collectives import BlockQuantization, QuantizedAllGather, QuantizedReduceScatter
+from mfsdp_hooks.api.fsdp_module import FSDPModule
+
+__all__ = ["INT8", "quantize_communication"]
+
+INT8 = BlockQuantization(bits=8, block=2048)
+"""The default: int8 codes, one fp32 scale per 2048 values (ZeRO++'s choice)."""
+
+
+def quantize_communication(
+    module: nn.Module,
+    *,
+    gradients: BlockQuantization | None = INT8,
+    weights: BlockQuantization | None = None,
+) -> list[FSDPModule]:
+    """Carry the gradient reduce-scatters (``gradients``, int8 with 2048-element blocks by
+    default) and the weight all-gathers (``weights``, off by default) of every unit under
+    ``module`` block-quantized; ``None`` leaves that collective in full precision. Returns
+    the units changed. Call it between iterations, on every rank alike."""
+    for name, value in (("gradients", gradients), ("weights", weights)):
+        if value is not None and not isinstance(value, BlockQuantization):
+            raise TypeError(
+                f"{name} must be a mfsdp_collectives.BlockQuantization or None, got "
+                f"{type(value).__name__}"
+            )
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        raise ValueError(
+            f"{type(module).__name__} holds no fully-sharded unit: wrap it (fully_shard, "
+            "fully_shard_model, MegatronFSDP) before quantize_communication"
+        )
+    for unit in units:
+        if gradients is not None:
+            unit.set_custom_reduce_scatter(QuantizedReduceScatter(gradients))
+        if weights is not None:
+            unit.set_custom_all_gather(QuantizedAllGather(weights))
+    return list(units)
