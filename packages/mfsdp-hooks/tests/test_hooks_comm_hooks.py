@@ -15,6 +15,7 @@ with its tied and frozen weights goes through every entry point in the matrix's
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -190,3 +191,37 @@ def test_int_reshard_and_hfsdp_refuse_the_hooks_they_cannot_honour() -> None:
     for said in run_distributed(_four_rank_refusals_worker, 4, timeout=60):
         assert "int reshard_after_forward" in said[0]
         assert "HFSDP (outer optimizer)" in said[1]
+
+
+def _hsdp_worker(rank: int, world: int, impl: str) -> dict[str, Any]:
+    """HSDP on a (dp_outer=2, dp_shard=2) mesh: the custom reduce-scatter inside each replica,
+    the hook after the all-reduce across them (halving what it sees)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    model = AlignedModel()
+    shard_blocks_then_root(model, impl, mesh=mesh)
+    hooks = []
+    for unit in model.modules():
+        if isinstance(unit, TorchFSDPModule):
+            scatter, hook = CountingReduceScatter(), GradientRecorder(scale=0.5)
+            unit.set_custom_reduce_scatter(scatter)
+            unit.set_all_reduce_hook(hook)
+            hooks.append((scatter, hook))
+    losses = train_aligned(model, rank % 2, STEPS)
+    return {
+        "losses": losses,
+        "calls": [(scatter.calls, len(hook.sums)) for scatter, hook in hooks],
+        "sums": [round(s, 5) for _, hook in hooks for s in hook.sums],
+    }
+
+
+@pytest.mark.skipif(
+    os.environ.get("MFSDP_FULL_MATRIX") != "1", reason="MFSDP_FULL_MATRIX=1 only (4 ranks, 16 s)"
+)
+def test_hsdp_runs_the_comm_inside_replicas_and_the_hook_after_crossing_them_as_fsdp2() -> None:
+    ours = run_distributed(_hsdp_worker, 4, "ours", timeout=120)
+    fsdp2 = run_distributed(_hsdp_worker, 4, "fsdp2", timeout=120)
+    for mine, theirs in zip(ours, fsdp2, strict=True):
+        _assert_losses_close(mine["losses"], theirs["losses"])
+        assert mine["calls"] == theirs["calls"] and all(c == (STEPS, STEPS) for c in mine["calls"])

@@ -39,7 +39,12 @@ class FSDP2Refusals:
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
     ) -> None:
-        _not_yet("set_separate_reduce_scatter_group", "one group per mesh dim carries both")
+        _not_yet(
+            "set_separate_reduce_scatter_group",
+            "a separate NCCL communicator for reduce-scatters is not built; on CPU they already "
+            "run beside the all-gathers (the shared-memory transport's second lane, gloo's "
+            "worker threads)",
+        )
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         if unshard_in_backward is not True:

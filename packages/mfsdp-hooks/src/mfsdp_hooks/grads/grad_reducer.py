@@ -15,9 +15,8 @@ and a pre-scale (1/N, ``gradient_scaling_factor``) rides on that copy.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -58,23 +57,24 @@ class PendingReduction:
         if self.done:
             return
         self.done = True
-        with self._naming_non_finite():
+        try:
             self.handle.wait()
+        except NonFiniteError as error:
+            raise self._named(error) from error
         self.release()
 
     def landed(self) -> bool:
-        """Whether it landed (without blocking); ``wait()`` still completes it."""
-        with self._naming_non_finite():
-            return self.handle.is_completed()
-
-    @contextlib.contextmanager
-    def _naming_non_finite(self) -> Iterator[None]:
-        """An async quantized comm reports a non-finite gradient where it lands: name it."""
+        """Whether it landed (without blocking); ``wait()`` still completes it. Asked at
+        every gradient's arrival: a plain try, no context manager."""
         try:
-            yield
+            return self.handle.is_completed()
         except NonFiniteError as error:
-            reducer = self.reducer
-            raise named_non_finite(error, reducer.layout, reducer.names, "gradient") from error
+            raise self._named(error) from error
+
+    def _named(self, error: NonFiniteError) -> FloatingPointError:
+        """An async quantized comm reports a non-finite gradient where it lands: name it."""
+        reducer = self.reducer
+        return named_non_finite(error, reducer.layout, reducer.names, "gradient")
 
 
 class GradReducer:
