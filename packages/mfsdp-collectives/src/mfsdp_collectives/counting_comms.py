@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 
 from ._compat import Work, all_gather_single, reduce_scatter_single
+from .custom_comms import EmptyBuffers
 
 __all__ = ["CountingAllGather", "CountingReduceScatter", "GradientRecorder"]
 
 
-class _CountedBuffers:
+class _CountedBuffers(EmptyBuffers):
     """``allocate`` as FSDP2's default (``torch.empty``), every size remembered."""
 
     def __init__(self) -> None:
@@ -26,10 +27,10 @@ class _CountedBuffers:
         self.allocated: list[tuple[int, ...]] = []
 
     def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         self.allocated.append(tuple(int(s) for s in size))
-        return torch.empty(*size, dtype=dtype, device=device)
+        return super().allocate(size, dtype=dtype, device=device)
 
 
 class CountingAllGather(_CountedBuffers):

@@ -38,6 +38,7 @@ __all__ = [
     "AllGatherComm",
     "Comm",
     "CommAllocator",
+    "EmptyBuffers",
     "ReduceScatterComm",
     "allocate_flat",
     "check_comm",
@@ -78,6 +79,15 @@ class ReduceScatterComm(Comm, Protocol):
         op: dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> Work | None: ...
+
+
+class EmptyBuffers:
+    """FSDP2's default ``allocate``: a fresh ``torch.empty`` buffer per call."""
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
 
 
 def check_comm(comm: object, arg: str) -> None:

@@ -23,7 +23,6 @@ for none), the codes (padded to 4 bytes), then the block scales (fp32).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -33,6 +32,7 @@ import torch.distributed as dist
 from ._checks import check_flat
 from ._compat import Work, all_gather_single, reduce_scatter_single
 from ._op_args import check_shard_sizes, membership
+from .custom_comms import EmptyBuffers
 from .naming import group_name
 from .tracer import record_comm
 
@@ -271,7 +271,7 @@ def quantized_all_gather_into(
         unsharded[src * n : (src + 1) * n].copy_(piece)
 
 
-class _QuantizedComm:
+class _QuantizedComm(EmptyBuffers):
     """FSDP2's comm protocol over the quantized collectives; ``min_numel``: a chunk smaller
     than this (a tiny unit: norms, biases) travels in full precision, where the scales'
     bytes and the error would buy nothing."""
@@ -281,11 +281,6 @@ class _QuantizedComm:
     ) -> None:
         self.spec = spec if spec is not None else BlockQuantization()
         self.min_numel = self.spec.block if min_numel is None else min_numel
-
-    def allocate(
-        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
 
 class QuantizedReduceScatter(_QuantizedComm):

@@ -245,6 +245,7 @@ class ParameterGroup:
             self.topology.shard_group,
             stream=streams,
             transport=self.topology.host_transport,
+            comm=self.all_gather_comm,
         )
         return self._decoded(handle, full)
 
