@@ -13,13 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mfsdp_collectives import CommTracer
-from mfsdp_collectives.quantized import (
+from mfsdp_collectives import (
     BlockQuantization,
+    CommTracer,
     NonFiniteError,
+    QuantizationBuffers,
     quantized_all_gather_into,
     quantized_reduce_scatter_into,
 )
+from mfsdp_collectives.block_codec import dequantize_blocks, quantize_blocks
 from mfsdp_collectives.testing import run_distributed
 
 N = 3001  # per rank: odd, not a multiple of 8, of 64 or of 2048
@@ -100,6 +102,12 @@ def _inf_world(rank: int, world: int) -> list[str]:
     if rank == 1:
         grad[13] = float("inf")
     said = []
+    with pytest.raises(NonFiniteError) as caught:  # in rank 1's own chunk: never quantized
+        quantized_reduce_scatter_into(grad, torch.empty(10), group, spec)
+    said.append(str(caught.value))
+    grad = torch.ones(world * 10)
+    if rank == 0:
+        grad[25] = float("nan")  # in the chunk rank 0 quantizes for rank 2
     with pytest.raises(NonFiniteError) as caught:
         quantized_reduce_scatter_into(grad, torch.empty(10), group, spec)
     said.append(str(caught.value))
@@ -115,7 +123,79 @@ def _inf_world(rank: int, world: int) -> list[str]:
 def test_a_non_finite_input_is_reported_on_every_rank_with_its_rank_and_element() -> None:
     for said in run_distributed(_inf_world, 3, timeout=60):
         assert "rank 1's input holds a non-finite value at element 13 of 30" in said[0]
-        assert "rank 0's input holds a non-finite value at element 5 of 7" in said[1]
+        assert "rank 0's input holds a non-finite value at element 25 of 30" in said[1]
+        assert "rank 0's input holds a non-finite value at element 5 of 7" in said[2]
+
+
+def _reused_world(rank: int, world: int) -> dict[str, Any]:
+    """Ten rounds through one ``QuantizationBuffers``, in flight two at a time, against fresh
+    tensors each call; and an output that is the input's own chunk (in place)."""
+    group = dist.group.WORLD
+    assert group is not None
+    spec, buffers = BlockQuantization(block=256), QuantizationBuffers(keep=2)
+    grads = [
+        torch.randn(world * 1000, generator=torch.Generator().manual_seed(i)) for i in range(10)
+    ]
+    fresh, reused = [], []
+    for grad in grads:
+        out = torch.empty(1000)
+        quantized_reduce_scatter_into(grad * (rank + 1), out, group, spec)
+        fresh.append(out)
+    for first, second in zip(grads[::2], grads[1::2], strict=True):
+        outs = [torch.empty(1000), torch.empty(1000)]
+        pending = [
+            quantized_reduce_scatter_into(
+                g * (rank + 1), o, group, spec, async_op=True, buffers=buffers
+            )
+            for g, o in zip((first, second), outs, strict=True)
+        ]
+        for reduction in pending:
+            assert reduction is not None
+            reduction.wait()
+        reused.extend(outs)
+    in_place = grads[0] * (rank + 1)
+    own = in_place[rank * 1000 : (rank + 1) * 1000]
+    quantized_reduce_scatter_into(in_place, own, group, spec)
+    return {
+        "same": all(torch.equal(a, b) for a, b in zip(fresh, reused, strict=True)),
+        "in_place_same": torch.equal(own, fresh[0]),
+        "held": buffers.held_bytes(),
+        "payload": spec.payload_bytes(1000) * world,
+    }
+
+
+def test_reused_buffers_and_an_in_place_output_give_the_same_bits() -> None:
+    for result in run_distributed(_reused_world, 3, timeout=60):
+        assert result["same"] and result["in_place_same"]
+        # two free send and two free receive payloads at most, plus the fp32 scratch
+        assert result["held"] <= 4 * result["payload"] + 4 * 1000, result
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_zero_tiny_huge_and_ragged_blocks_decode_finite_within_half_a_scale(bits: int) -> None:
+    spec = BlockQuantization(bits=bits, block=16)
+    tiny = torch.finfo(torch.float32).tiny
+    for x in (
+        torch.zeros(37),
+        torch.full((37,), 1e-44),
+        torch.randn(37).clamp(-3, 3) * 1e38,
+        torch.randn(5),
+        torch.randn(33),
+    ):
+        payload = torch.empty(spec.payload_bytes(x.numel()) - 4, dtype=torch.uint8)
+        assert quantize_blocks(x, spec, payload, torch.empty(x.numel()))
+        back = torch.empty(x.numel())
+        dequantize_blocks(payload, spec, x.numel(), back)
+        assert torch.isfinite(back).all()
+        bound = (
+            torch.cat([c.abs().amax().expand(c.numel()) for c in torch.split(x, 16)])
+            / spec.qmax
+            / 2
+        )
+        assert ((back - x).abs() <= bound * (1 + 1e-6) + tiny).all(), x
+    bad = torch.randn(37)
+    bad[36] = -float("inf")
+    assert not quantize_blocks(bad, spec, torch.empty(64, dtype=torch.uint8), torch.empty(37))
 
 
 def test_bad_settings_are_refused_naming_the_argument() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ._reduce import ReduceSpec
 from .agreement import RankMismatchError, check_ranks_agree
+from .block_codec import BlockQuantization
 from .c10d_tracer import C10dTracer
 from .coalescing import coalesced_gathers
 from .custom_comms import AllGatherComm, CommAllocator, ReduceScatterComm, check_comm
@@ -37,8 +38,8 @@ from .ops import (
 )
 from .optim_sharding import OptimizerSharding
 from .post_forward import PostForwardGroup, check_post_forward_size, post_forward_group
+from .quantization_buffers import QuantizationBuffers
 from .quantized import (
-    BlockQuantization,
     NonFiniteError,
     QuantizedAllGather,
     QuantizedReduceScatter,
@@ -58,6 +59,7 @@ __all__ = [
     "NonFiniteError",
     "QuantizedAllGather",
     "QuantizedReduceScatter",
+    "QuantizationBuffers",
     "quantized_all_gather_into",
     "quantized_reduce_scatter_into",
     "AllGatherComm",

@@ -22,8 +22,6 @@ for none), the codes (padded to 4 bytes), then the block scales (fp32).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -32,51 +30,28 @@ import torch.distributed as dist
 from ._checks import check_flat
 from ._compat import Work, all_gather_single, reduce_scatter_single
 from ._op_args import check_shard_sizes, membership
+from .block_codec import (
+    HEADER_BYTES,
+    BlockQuantization,
+    accumulate_blocks,
+    dequantize_blocks,
+    is_finite,
+    quantize_blocks,
+    write_headers,
+)
 from .custom_comms import EmptyBuffers
 from .naming import group_name
+from .quantization_buffers import QuantizationBuffers
 from .tracer import record_comm
 
 __all__ = [
-    "BlockQuantization",
     "NonFiniteError",
     "QuantizedAllGather",
     "QuantizedReduceScatter",
     "QuantizedReduction",
-    "dequantize_blocks",
-    "quantize_blocks",
     "quantized_all_gather_into",
     "quantized_reduce_scatter_into",
 ]
-
-_HEADER = 4
-
-
-@dataclass(frozen=True)
-class BlockQuantization:
-    """``bits`` (8 or 4) per value, one fp32 scale per ``block`` values (symmetric, round to
-    nearest: a value is off by at most half its block's scale, ``amax / (2 * qmax)``)."""
-
-    bits: int = 8
-    block: int = 2048
-
-    def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"bits={self.bits!r} must be 8 or 4")
-        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 2:
-            raise ValueError(f"block={self.block!r} must be an int >= 2 (2048 is the default)")
-
-    @property
-    def qmax(self) -> int:
-        return 127 if self.bits == 8 else 7
-
-    def code_bytes(self, numel: int) -> int:
-        """Bytes of the codes of ``numel`` values, padded so the scales stay aligned."""
-        raw = numel if self.bits == 8 else (numel + 1) // 2
-        return (raw + 3) // 4 * 4
-
-    def payload_bytes(self, numel: int) -> int:
-        """Bytes that carry ``numel`` values: header, codes, scales."""
-        return _HEADER + self.code_bytes(numel) + 4 * math.ceil(numel / self.block)
 
 
 class NonFiniteError(FloatingPointError):
@@ -92,75 +67,11 @@ class NonFiniteError(FloatingPointError):
         )
 
 
-def _first_non_finite(x: torch.Tensor) -> int:
-    bad = ~torch.isfinite(x)
-    if not bool(bad.any()):
-        return -1
-    return int(bad.nonzero()[0, 0])
-
-
-def _block_codes(x: torch.Tensor, spec: BlockQuantization) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (a whole number of blocks) as float codes and one scale per block."""
-    by_block = x.view(-1, spec.block)
-    amax = torch.linalg.vector_norm(by_block, ord=math.inf, dim=1)  # one pass: max |x|
-    scales = torch.where(amax > 0, amax / spec.qmax, torch.ones_like(amax))
-    codes = torch.div(by_block, scales[:, None]).round_().clamp_(-spec.qmax, spec.qmax)
-    return codes.view(-1), scales
-
-
-def quantize_blocks(x: torch.Tensor, spec: BlockQuantization, out: torch.Tensor) -> None:
-    """Write ``x``'s codes and scales (finite ``x``, 1-D) into ``out`` (uint8, past the
-    header: ``spec.payload_bytes(x.numel()) - 4`` bytes)."""
-    n = x.numel()
-    whole = n // spec.block * spec.block
-    parts = [_block_codes(x[:whole], spec)] if whole else []
-    if whole < n:  # the ragged last block, padded with zeros (they code as 0)
-        tail = torch.zeros(spec.block, dtype=torch.float32)
-        tail[: n - whole] = x[whole:]
-        codes, scales = _block_codes(tail, spec)
-        parts.append((codes[: n - whole], scales))
-    codes = parts[0][0] if len(parts) == 1 else torch.cat([c for c, _ in parts])
-    scales = parts[0][1] if len(parts) == 1 else torch.cat([s for _, s in parts])
-    code_bytes = spec.code_bytes(n)
-    if spec.bits == 8:
-        out[:n].copy_(codes.to(torch.int8).view(torch.uint8))
-    else:
-        nibbles = (codes + 8).to(torch.uint8)
-        if n % 2:
-            nibbles = torch.cat([nibbles, torch.full((1,), 8, dtype=torch.uint8)])
-        pairs = nibbles.view(-1, 2)
-        out[: pairs.shape[0]].copy_(pairs[:, 0] | (pairs[:, 1] << 4))
-    out[code_bytes : code_bytes + 4 * scales.numel()].copy_(scales.view(torch.uint8))
-
-
-def dequantize_blocks(
-    payload: torch.Tensor, spec: BlockQuantization, numel: int, out: torch.Tensor
-) -> None:
-    """``out`` (fp32, ``numel``) = the values ``quantize_blocks`` wrote into ``payload``."""
-    code_bytes = spec.code_bytes(numel)
-    blocks = math.ceil(numel / spec.block)
-    scales = payload[code_bytes : code_bytes + 4 * blocks].clone().view(torch.float32)
-    if spec.bits == 8:
-        codes = payload[:numel].view(torch.int8).to(torch.float32)
-    else:
-        packed = payload[: (numel + 1) // 2]
-        pairs = torch.stack([packed & 0x0F, packed >> 4], dim=1).flatten()[:numel]
-        codes = pairs.to(torch.float32) - 8
-    per_value = scales.repeat_interleave(spec.block)[:numel]
-    torch.mul(codes, per_value, out=out)
-
-
-def _pack(x: torch.Tensor, spec: BlockQuantization, first_bad: int, out: torch.Tensor) -> None:
-    out[:_HEADER].copy_(torch.tensor([first_bad], dtype=torch.int32).view(torch.uint8))
-    if first_bad < 0 and x.numel():
-        quantize_blocks(x, spec, out[_HEADER:])
-
-
 def _raise_if_any_non_finite(
     payloads: torch.Tensor, op: str, group: dist.ProcessGroup, numel: int
 ) -> None:
     """Every rank holds every sender's header: all raise alike, after the collective."""
-    firsts = payloads[:, :_HEADER].clone().view(torch.int32).flatten().tolist()
+    firsts = payloads[:, :HEADER_BYTES].clone().view(torch.int32).flatten().tolist()
     for rank, first in enumerate(firsts):
         if first >= 0:
             raise NonFiniteError(op, group_name(group), rank, first, numel)
@@ -169,21 +80,24 @@ def _raise_if_any_non_finite(
 class QuantizedReduction:
     """The ``Work`` of an async quantized reduce-scatter: the all-to-all is in flight;
     ``wait()`` lands it, checks every sender's header and sums the pieces into the output
-    (fp32, rank order). Until then the input and the output must stay untouched."""
+    (fp32, rank order), then gives the payloads back. Until then the input and the output
+    must stay untouched."""
 
     def __init__(
         self,
         work: Work | None,
-        recv: torch.Tensor,
+        payloads: tuple[torch.Tensor, torch.Tensor],
         own: torch.Tensor,
         out: torch.Tensor,
         spec: BlockQuantization,
         group: dist.ProcessGroup,
         *,
         average: bool,
+        buffers: QuantizationBuffers,
     ) -> None:
-        self._work, self._recv, self._own, self._out = work, recv, own, out
+        self._work, self._payloads, self._own, self._out = work, payloads, own, out
         self._spec, self._group, self._average = spec, group, average
+        self._buffers = buffers
         self._done = False
 
     def is_completed(self) -> bool:
@@ -197,20 +111,44 @@ class QuantizedReduction:
         if self._work is not None:
             self._work.wait()
         self._done = True
-        group, n, size = self._group, self._out.numel(), self._recv.shape[0]
-        _raise_if_any_non_finite(self._recv, "reduce_scatter", group, n * size)
-        rank = dist.get_rank(group)
-        total, piece = torch.zeros(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
-        for src in range(size):  # rank order: the same sum on every run
-            if src == rank:
-                total.add_(self._own)
-                continue
-            dequantize_blocks(self._recv[src, _HEADER:], self._spec, n, piece)
-            total.add_(piece)
-        if self._average:
-            total.div_(size)
-        self._out.copy_(total)
+        send, recv = self._payloads
+        try:
+            n, size = self._out.numel(), recv.shape[0]
+            _raise_if_any_non_finite(recv, "reduce_scatter", self._group, n * size)
+            self._sum_into_out(recv)
+        finally:
+            self._buffers.give_back(send)
+            self._buffers.give_back(recv)
         return True
+
+    def _sum_into_out(self, recv: torch.Tensor) -> None:
+        """The pieces in rank order (the same sum every run), straight into the output when
+        it is fp32 and apart from this rank's own chunk, else through one temporary."""
+        out, own, n = self._out, self._own, self._out.numel()
+        direct = out.dtype == torch.float32 and not _overlap(out, own)
+        total = out if direct else torch.empty(n, dtype=torch.float32)
+        rank = dist.get_rank(self._group)
+        for src in range(recv.shape[0]):
+            payload = recv[src, HEADER_BYTES:]
+            if src == rank and src == 0:
+                total.copy_(own)
+            elif src == rank:
+                total.add_(own)
+            elif src == 0:  # the first piece is written, not added: no zero-fill pass
+                dequantize_blocks(payload, self._spec, n, total)
+            else:
+                accumulate_blocks(payload, self._spec, n, total, self._buffers.scratch(n))
+        if self._average:
+            total.div_(recv.shape[0])
+        if not direct:
+            out.copy_(total)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a_lo, b_lo = a.data_ptr(), b.data_ptr()
+    return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
 
 
 def quantized_reduce_scatter_into(
@@ -221,27 +159,34 @@ def quantized_reduce_scatter_into(
     *,
     average: bool = True,
     async_op: bool = False,
+    buffers: QuantizationBuffers | None = None,
 ) -> QuantizedReduction | None:
     """``out_shard = mean (or sum) over ranks of unsharded[rank chunk]``, each peer's chunk
     carried block-quantized. Any chunk size; fp32 sums; non-finite inputs raise
     ``NonFiniteError`` on every rank. ``async_op``: return the ``QuantizedReduction`` with
-    the all-to-all in flight (quantizing is done; summing waits for ``wait()``)."""
+    the all-to-all in flight (quantizing is done; summing waits for ``wait()``).
+    ``buffers``: where the payloads and scratch come from (reused across calls); without
+    it, fresh tensors every call."""
     unsharded, out_shard = check_flat(unsharded, "unsharded"), check_flat(out_shard, "out_shard")
     group, rank, size = membership(group, "group")
     check_shard_sizes(unsharded.numel(), "unsharded", out_shard, "out_shard", size)
+    buffers = buffers if buffers is not None else QuantizationBuffers(keep=0)
     n = out_shard.numel()
     grad = unsharded.detach().float()
-    first_bad = _first_non_finite(grad)
-    send = torch.zeros(size, spec.payload_bytes(n), dtype=torch.uint8)
-    for dst in range(size):
-        # its own chunk is summed exactly: to itself it sends the header only
-        chunk = grad[dst * n : (dst + 1) * n] if dst != rank else grad[:0]
-        _pack(chunk, spec, first_bad, send[dst])
-    record_comm("quantized_reduce_scatter", group_name(group), send.numel(), torch.uint8)
-    recv = torch.empty_like(send)
-    work = cast("Work | None", dist.all_to_all_single(recv, send, group=group, async_op=True))
+    send = buffers.payloads(size, spec.payload_bytes(n))
     own = grad[rank * n : (rank + 1) * n]
-    reduction = QuantizedReduction(work, recv, own, out_shard, spec, group, average=average)
+    finite = is_finite(own)  # summed exactly: to itself a rank sends the header only
+    for dst in range(size):
+        if dst != rank and finite:
+            chunk, payload = grad[dst * n : (dst + 1) * n], send[dst, HEADER_BYTES:]
+            finite = quantize_blocks(chunk, spec, payload, buffers.scratch(n))
+    write_headers(send, grad, finite)
+    record_comm("quantized_reduce_scatter", group_name(group), send.numel(), torch.uint8)
+    recv = buffers.payloads(size, send.shape[1])
+    work = cast("Work | None", dist.all_to_all_single(recv, send, group=group, async_op=True))
+    reduction = QuantizedReduction(
+        work, (send, recv), own, out_shard, spec, group, average=average, buffers=buffers
+    )
     if async_op:
         return reduction
     reduction.wait()
@@ -249,38 +194,59 @@ def quantized_reduce_scatter_into(
 
 
 def quantized_all_gather_into(
-    shard: torch.Tensor, unsharded: torch.Tensor, group: dist.ProcessGroup, spec: BlockQuantization
+    shard: torch.Tensor,
+    unsharded: torch.Tensor,
+    group: dist.ProcessGroup,
+    spec: BlockQuantization,
+    *,
+    buffers: QuantizationBuffers | None = None,
 ) -> None:
     """``unsharded`` = every rank's ``shard``, carried block-quantized (blocking); every slot,
     this rank's included, holds the dequantized values, so all ranks hold the same weights.
-    Non-finite shards raise ``NonFiniteError`` on every rank."""
+    Non-finite shards raise ``NonFiniteError`` on every rank. ``buffers``: as for the
+    reduce-scatter."""
     shard, unsharded = check_flat(shard, "shard"), check_flat(unsharded, "unsharded")
     group, _, size = membership(group, "group")
     check_shard_sizes(unsharded.numel(), "unsharded", shard, "shard", size)
+    buffers = buffers if buffers is not None else QuantizationBuffers(keep=0)
     n = shard.numel()
     values = shard.detach().float()
-    mine = torch.zeros(spec.payload_bytes(n), dtype=torch.uint8)
-    _pack(values, spec, _first_non_finite(values), mine)
+    mine = buffers.payloads(1, spec.payload_bytes(n))
+    finite = quantize_blocks(values, spec, mine[0, HEADER_BYTES:], buffers.scratch(n))
+    write_headers(mine, values, finite)
     record_comm("quantized_all_gather", group_name(group), mine.numel(), torch.uint8)
-    gathered = torch.empty(size, mine.numel(), dtype=torch.uint8)
-    all_gather_single(gathered.view(-1), mine, group, async_op=False)
-    _raise_if_any_non_finite(gathered, "all_gather", group, n)
-    piece = torch.empty(n, dtype=torch.float32)
-    for src in range(size):  # its own slot too: every rank must compute with the same weights
-        dequantize_blocks(gathered[src, _HEADER:], spec, n, piece)
-        unsharded[src * n : (src + 1) * n].copy_(piece)
+    gathered = buffers.payloads(size, mine.shape[1])
+    try:
+        all_gather_single(gathered.view(-1), mine.view(-1), group, async_op=False)
+        _raise_if_any_non_finite(gathered, "all_gather", group, n)
+        in_place = unsharded.dtype == torch.float32
+        for src in range(size):  # its own slot too: every rank computes with the same weights
+            slot = unsharded[src * n : (src + 1) * n]
+            target = slot if in_place else buffers.scratch(n)
+            dequantize_blocks(gathered[src, HEADER_BYTES:], spec, n, target)
+            if not in_place:
+                slot.copy_(target)
+    finally:
+        buffers.give_back(mine)
+        buffers.give_back(gathered)
 
 
 class _QuantizedComm(EmptyBuffers):
     """FSDP2's comm protocol over the quantized collectives; ``min_numel``: a chunk smaller
     than this (a tiny unit: norms, biases) travels in full precision, where the scales'
-    bytes and the error would buy nothing."""
+    bytes and the error would buy nothing. One comm may serve many units: its
+    ``QuantizationBuffers`` are then shared, which bounds their memory."""
 
     def __init__(
-        self, spec: BlockQuantization | None = None, *, min_numel: int | None = None
+        self,
+        spec: BlockQuantization | None = None,
+        *,
+        min_numel: int | None = None,
+        buffers: QuantizationBuffers | None = None,
     ) -> None:
         self.spec = spec if spec is not None else BlockQuantization()
         self.min_numel = self.spec.block if min_numel is None else min_numel
+        self.buffers = buffers if buffers is not None else QuantizationBuffers()
 
 
 class QuantizedReduceScatter(_QuantizedComm):
@@ -301,7 +267,13 @@ class QuantizedReduceScatter(_QuantizedComm):
             return reduce_scatter_single(output_tensor, input_tensor, op, group, async_op)
         average = op == dist.ReduceOp.AVG
         return quantized_reduce_scatter_into(
-            input_tensor, output_tensor, group, self.spec, average=average, async_op=async_op
+            input_tensor,
+            output_tensor,
+            group,
+            self.spec,
+            average=average,
+            async_op=async_op,
+            buffers=self.buffers,
         )
 
 
@@ -318,5 +290,7 @@ class QuantizedAllGather(_QuantizedComm):
     ) -> Work | None:
         if input_tensor.numel() < self.min_numel:
             return all_gather_single(output_tensor, input_tensor, group, async_op)
-        quantized_all_gather_into(input_tensor, output_tensor, group, self.spec)
+        quantized_all_gather_into(
+            input_tensor, output_tensor, group, self.spec, buffers=self.buffers
+        )
         return None

@@ -13,7 +13,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from mfsdp_collectives import BlockQuantization, QuantizedAllGather, QuantizedReduceScatter
+from mfsdp_collectives import (
+    BlockQuantization,
+    QuantizationBuffers,
+    QuantizedAllGather,
+    QuantizedReduceScatter,
+)
 from mfsdp_hooks.api.fsdp_module import FSDPModule
 
 __all__ = ["INT8", "quantize_communication"]
@@ -44,9 +49,13 @@ def quantize_communication(
             f"{type(module).__name__} holds no fully-sharded unit: wrap it (fully_shard, "
             "fully_shard_model, MegatronFSDP) before quantize_communication"
         )
+    # one comm of each kind for all the units: they share its reused buffers
+    buffers = QuantizationBuffers()
+    reduce_comm = QuantizedReduceScatter(gradients, buffers=buffers) if gradients else None
+    gather_comm = QuantizedAllGather(weights, buffers=buffers) if weights else None
     for unit in units:
-        if gradients is not None:
-            unit.set_custom_reduce_scatter(QuantizedReduceScatter(gradients))
-        if weights is not None:
-            unit.set_custom_all_gather(QuantizedAllGather(weights))
+        if reduce_comm is not None:
+            unit.set_custom_reduce_scatter(reduce_comm)
+        if gather_comm is not None:
+            unit.set_custom_all_gather(gather_comm)
     return list(units)
