@@ -15,9 +15,12 @@ import torch.distributed as dist
 
 from mfsdp_collectives import (
     BlockQuantization,
+    CollectiveWorker,
     CommTracer,
     NonFiniteError,
     QuantizationBuffers,
+    QuantizedAllGather,
+    QuantizedReduceScatter,
     quantized_all_gather_into,
     quantized_reduce_scatter_into,
 )
@@ -203,3 +206,69 @@ def test_bad_settings_are_refused_naming_the_argument() -> None:
         BlockQuantization(bits=3)
     with pytest.raises(ValueError, match="block=1"):
         BlockQuantization(block=1)
+
+
+def _background_world(rank: int, world: int) -> dict[str, Any]:
+    """The comms on their worker thread against the calling thread: the same bits, with the
+    caller's own collectives on the same group in between; a failed job raises at wait()
+    only (a poll never raises and never says it completed)."""
+    group = dist.group.WORLD
+    assert group is not None
+    spec = BlockQuantization(block=256)
+    results: dict[str, list[torch.Tensor]] = {}
+    for background in (False, True):
+        reduce_comm = QuantizedReduceScatter(spec, background=background, min_numel=1)
+        gather_comm = QuantizedAllGather(spec, background=background, min_numel=1)
+        outs = []
+        for step in range(4):
+            grad = torch.randn(world * 999, generator=torch.Generator().manual_seed(step + rank))
+            out, full = torch.empty(999), torch.empty(world * 999)
+            full[rank * 999 : (rank + 1) * 999] = grad[:999]
+            works = [
+                reduce_comm(out, grad, group, dist.ReduceOp.AVG, async_op=True),
+                gather_comm(full, full[rank * 999 : (rank + 1) * 999], group, async_op=True),
+            ]
+            dist.all_reduce(torch.ones(3), group=group)  # the caller's own, meanwhile
+            for work in works:  # the gather without a worker is blocking: None
+                if work is not None:
+                    work.wait()
+            outs += [out, full]
+        results[str(background)] = outs
+    poisoned = torch.ones(world * 999)
+    if rank == 1:
+        poisoned[5] = float("inf")
+    comm = QuantizedReduceScatter(spec, background=True, min_numel=1)
+    work = comm(torch.empty(999), poisoned, group, dist.ReduceOp.SUM, async_op=True)
+    assert work is not None
+    dist.barrier()
+    polls = [work.is_completed() for _ in range(3)]
+    with pytest.raises(NonFiniteError, match="rank 1's input"):
+        work.wait()
+    return {
+        "same": all(
+            torch.equal(a, b) for a, b in zip(results["False"], results["True"], strict=True)
+        ),
+        "polls": polls,
+    }
+
+
+def test_the_background_worker_gives_the_same_bits_and_raises_at_wait_only() -> None:
+    for result in run_distributed(_background_world, 3, timeout=60):
+        assert result["same"]
+        assert result["polls"] == [False, False, False]
+
+
+def test_a_worker_runs_jobs_in_order_and_hands_errors_to_wait() -> None:
+    worker, ran = CollectiveWorker(), []
+    works = [worker.submit(lambda i=i: ran.append(i)) for i in range(20)]
+
+    def fail() -> None:
+        raise RuntimeError("job failed")
+
+    failed = worker.submit(fail)
+    for work in works:
+        work.wait()
+    assert ran == list(range(20))
+    with pytest.raises(RuntimeError, match="job failed"):
+        failed.wait()
+    assert not failed.is_completed()

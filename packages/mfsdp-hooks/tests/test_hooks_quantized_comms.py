@@ -1,7 +1,9 @@
 """Block-quantized collectives in training, through FSDP2's comm hooks
 (``QuantizedReduceScatter``, ``QuantizedAllGather`` on every unit, 2 gloo ranks): the losses
 follow full precision's within 1% over 10 steps while the gradients travel in about a quarter
-of the bytes, and an inf gradient on one rank is reported on every rank naming the parameter."""
+of the bytes, the same bits whether the reduce-scatters run on a background worker or on the
+training thread, and an inf gradient on one rank is reported on every rank naming the
+parameter."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from hooks_models import AlignedModel, shard_blocks_then_root, train_aligned
 from mfsdp_collectives import (
     BlockQuantization,
     C10dTracer,
+    CommTracer,
     QuantizedAllGather,
     QuantizedReduceScatter,
 )
@@ -23,37 +26,50 @@ STEPS = 10
 SPEC = BlockQuantization(bits=8, block=256)
 
 
-def _train(rank: int, world: int, quantized: bool, poison: bool = False) -> dict[str, Any]:
+def _train(rank: int, world: int, mode: str | None, poison: bool = False) -> dict[str, Any]:
+    """``mode``: None (full precision), "inline" (quantized on the training thread) or
+    "background" (the reduce-scatters on the comm's worker thread)."""
     model = AlignedModel()
     shard_blocks_then_root(model, "ours", host_transport="gloo")
-    if quantized and poison:  # the one-call opt-in
+    if mode and poison:  # the one-call opt-in
         quantize_communication(model, gradients=SPEC, weights=SPEC)
-    elif quantized:  # the per-unit hooks it sets
+    elif mode:  # the per-unit hooks it sets
         for unit in model.modules():
             if isinstance(unit, FSDPModule):
-                unit.set_custom_reduce_scatter(QuantizedReduceScatter(SPEC))
+                comm = QuantizedReduceScatter(SPEC, background=mode == "background")
+                unit.set_custom_reduce_scatter(comm)
                 unit.set_custom_all_gather(QuantizedAllGather(SPEC))
-    with C10dTracer() as log:
+    with C10dTracer() as log, CommTracer() as ours:
         losses = train_aligned(model, rank, STEPS, poison_rank=1 if poison else None)
     summary = log.summary()
     return {
         "losses": losses,
-        # what went on the wire: full-precision reduce-scatters and quantized all-to-alls
+        # what went on the wire from this thread: fp32 reduce-scatters, quantized all-to-alls
         "rs_bytes": sum(
             v["bytes"] for k, v in summary.items() if k.endswith(("/reduce_scatter", "/all_to_all"))
+        ),
+        "all_to_alls": sum(v["calls"] for k, v in summary.items() if k.endswith("/all_to_all")),
+        "quantized_bytes": sum(
+            v["bytes"] for k, v in ours.summary().items() if "quantized_reduce_scatter" in k
         ),
     }
 
 
 def test_quantized_training_follows_full_precision_with_a_quarter_of_the_bytes() -> None:
-    full = run_distributed(_train, 2, False, timeout=120)
-    quantized = run_distributed(_train, 2, True, timeout=120)
-    for exact, approx in zip(full, quantized, strict=True):
+    full = run_distributed(_train, 2, None, timeout=120)
+    quantized = run_distributed(_train, 2, "inline", timeout=120)
+    background = run_distributed(_train, 2, "background", timeout=120)
+    for exact, approx, behind in zip(full, quantized, background, strict=True):
         for a, b in zip(exact["losses"], approx["losses"], strict=True):
             assert abs(a - b) <= 0.01 * abs(a), (a, b)
         assert exact["losses"] != approx["losses"]  # the comms did quantize
         # the root's small group (the head, 256 elements a rank) stays full precision
         assert approx["rs_bytes"] <= 0.3 * exact["rs_bytes"], (approx, exact)
+        assert approx["all_to_alls"] > 0 and approx["quantized_bytes"] > 0
+        # the worker: the same payloads and sums, none of the exchanges on this thread
+        assert behind["losses"] == approx["losses"]
+        assert behind["quantized_bytes"] == approx["quantized_bytes"]
+        assert behind["all_to_alls"] == 0
 
 
 def _poisoned(rank: int, world: int) -> str:

@@ -17,6 +17,7 @@ from .agreement import RankMismatchError, check_ranks_agree
 from .block_codec import BlockQuantization
 from .c10d_tracer import C10dTracer
 from .coalescing import coalesced_gathers
+from .collective_worker import BackgroundWork, CollectiveWorker
 from .custom_comms import AllGatherComm, CommAllocator, ReduceScatterComm, check_comm
 from .handle import CommHandle
 from .host_transport import (
@@ -41,11 +42,10 @@ from .post_forward import PostForwardGroup, check_post_forward_size, post_forwar
 from .quantization_buffers import QuantizationBuffers
 from .quantized import (
     NonFiniteError,
-    QuantizedAllGather,
-    QuantizedReduceScatter,
     quantized_all_gather_into,
     quantized_reduce_scatter_into,
 )
+from .quantized_comms import QuantizedAllGather, QuantizedReduceScatter
 from .shm import SharedMemoryTransport
 from .streams import CommStreams
 from .strict import strict_async, strict_async_enabled
@@ -60,6 +60,8 @@ __all__ = [
     "QuantizedAllGather",
     "QuantizedReduceScatter",
     "QuantizationBuffers",
+    "BackgroundWork",
+    "CollectiveWorker",
     "quantized_all_gather_into",
     "quantized_reduce_scatter_into",
     "AllGatherComm",

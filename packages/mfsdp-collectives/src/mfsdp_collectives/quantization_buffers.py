@@ -4,15 +4,18 @@ A large fresh tensor costs a page fault and a kernel zeroing per 4 KiB page (on 
 as much as a pass over it), and a quantized reduce-scatter needs four of them: the scaled
 values, the send and receive payloads, the sum. ``QuantizationBuffers`` keeps them:
 
-- **scratch**: one fp32 tensor, grown to the largest request. It is borrowed and returned
-  within one call on the caller's thread (quantizing, or converting codes to sum), so one is
-  enough for any number of collectives in flight. Not for use from two threads at once.
+- **scratch**: one fp32 tensor per thread, grown to the largest request. It is borrowed and
+  returned within one call on that thread (quantizing, or converting codes to sum), so one
+  per thread is enough for any number of collectives in flight (the training thread's
+  all-gathers and a ``ReductionWorker``'s reduce-scatters each have their own).
 - **payloads**: uint8 tensors of a given shape, lent to a collective until it lands
   (``give_back``); at most ``keep`` free ones are kept per shape, so memory stays bounded by
   what is in flight plus ``keep`` per distinct unit size.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -26,27 +29,38 @@ class QuantizationBuffers:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
             raise ValueError(f"keep={keep!r} must be an int >= 0 (free payloads kept per shape)")
         self._keep = keep
-        self._scratch = torch.empty(0, dtype=torch.float32)
+        self._lock = threading.Lock()
         self._free: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._per_thread = threading.local()
+        self._scratches: list[torch.Tensor] = []  # every thread's, for held_bytes
 
     def scratch(self, numel: int) -> torch.Tensor:
-        """An fp32 scratch of ``numel`` values, valid until the next call."""
-        if self._scratch.numel() < numel:
-            self._scratch = torch.empty(numel, dtype=torch.float32)
-        return self._scratch[:numel]
+        """This thread's fp32 scratch of ``numel`` values, valid until its next call."""
+        mine: torch.Tensor | None = getattr(self._per_thread, "scratch", None)
+        if mine is None or mine.numel() < numel:
+            grown = torch.empty(numel, dtype=torch.float32)
+            with self._lock:
+                self._scratches = [t for t in self._scratches if t is not mine] + [grown]
+            self._per_thread.scratch = mine = grown
+        return mine[:numel]
 
     def payloads(self, rows: int, nbytes: int) -> torch.Tensor:
         """A ``(rows, nbytes)`` uint8 tensor (contents undefined), lent until ``give_back``."""
-        free = self._free.get((rows, nbytes))
-        return free.pop() if free else torch.empty(rows, nbytes, dtype=torch.uint8)
+        with self._lock:
+            free = self._free.get((rows, nbytes))
+            if free:
+                return free.pop()
+        return torch.empty(rows, nbytes, dtype=torch.uint8)
 
     def give_back(self, payloads: torch.Tensor) -> None:
         """Return a tensor from ``payloads``; the caller no longer reads or writes it."""
-        free = self._free.setdefault((payloads.shape[0], payloads.shape[1]), [])
-        if len(free) < self._keep:
-            free.append(payloads)
+        with self._lock:
+            free = self._free.setdefault((payloads.shape[0], payloads.shape[1]), [])
+            if len(free) < self._keep:
+                free.append(payloads)
 
     def held_bytes(self) -> int:
-        """Bytes kept between calls (the scratch and the free payloads)."""
-        kept = sum(t.numel() for free in self._free.values() for t in free)
-        return 4 * self._scratch.numel() + kept
+        """Bytes kept between calls (every thread's scratch and the free payloads)."""
+        with self._lock:
+            kept = sum(t.numel() for free in self._free.values() for t in free)
+            return 4 * sum(t.numel() for t in self._scratches) + kept

@@ -22,13 +22,14 @@ for none), the codes (padded to 4 bytes), then the block scales (fp32).
 
 from __future__ import annotations
 
+import contextlib
 from typing import cast
 
 import torch
 import torch.distributed as dist
 
 from ._checks import check_flat
-from ._compat import Work, all_gather_single, reduce_scatter_single
+from ._compat import Work, all_gather_single
 from ._op_args import check_shard_sizes, membership
 from .block_codec import (
     HEADER_BYTES,
@@ -39,15 +40,13 @@ from .block_codec import (
     quantize_blocks,
     write_headers,
 )
-from .custom_comms import EmptyBuffers
+from .collective_worker import CollectiveWorker
 from .naming import group_name
 from .quantization_buffers import QuantizationBuffers
 from .tracer import record_comm
 
 __all__ = [
     "NonFiniteError",
-    "QuantizedAllGather",
-    "QuantizedReduceScatter",
     "QuantizedReduction",
     "quantized_all_gather_into",
     "quantized_reduce_scatter_into",
@@ -77,71 +76,113 @@ def _raise_if_any_non_finite(
             raise NonFiniteError(op, group_name(group), rank, first, numel)
 
 
-class QuantizedReduction:
-    """The ``Work`` of an async quantized reduce-scatter: the all-to-all is in flight;
-    ``wait()`` lands it, checks every sender's header and sums the pieces into the output
-    (fp32, rank order), then gives the payloads back. Until then the input and the output
-    must stay untouched."""
+class _ReduceScatterJob:
+    """One quantized reduce-scatter, in three steps that run on one thread: ``pack`` (each
+    peer's chunk quantized, headers written), the exchange (one all-to-all), ``land``
+    (headers checked, pieces summed into the output in rank order, payloads given back)."""
 
     def __init__(
         self,
-        work: Work | None,
-        payloads: tuple[torch.Tensor, torch.Tensor],
-        own: torch.Tensor,
+        grad: torch.Tensor,
         out: torch.Tensor,
-        spec: BlockQuantization,
         group: dist.ProcessGroup,
+        spec: BlockQuantization,
+        buffers: QuantizationBuffers,
         *,
         average: bool,
-        buffers: QuantizationBuffers,
     ) -> None:
-        self._work, self._payloads, self._own, self._out = work, payloads, own, out
-        self._spec, self._group, self._average = spec, group, average
-        self._buffers = buffers
+        self.group, self.spec, self.buffers, self.average = group, spec, buffers, average
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.grad, self.out, n = grad, out, out.numel()
+        self.own = grad[self.rank * n : (self.rank + 1) * n]
+        self.payload_bytes = spec.payload_bytes(n)
+        self.send: torch.Tensor | None = None
+        self.recv: torch.Tensor | None = None
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        n, spec, buffers = self.out.numel(), self.spec, self.buffers
+        send = self.send = buffers.payloads(self.size, self.payload_bytes)
+        finite = is_finite(self.own)  # summed exactly: to itself a rank sends the header only
+        for dst in range(self.size):
+            if dst != self.rank and finite:
+                chunk, payload = self.grad[dst * n : (dst + 1) * n], send[dst, HEADER_BYTES:]
+                finite = quantize_blocks(chunk, spec, payload, buffers.scratch(n))
+        write_headers(send, self.grad, finite)
+        self.recv = buffers.payloads(self.size, self.payload_bytes)
+        return send, self.recv
+
+    def run(self, group: dist.ProcessGroup) -> None:
+        """All three steps, the exchange over ``group`` (a worker's clone), blocking."""
+        send, recv = self.pack()
+        dist.all_to_all_single(recv, send, group=group)
+        self.land()
+
+    def land(self) -> None:
+        assert self.send is not None and self.recv is not None, "land() before pack()"
+        try:
+            total_numel = self.out.numel() * self.size
+            _raise_if_any_non_finite(self.recv, "reduce_scatter", self.group, total_numel)
+            self._sum_into_out(self.recv)
+        finally:
+            self.buffers.give_back(self.send)
+            self.buffers.give_back(self.recv)
+            self.send = self.recv = None
+
+    def _sum_into_out(self, recv: torch.Tensor) -> None:
+        """The pieces in rank order (the same sum every run), straight into the output when
+        it is fp32 and apart from this rank's own chunk, else through one temporary."""
+        out, own, n = self.out, self.own, self.out.numel()
+        direct = out.dtype == torch.float32 and not _overlap(out, own)
+        total = out if direct else torch.empty(n, dtype=torch.float32)
+        for src in range(self.size):
+            payload = recv[src, HEADER_BYTES:]
+            if src == self.rank and src == 0:
+                total.copy_(own)
+            elif src == self.rank:
+                total.add_(own)
+            elif src == 0:  # the first piece is written, not added: no zero-fill pass
+                dequantize_blocks(payload, self.spec, n, total)
+            else:
+                accumulate_blocks(payload, self.spec, n, total, self.buffers.scratch(n))
+        if self.average:
+            total.div_(self.size)
+        if not direct:
+            out.copy_(total)
+
+
+class QuantizedReduction:
+    """The ``Work`` of an async quantized reduce-scatter run on the calling thread: the
+    all-to-all is in flight; ``wait()`` lands it (headers checked, pieces summed). Until
+    then the input and the output must stay untouched. An error (``NonFiniteError``) is
+    raised by ``wait()`` only, never by a poll of ``is_completed()``: polls land at
+    different moments on different ranks, and a rank that raised early would leave its
+    peers waiting in its next collective."""
+
+    def __init__(self, job: _ReduceScatterJob, work: Work | None) -> None:
+        self._job, self._work = job, work
         self._done = False
+        self._error: Exception | None = None
 
     def is_completed(self) -> bool:
         if not self._done and (self._work is None or self._work.is_completed()):
-            self.wait()
-        return self._done
+            with contextlib.suppress(Exception):  # kept for wait(), where every rank raises it
+                self.wait()
+        return self._done and self._error is None
 
     def wait(self) -> bool:
+        if self._error is not None:
+            raise self._error
         if self._done:
             return True
         if self._work is not None:
             self._work.wait()
         self._done = True
-        send, recv = self._payloads
         try:
-            n, size = self._out.numel(), recv.shape[0]
-            _raise_if_any_non_finite(recv, "reduce_scatter", self._group, n * size)
-            self._sum_into_out(recv)
-        finally:
-            self._buffers.give_back(send)
-            self._buffers.give_back(recv)
+            self._job.land()
+        except Exception as error:
+            self._error = error
+            raise
         return True
-
-    def _sum_into_out(self, recv: torch.Tensor) -> None:
-        """The pieces in rank order (the same sum every run), straight into the output when
-        it is fp32 and apart from this rank's own chunk, else through one temporary."""
-        out, own, n = self._out, self._own, self._out.numel()
-        direct = out.dtype == torch.float32 and not _overlap(out, own)
-        total = out if direct else torch.empty(n, dtype=torch.float32)
-        rank = dist.get_rank(self._group)
-        for src in range(recv.shape[0]):
-            payload = recv[src, HEADER_BYTES:]
-            if src == rank and src == 0:
-                total.copy_(own)
-            elif src == rank:
-                total.add_(own)
-            elif src == 0:  # the first piece is written, not added: no zero-fill pass
-                dequantize_blocks(payload, self._spec, n, total)
-            else:
-                accumulate_blocks(payload, self._spec, n, total, self._buffers.scratch(n))
-        if self._average:
-            total.div_(recv.shape[0])
-        if not direct:
-            out.copy_(total)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -160,37 +201,32 @@ def quantized_reduce_scatter_into(
     average: bool = True,
     async_op: bool = False,
     buffers: QuantizationBuffers | None = None,
-) -> QuantizedReduction | None:
+    worker: CollectiveWorker | None = None,
+) -> Work | None:
     """``out_shard = mean (or sum) over ranks of unsharded[rank chunk]``, each peer's chunk
     carried block-quantized. Any chunk size; fp32 sums; non-finite inputs raise
-    ``NonFiniteError`` on every rank. ``async_op``: return the ``QuantizedReduction`` with
-    the all-to-all in flight (quantizing is done; summing waits for ``wait()``).
-    ``buffers``: where the payloads and scratch come from (reused across calls); without
-    it, fresh tensors every call."""
+    ``NonFiniteError`` on every rank. ``async_op``: return a ``Work``; until it is waited
+    on, the input and the output stay untouched. ``buffers``: where the payloads and
+    scratch come from (reused across calls); without it, fresh tensors every call.
+    ``worker``: quantize, exchange and sum on that ``CollectiveWorker``'s thread (over its
+    clone of ``group``) instead of this one, which then only waits."""
     unsharded, out_shard = check_flat(unsharded, "unsharded"), check_flat(out_shard, "out_shard")
-    group, rank, size = membership(group, "group")
+    group, _, size = membership(group, "group")
     check_shard_sizes(unsharded.numel(), "unsharded", out_shard, "out_shard", size)
     buffers = buffers if buffers is not None else QuantizationBuffers(keep=0)
-    n = out_shard.numel()
     grad = unsharded.detach().float()
-    send = buffers.payloads(size, spec.payload_bytes(n))
-    own = grad[rank * n : (rank + 1) * n]
-    finite = is_finite(own)  # summed exactly: to itself a rank sends the header only
-    for dst in range(size):
-        if dst != rank and finite:
-            chunk, payload = grad[dst * n : (dst + 1) * n], send[dst, HEADER_BYTES:]
-            finite = quantize_blocks(chunk, spec, payload, buffers.scratch(n))
-    write_headers(send, grad, finite)
-    record_comm("quantized_reduce_scatter", group_name(group), send.numel(), torch.uint8)
-    recv = buffers.payloads(size, send.shape[1])
-    work = cast("Work | None", dist.all_to_all_single(recv, send, group=group, async_op=True))
-    reduction = QuantizedReduction(
-        work, (send, recv), own, out_shard, spec, group, average=average, buffers=buffers
-    )
-    if async_op:
-        return reduction
-    reduction.wait()
-    return None
+    job = _ReduceScatterJob(grad, out_shard, group, spec, buffers, average=average)
+    wire_bytes = size * job.payload_bytes
+    record_comm("quantized_reduce_scatter", group_name(group), wire_bytes, torch.uint8)
+    work: Work
+    if worker is not None:
+        clone = worker.clone(group)
+        work = worker.submit(lambda: job.run(clone))
+    else:
+        send, recv = job.pack()
+        exchange = dist.all_to_all_single(recv, send, group=group, async_op=True)
+        work = QuantizedReduction(job, cast("Work | None", exchange))
+    return _returned(work, async_op)
 
 
 def quantized_all_gather_into(
@@ -199,25 +235,55 @@ def quantized_all_gather_into(
     group: dist.ProcessGroup,
     spec: BlockQuantization,
     *,
+    async_op: bool = False,
     buffers: QuantizationBuffers | None = None,
-) -> None:
-    """``unsharded`` = every rank's ``shard``, carried block-quantized (blocking); every slot,
-    this rank's included, holds the dequantized values, so all ranks hold the same weights.
-    Non-finite shards raise ``NonFiniteError`` on every rank. ``buffers``: as for the
-    reduce-scatter."""
+    worker: CollectiveWorker | None = None,
+) -> Work | None:
+    """``unsharded`` = every rank's ``shard``, carried block-quantized; every slot, this
+    rank's included, holds the dequantized values, so all ranks hold the same weights.
+    Non-finite shards raise ``NonFiniteError`` on every rank. ``buffers``, ``worker``: as
+    for the reduce-scatter; without a worker the gather is blocking (``async_op`` or not)."""
     shard, unsharded = check_flat(shard, "shard"), check_flat(unsharded, "unsharded")
     group, _, size = membership(group, "group")
     check_shard_sizes(unsharded.numel(), "unsharded", shard, "shard", size)
-    buffers = buffers if buffers is not None else QuantizationBuffers(keep=0)
-    n = shard.numel()
+    kept = buffers if buffers is not None else QuantizationBuffers(keep=0)
+    payload_bytes = spec.payload_bytes(shard.numel())
+    record_comm("quantized_all_gather", group_name(group), payload_bytes, torch.uint8)
+    if worker is None:
+        _gather(shard, unsharded, group, group, spec, kept)
+        return None
+    clone = worker.clone(group)
+    return _returned(
+        worker.submit(lambda: _gather(shard, unsharded, group, clone, spec, kept)), async_op
+    )
+
+
+def _returned(work: Work, async_op: bool) -> Work | None:
+    """``work`` for an async call; else waited on here."""
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _gather(
+    shard: torch.Tensor,
+    unsharded: torch.Tensor,
+    group: dist.ProcessGroup,
+    exchange_group: dist.ProcessGroup,
+    spec: BlockQuantization,
+    buffers: QuantizationBuffers,
+) -> None:
+    """Quantize ``shard``, gather every rank's payload over ``exchange_group``, dequantize
+    every slot (errors name ``group``, the caller's)."""
+    n, size = shard.numel(), dist.get_world_size(group)
     values = shard.detach().float()
     mine = buffers.payloads(1, spec.payload_bytes(n))
     finite = quantize_blocks(values, spec, mine[0, HEADER_BYTES:], buffers.scratch(n))
     write_headers(mine, values, finite)
-    record_comm("quantized_all_gather", group_name(group), mine.numel(), torch.uint8)
     gathered = buffers.payloads(size, mine.shape[1])
     try:
-        all_gather_single(gathered.view(-1), mine.view(-1), group, async_op=False)
+        all_gather_single(gathered.view(-1), mine.view(-1), exchange_group, async_op=False)
         _raise_if_any_non_finite(gathered, "all_gather", group, n)
         in_place = unsharded.dtype == torch.float32
         for src in range(size):  # its own slot too: every rank computes with the same weights
@@ -229,68 +295,3 @@ def quantized_all_gather_into(
     finally:
         buffers.give_back(mine)
         buffers.give_back(gathered)
-
-
-class _QuantizedComm(EmptyBuffers):
-    """FSDP2's comm protocol over the quantized collectives; ``min_numel``: a chunk smaller
-    than this (a tiny unit: norms, biases) travels in full precision, where the scales'
-    bytes and the error would buy nothing. One comm may serve many units: its
-    ``QuantizationBuffers`` are then shared, which bounds their memory."""
-
-    def __init__(
-        self,
-        spec: BlockQuantization | None = None,
-        *,
-        min_numel: int | None = None,
-        buffers: QuantizationBuffers | None = None,
-    ) -> None:
-        self.spec = spec if spec is not None else BlockQuantization()
-        self.min_numel = self.spec.block if min_numel is None else min_numel
-        self.buffers = buffers if buffers is not None else QuantizationBuffers()
-
-
-class QuantizedReduceScatter(_QuantizedComm):
-    """A reduce-scatter comm (``FSDPModule.set_custom_reduce_scatter``) that carries the
-    gradients block-quantized: ``quantized_reduce_scatter_into``."""
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: dist.ReduceOp.RedOpType,
-        async_op: bool = False,
-    ) -> Work | None:
-        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            raise ValueError(f"a quantized reduce-scatter sums or averages, not {op}")
-        if output_tensor.numel() < self.min_numel:
-            return reduce_scatter_single(output_tensor, input_tensor, op, group, async_op)
-        average = op == dist.ReduceOp.AVG
-        return quantized_reduce_scatter_into(
-            input_tensor,
-            output_tensor,
-            group,
-            self.spec,
-            average=average,
-            async_op=async_op,
-            buffers=self.buffers,
-        )
-
-
-class QuantizedAllGather(_QuantizedComm):
-    """An all-gather comm (``FSDPModule.set_custom_all_gather``) that carries the weights
-    block-quantized: ``quantized_all_gather_into``."""
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-    ) -> Work | None:
-        if input_tensor.numel() < self.min_numel:
-            return all_gather_single(output_tensor, input_tensor, group, async_op)
-        quantized_all_gather_into(
-            input_tensor, output_tensor, group, self.spec, buffers=self.buffers
-        )
-        return None

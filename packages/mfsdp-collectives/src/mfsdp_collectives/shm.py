@@ -43,6 +43,7 @@ from torch.autograd.profiler import record_function
 
 from mfsdp_buffers import FlatPieces
 
+from .collective_worker import BackgroundWork
 from .liveness import ProcessIdentity, peer_died_error
 from .naming import group_name
 from .shm_lane import CONTROL_BYTES, Lane, MailboxFile, PeerWatch
@@ -53,20 +54,6 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_TIMEOUT_S = 600.0
 LANES = 2  # all-gathers, reduce-scatters
 _GATHERS, _REDUCTIONS = 0, 1
-
-
-class _SharedMemoryWork:
-    """The ``Work`` of one collective running on the transport's thread."""
-
-    def __init__(self, future: Future[None]) -> None:
-        self._future = future
-
-    def wait(self) -> bool:
-        self._future.result()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
 
 
 class SharedMemoryTransport:
@@ -135,13 +122,13 @@ class SharedMemoryTransport:
         """Bytes this rank maps for its own mailbox (its staging memory)."""
         return LANES * (CONTROL_BYTES + 2 * self.chunk_bytes)
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> _SharedMemoryWork:
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> BackgroundWork:
         """Concatenate every rank's flat ``shard`` into flat ``output`` (async)."""
         return self.all_gather_many([output], [shard])
 
     def all_gather_many(
         self, outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]
-    ) -> _SharedMemoryWork:
+    ) -> BackgroundWork:
         """Each ``outputs[i]`` gets every rank's ``shards[i]``, as one collective: the shards
         (of one dtype) are exchanged end to end, so k small gathers cost one rendezvous."""
         if len({s.dtype for s in shards}) != 1 or len(outputs) != len(shards):
@@ -157,7 +144,7 @@ class SharedMemoryTransport:
 
     def reduce_scatter(
         self, output: torch.Tensor, inp: torch.Tensor | FlatPieces, average: bool
-    ) -> _SharedMemoryWork:
+    ) -> BackgroundWork:
         """``output = sum_or_mean_i inp_i[rank chunk]`` over the ranks (async).
 
         ``inp`` may be ``FlatPieces``: its chunks are read straight from the pieces.
@@ -178,7 +165,7 @@ class SharedMemoryTransport:
 
     def _submit(
         self, lane: Lane, op: str, nbytes: int, fn: Callable[..., None], *args: object
-    ) -> _SharedMemoryWork:
+    ) -> BackgroundWork:
         future: Future[None] = Future()
         if self._failed is not None:
             # The step counters of the ranks no longer agree: nothing after a failure is safe.
@@ -191,7 +178,7 @@ class SharedMemoryTransport:
         else:
             span = _open_range(f"mfsdp_shm:{op} (group={self._name}, bytes={nbytes})")
             lane.jobs.put((future, lambda: self._guarded(span, fn, *args)))
-        return _SharedMemoryWork(future)
+        return BackgroundWork(future)
 
     def _guarded(self, span: record_function, fn: Callable[..., None], *args: object) -> None:
         try:

@@ -32,11 +32,14 @@ def quantize_communication(
     *,
     gradients: BlockQuantization | None = INT8,
     weights: BlockQuantization | None = None,
+    background: bool | None = None,
 ) -> list[FSDPModule]:
     """Carry the gradient reduce-scatters (``gradients``, int8 with 2048-element blocks by
     default) and the weight all-gathers (``weights``, off by default) of every unit under
     ``module`` block-quantized; ``None`` leaves that collective in full precision. Returns
-    the units changed. Call it between iterations, on every rank alike."""
+    the units changed. ``background`` (default: on gloo groups): the quantized collectives
+    run on a worker thread of their own, off the training thread (``CollectiveWorker``).
+    Call it between iterations, on every rank alike."""
     for name, value in (("gradients", gradients), ("weights", weights)):
         if value is not None and not isinstance(value, BlockQuantization):
             raise TypeError(
@@ -51,8 +54,14 @@ def quantize_communication(
         )
     # one comm of each kind for all the units: they share its reused buffers
     buffers = QuantizationBuffers()
-    reduce_comm = QuantizedReduceScatter(gradients, buffers=buffers) if gradients else None
-    gather_comm = QuantizedAllGather(weights, buffers=buffers) if weights else None
+    reduce_comm = (
+        QuantizedReduceScatter(gradients, buffers=buffers, background=background)
+        if gradients
+        else None
+    )
+    gather_comm = (
+        QuantizedAllGather(weights, buffers=buffers, background=background) if weights else None
+    )
     for unit in units:
         if reduce_comm is not None:
             unit.set_custom_reduce_scatter(reduce_comm)
