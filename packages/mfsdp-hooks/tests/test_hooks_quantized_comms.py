@@ -7,6 +7,7 @@ parameter."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from mfsdp_collectives import (
     BlockQuantization,
     C10dTracer,
     CommTracer,
+    QuantizationErrorLog,
     QuantizedAllGather,
     QuantizedReduceScatter,
 )
@@ -89,3 +91,54 @@ def test_quantize_communication_refuses_an_unwrapped_model_and_a_bad_setting() -
         quantize_communication(AlignedModel())
     with pytest.raises(TypeError, match=r"gradients must be a mfsdp_collectives\.BlockQ"):
         quantize_communication(AlignedModel(), gradients=8)  # type: ignore[arg-type]
+
+
+def _logged(rank: int, world: int, bits: int) -> dict[str, Any]:
+    model = AlignedModel()
+    shard_blocks_then_root(model, "ours", host_transport="gloo")
+    logger = logging.getLogger(f"test.quantization.{bits}")
+    lines: list[str] = []
+    handler = _Collect(lines)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    log = QuantizationErrorLog(logger=logger)
+    spec = BlockQuantization(bits=bits, block=256)
+    quantize_communication(model, gradients=spec, weights=spec, error_log=log)
+    train_aligned(model, rank, 3)
+    logger.removeHandler(handler)
+    return {"latest": log.latest(), "calls": log.calls(), "lines": lines}
+
+
+class _Collect(logging.Handler):
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__()
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_each_bucket_logs_its_relative_quantization_error_at_every_step() -> None:
+    int8 = run_distributed(_logged, 2, 8, timeout=120)
+    int4 = run_distributed(_logged, 2, 4, timeout=120)
+    for eight, four in zip(int8, int4, strict=True):
+        # every unit (the root's head: 256 values a rank, one block), both ops
+        units = ["root", "blocks.0", "blocks.1", "blocks.2"]
+        buckets = {f"{u} {op}" for u in units for op in ("reduce_scatter", "all_gather")}
+        assert set(eight["latest"]) == buckets, eight["latest"]
+        # three steps: a reduction each, and a gather in forward and again in backward
+        assert {b: n for b, n in eight["calls"].items() if "reduce" in b} == dict.fromkeys(
+            [b for b in buckets if "reduce" in b], 3
+        )
+        # the blocks gather in forward and again in backward; the root stays gathered
+        gathers = {b: n for b, n in eight["calls"].items() if "gather" in b}
+        assert gathers == {f"{u} all_gather": 3 if u == "root" else 6 for u in units}, gathers
+        assert len(eight["lines"]) == sum(eight["calls"].values())
+        assert any(
+            line.startswith("quantized blocks.2 reduce_scatter: relative error")
+            for line in eight["lines"]
+        ), eight["lines"]
+        for bucket, error in eight["latest"].items():
+            # int8 rounds to 1/254 of a block's largest value; int4 to 1/14: 10x or more worse
+            assert 0 < error < 0.02, (bucket, error)
+            assert four["latest"][bucket] > 5 * error, (bucket, error, four["latest"][bucket])

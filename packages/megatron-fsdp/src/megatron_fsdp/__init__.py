@@ -6,13 +6,14 @@ from megatron_fsdp.dist_index import FSDPDistributedIndex
 from megatron_fsdp.plan import MemoryPlan, ModelStatesPlan, plan_memory, plan_model_states
 from megatron_fsdp.trace import OverlapReport, Timeline, trace
 from megatron_fsdp.wrapper import MegatronFSDP
-from mfsdp_collectives import BlockQuantization
+from mfsdp_collectives import BlockQuantization, QuantizationErrorLog
 from mfsdp_hooks import MixedPrecisionPolicy, ShardingStrategy, quantize_communication
 
 __version__ = "1.0.0"
 
 __all__ = [
     "BlockQuantization",
+    "QuantizationErrorLog",
     "DistributedDataParallelConfig",
     "FSDPDistributedIndex",
     "MegatronFSDP",

@@ -40,6 +40,7 @@ from .ops import (
 from .optim_sharding import OptimizerSharding
 from .post_forward import PostForwardGroup, check_post_forward_size, post_forward_group
 from .quantization_buffers import QuantizationBuffers
+from .quantization_errors import ErrorSums, QuantizationErrorLog
 from .quantized import (
     NonFiniteError,
     quantized_all_gather_into,
@@ -60,6 +61,8 @@ __all__ = [
     "QuantizedAllGather",
     "QuantizedReduceScatter",
     "QuantizationBuffers",
+    "QuantizationErrorLog",
+    "ErrorSums",
     "BackgroundWork",
     "CollectiveWorker",
     "quantized_all_gather_into",

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .quantization_errors import ErrorSums
+
 __all__ = [
     "HEADER_BYTES",
     "BlockQuantization",
@@ -117,11 +119,16 @@ def _scale_rows(x: torch.Tensor, per_block: torch.Tensor, block: int, out: torch
 
 
 def quantize_blocks(
-    x: torch.Tensor, spec: BlockQuantization, out: torch.Tensor, scratch: torch.Tensor
+    x: torch.Tensor,
+    spec: BlockQuantization,
+    out: torch.Tensor,
+    scratch: torch.Tensor,
+    sums: ErrorSums | None = None,
 ) -> bool:
     """Write ``x``'s codes and scales (fp32, 1-D) into ``out`` (uint8, past the header:
     ``spec.payload_bytes(x.numel()) - HEADER_BYTES`` bytes), using ``scratch`` (fp32, at
-    least ``x.numel()``). Returns ``False``, writing nothing, if ``x`` holds inf or NaN."""
+    least ``x.numel()``). Returns ``False``, writing nothing, if ``x`` holds inf or NaN.
+    ``sums``: add the squared norms of the quantization error and of ``x`` (a pass more)."""
     n = x.numel()
     if n == 0:
         return True
@@ -135,6 +142,8 @@ def quantize_blocks(
     _scale_rows(x, scales.reciprocal(), spec.block, scaled)
     # |x| * qmax / amax <= qmax up to one rounding, so rounding lands in [-qmax, qmax]
     codes = scaled.round_()
+    if sums is not None:
+        _measure(x, codes, scales, spec.block, sums)
     raw, code_bytes = spec._raw_code_bytes(n), spec.code_bytes(n)
     if spec.bits == 8:
         out[:n].view(torch.int8).copy_(codes)
@@ -146,6 +155,15 @@ def quantize_blocks(
     out[raw:code_bytes].zero_()  # the padding: the same bytes on the wire every run
     out[code_bytes : code_bytes + 4 * scales.numel()].copy_(scales.view(torch.uint8))
     return True
+
+
+def _measure(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int, sums: ErrorSums
+) -> None:
+    back = torch.empty_like(x)
+    _scale_rows(codes, scales, block, back)
+    error = torch.linalg.vector_norm(back.sub_(x))
+    sums.add(float(error) ** 2, float(torch.linalg.vector_norm(x)) ** 2)
 
 
 def _codes_and_scales(

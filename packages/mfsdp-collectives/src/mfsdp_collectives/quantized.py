@@ -23,6 +23,8 @@ for none), the codes (padded to 4 bytes), then the block scales (fp32).
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -43,6 +45,7 @@ from .block_codec import (
 from .collective_worker import CollectiveWorker
 from .naming import group_name
 from .quantization_buffers import QuantizationBuffers
+from .quantization_errors import ErrorSums
 from .tracer import record_comm
 
 __all__ = [
@@ -51,6 +54,10 @@ __all__ = [
     "quantized_all_gather_into",
     "quantized_reduce_scatter_into",
 ]
+
+
+ErrorReport = Callable[[ErrorSums, int], None]
+"""Told the error of what one call quantized, and how many values that was."""
 
 
 class NonFiniteError(FloatingPointError):
@@ -90,8 +97,10 @@ class _ReduceScatterJob:
         buffers: QuantizationBuffers,
         *,
         average: bool,
+        report: ErrorReport | None,
     ) -> None:
         self.group, self.spec, self.buffers, self.average = group, spec, buffers, average
+        self.report = report
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.grad, self.out, n = grad, out, out.numel()
         self.own = grad[self.rank * n : (self.rank + 1) * n]
@@ -103,11 +112,14 @@ class _ReduceScatterJob:
         n, spec, buffers = self.out.numel(), self.spec, self.buffers
         send = self.send = buffers.payloads(self.size, self.payload_bytes)
         finite = is_finite(self.own)  # summed exactly: to itself a rank sends the header only
+        sums = ErrorSums() if self.report is not None else None
         for dst in range(self.size):
             if dst != self.rank and finite:
                 chunk, payload = self.grad[dst * n : (dst + 1) * n], send[dst, HEADER_BYTES:]
-                finite = quantize_blocks(chunk, spec, payload, buffers.scratch(n))
+                finite = quantize_blocks(chunk, spec, payload, buffers.scratch(n), sums)
         write_headers(send, self.grad, finite)
+        if self.report is not None and sums is not None and finite:
+            self.report(sums, n * (self.size - 1))
         self.recv = buffers.payloads(self.size, self.payload_bytes)
         return send, self.recv
 
@@ -202,6 +214,7 @@ def quantized_reduce_scatter_into(
     async_op: bool = False,
     buffers: QuantizationBuffers | None = None,
     worker: CollectiveWorker | None = None,
+    report: ErrorReport | None = None,
 ) -> Work | None:
     """``out_shard = mean (or sum) over ranks of unsharded[rank chunk]``, each peer's chunk
     carried block-quantized. Any chunk size; fp32 sums; non-finite inputs raise
@@ -209,13 +222,14 @@ def quantized_reduce_scatter_into(
     on, the input and the output stay untouched. ``buffers``: where the payloads and
     scratch come from (reused across calls); without it, fresh tensors every call.
     ``worker``: quantize, exchange and sum on that ``CollectiveWorker``'s thread (over its
-    clone of ``group``) instead of this one, which then only waits."""
+    clone of ``group``) instead of this one, which then only waits. ``report``: called
+    with the relative error of what this rank quantized (``ErrorSums``) and its count."""
     unsharded, out_shard = check_flat(unsharded, "unsharded"), check_flat(out_shard, "out_shard")
     group, _, size = membership(group, "group")
     check_shard_sizes(unsharded.numel(), "unsharded", out_shard, "out_shard", size)
     buffers = buffers if buffers is not None else QuantizationBuffers(keep=0)
     grad = unsharded.detach().float()
-    job = _ReduceScatterJob(grad, out_shard, group, spec, buffers, average=average)
+    job = _ReduceScatterJob(grad, out_shard, group, spec, buffers, average=average, report=report)
     wire_bytes = size * job.payload_bytes
     record_comm("quantized_reduce_scatter", group_name(group), wire_bytes, torch.uint8)
     work: Work
@@ -238,11 +252,13 @@ def quantized_all_gather_into(
     async_op: bool = False,
     buffers: QuantizationBuffers | None = None,
     worker: CollectiveWorker | None = None,
+    report: ErrorReport | None = None,
 ) -> Work | None:
     """``unsharded`` = every rank's ``shard``, carried block-quantized; every slot, this
     rank's included, holds the dequantized values, so all ranks hold the same weights.
-    Non-finite shards raise ``NonFiniteError`` on every rank. ``buffers``, ``worker``: as
-    for the reduce-scatter; without a worker the gather is blocking (``async_op`` or not)."""
+    Non-finite shards raise ``NonFiniteError`` on every rank. ``buffers``, ``worker``,
+    ``report``: as for the reduce-scatter; without a worker the gather is blocking
+    (``async_op`` or not)."""
     shard, unsharded = check_flat(shard, "shard"), check_flat(unsharded, "unsharded")
     group, _, size = membership(group, "group")
     check_shard_sizes(unsharded.numel(), "unsharded", shard, "shard", size)
@@ -250,12 +266,11 @@ def quantized_all_gather_into(
     payload_bytes = spec.payload_bytes(shard.numel())
     record_comm("quantized_all_gather", group_name(group), payload_bytes, torch.uint8)
     if worker is None:
-        _gather(shard, unsharded, group, group, spec, kept)
+        _gather(shard, unsharded, (group, group), spec, kept, report)
         return None
     clone = worker.clone(group)
-    return _returned(
-        worker.submit(lambda: _gather(shard, unsharded, group, clone, spec, kept)), async_op
-    )
+    job = functools.partial(_gather, shard, unsharded, (group, clone), spec, kept, report)
+    return _returned(worker.submit(job), async_op)
 
 
 def _returned(work: Work, async_op: bool) -> Work | None:
@@ -269,18 +284,22 @@ def _returned(work: Work, async_op: bool) -> Work | None:
 def _gather(
     shard: torch.Tensor,
     unsharded: torch.Tensor,
-    group: dist.ProcessGroup,
-    exchange_group: dist.ProcessGroup,
+    groups: tuple[dist.ProcessGroup, dist.ProcessGroup],
     spec: BlockQuantization,
     buffers: QuantizationBuffers,
+    report: ErrorReport | None,
 ) -> None:
-    """Quantize ``shard``, gather every rank's payload over ``exchange_group``, dequantize
-    every slot (errors name ``group``, the caller's)."""
+    """Quantize ``shard``, gather every rank's payload over ``groups[1]`` (the exchange's),
+    dequantize every slot (errors name ``groups[0]``, the caller's)."""
+    group, exchange_group = groups
     n, size = shard.numel(), dist.get_world_size(group)
     values = shard.detach().float()
     mine = buffers.payloads(1, spec.payload_bytes(n))
-    finite = quantize_blocks(values, spec, mine[0, HEADER_BYTES:], buffers.scratch(n))
+    sums = ErrorSums() if report is not None else None
+    finite = quantize_blocks(values, spec, mine[0, HEADER_BYTES:], buffers.scratch(n), sums)
     write_headers(mine, values, finite)
+    if report is not None and sums is not None and finite:
+        report(sums, n)
     gathered = buffers.payloads(size, mine.shape[1])
     try:
         all_gather_single(gathered.view(-1), mine.view(-1), exchange_group, async_op=False)

@@ -17,7 +17,8 @@ from .block_codec import BlockQuantization
 from .collective_worker import CollectiveWorker
 from .custom_comms import EmptyBuffers
 from .quantization_buffers import QuantizationBuffers
-from .quantized import quantized_all_gather_into, quantized_reduce_scatter_into
+from .quantization_errors import QuantizationErrorLog
+from .quantized import ErrorReport, quantized_all_gather_into, quantized_reduce_scatter_into
 
 __all__ = ["QuantizedAllGather", "QuantizedReduceScatter"]
 
@@ -26,9 +27,13 @@ class _QuantizedComm(EmptyBuffers):
     """FSDP2's comm protocol over the quantized collectives; ``min_numel``: a chunk smaller
     than this (a tiny unit: norms, biases) travels in full precision, where the scales'
     bytes and the error would buy nothing. One comm may serve many units: its
-    ``QuantizationBuffers`` are then shared, which bounds their memory. ``background``
-    (default: on gloo groups): an async call quantizes, exchanges and sums (or dequantizes)
-    on this comm's ``CollectiveWorker`` thread; off, on the calling thread."""
+    ``QuantizationBuffers`` are then shared, which bounds their memory, and so may its
+    ``CollectiveWorker`` (``worker``). ``background`` (default: on gloo groups): an async
+    call quantizes, exchanges and sums (or dequantizes) on that worker's thread; off, on the
+    calling thread. ``error_log``: each call's relative quantization error is recorded
+    there under ``name`` (the bucket: a unit's name) and the op."""
+
+    op_name = ""
 
     def __init__(
         self,
@@ -37,14 +42,27 @@ class _QuantizedComm(EmptyBuffers):
         min_numel: int | None = None,
         buffers: QuantizationBuffers | None = None,
         background: bool | None = None,
+        worker: CollectiveWorker | None = None,
+        error_log: QuantizationErrorLog | None = None,
+        name: str = "",
     ) -> None:
         if background is not None and not isinstance(background, bool):
             raise TypeError(f"background={background!r} must be True, False or None (gloo)")
+        if error_log is not None and not isinstance(error_log, QuantizationErrorLog):
+            raise TypeError(f"error_log must be a QuantizationErrorLog or None, got {error_log!r}")
         self.spec = spec if spec is not None else BlockQuantization()
         self.min_numel = self.spec.block if min_numel is None else min_numel
         self.buffers = buffers if buffers is not None else QuantizationBuffers()
         self.background = background
-        self._worker: CollectiveWorker | None = None
+        self._worker = worker
+        self.error_log, self.name = error_log, name
+
+    def _report(self) -> ErrorReport | None:
+        log = self.error_log
+        if log is None:
+            return None
+        bucket = f"{self.name or type(self).__name__} {self.op_name}"
+        return lambda sums, numel: log.record(bucket, sums, numel)
 
     def _worker_for(self, group: dist.ProcessGroup, async_op: bool) -> CollectiveWorker | None:
         """This comm's worker when the call runs in the background (async, and ``background``
@@ -61,6 +79,8 @@ class QuantizedReduceScatter(_QuantizedComm):
     """A reduce-scatter comm (``FSDPModule.set_custom_reduce_scatter``) that carries the
     gradients block-quantized: ``quantized_reduce_scatter_into``. Without the worker the
     training thread quantizes and sums and only the exchange is in flight."""
+
+    op_name = "reduce_scatter"
 
     def __call__(
         self,
@@ -84,12 +104,15 @@ class QuantizedReduceScatter(_QuantizedComm):
             async_op=async_op,
             buffers=self.buffers,
             worker=self._worker_for(group, async_op),
+            report=self._report(),
         )
 
 
 class QuantizedAllGather(_QuantizedComm):
     """An all-gather comm (``FSDPModule.set_custom_all_gather``) that carries the weights
     block-quantized: ``quantized_all_gather_into``."""
+
+    op_name = "all_gather"
 
     def __call__(
         self,
@@ -108,6 +131,7 @@ class QuantizedAllGather(_QuantizedComm):
             async_op=async_op,
             buffers=self.buffers,
             worker=self._worker_for(group, async_op),
+            report=self._report(),
         )
 
 

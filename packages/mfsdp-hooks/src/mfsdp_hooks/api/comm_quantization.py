@@ -15,7 +15,9 @@ from torch import nn
 
 from mfsdp_collectives import (
     BlockQuantization,
+    CollectiveWorker,
     QuantizationBuffers,
+    QuantizationErrorLog,
     QuantizedAllGather,
     QuantizedReduceScatter,
 )
@@ -33,38 +35,53 @@ def quantize_communication(
     gradients: BlockQuantization | None = INT8,
     weights: BlockQuantization | None = None,
     background: bool | None = None,
+    error_log: QuantizationErrorLog | None = None,
 ) -> list[FSDPModule]:
     """Carry the gradient reduce-scatters (``gradients``, int8 with 2048-element blocks by
     default) and the weight all-gathers (``weights``, off by default) of every unit under
     ``module`` block-quantized; ``None`` leaves that collective in full precision. Returns
     the units changed. ``background`` (default: on gloo groups): the quantized collectives
     run on a worker thread of their own, off the training thread (``CollectiveWorker``).
-    Call it between iterations, on every rank alike."""
+    ``error_log``: each unit's relative quantization error is recorded there, and logged,
+    at every reduction and gather (a bucket per unit and op, named by the unit's path
+    under ``module``, ``root`` for ``module`` itself). Call it between iterations, on every
+    rank alike."""
     for name, value in (("gradients", gradients), ("weights", weights)):
         if value is not None and not isinstance(value, BlockQuantization):
             raise TypeError(
                 f"{name} must be a mfsdp_collectives.BlockQuantization or None, got "
                 f"{type(value).__name__}"
             )
-    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    units = [(n, m) for n, m in module.named_modules() if isinstance(m, FSDPModule)]
     if not units:
         raise ValueError(
             f"{type(module).__name__} holds no fully-sharded unit: wrap it (fully_shard, "
             "fully_shard_model, MegatronFSDP) before quantize_communication"
         )
-    # one comm of each kind for all the units: they share its reused buffers
+    # a comm per unit (named, for the error log), all sharing one set of reused buffers and
+    # one worker thread per kind of collective
     buffers = QuantizationBuffers()
-    reduce_comm = (
-        QuantizedReduceScatter(gradients, buffers=buffers, background=background)
-        if gradients
-        else None
-    )
-    gather_comm = (
-        QuantizedAllGather(weights, buffers=buffers, background=background) if weights else None
-    )
-    for unit in units:
-        if reduce_comm is not None:
+    reduce_worker, gather_worker = CollectiveWorker(), CollectiveWorker()
+    for path, unit in units:
+        name = path or "root"
+        if gradients is not None:
+            reduce_comm = QuantizedReduceScatter(
+                gradients,
+                buffers=buffers,
+                background=background,
+                worker=reduce_worker,
+                error_log=error_log,
+                name=name,
+            )
             unit.set_custom_reduce_scatter(reduce_comm)
-        if gather_comm is not None:
+        if weights is not None:
+            gather_comm = QuantizedAllGather(
+                weights,
+                buffers=buffers,
+                background=background,
+                worker=gather_worker,
+                error_log=error_log,
+                name=name,
+            )
             unit.set_custom_all_gather(gather_comm)
-    return list(units)
+    return [unit for _, unit in units]
