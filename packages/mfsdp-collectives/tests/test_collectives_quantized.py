@@ -17,6 +17,7 @@ from mfsdp_collectives import (
     BlockQuantization,
     CollectiveWorker,
     CommTracer,
+    ExactPositions,
     NonFiniteError,
     QuantizationBuffers,
     QuantizedAllGather,
@@ -272,3 +273,66 @@ def test_a_worker_runs_jobs_in_order_and_hands_errors_to_wait() -> None:
     with pytest.raises(RuntimeError, match="job failed"):
         failed.wait()
     assert not failed.is_completed()
+
+
+def _exact_world(rank: int, world: int) -> dict[str, Any]:
+    """Ranges that straddle chunk edges, carried exactly: bitwise the fp32 result there,
+    quantized elsewhere; the bytes grow by 4 per exact value of the widest chunk."""
+    group = dist.group.WORLD
+    assert group is not None
+    spec, n = BlockQuantization(block=128), 1001
+    ranges = [(0, 7), (n - 3, n + 5), (2 * n + 500, 2 * n + 501)]  # the last: 3 ranks only
+    exact = ExactPositions(ranges, world * n, world)
+    inputs = [
+        torch.randn(world * n, generator=torch.Generator().manual_seed(r)) for r in range(world)
+    ]
+    total = torch.zeros(world * n)
+    for r, x in enumerate(inputs):
+        total += x * (1 + r)
+    reference = (total / world)[rank * n : (rank + 1) * n]
+    out = torch.empty(n)
+    with CommTracer() as log:
+        quantized_reduce_scatter_into(inputs[rank] * (1 + rank), out, group, spec, exact=exact)
+    shard = (inputs[rank] * (1 + rank))[rank * n : (rank + 1) * n].clone()
+    full = torch.empty(world * n)
+    quantized_all_gather_into(shard, full, group, spec, exact=exact)
+    shards = torch.cat([(x * (1 + r))[r * n : (r + 1) * n] for r, x in enumerate(inputs)])
+    mine = exact.per_rank[rank]
+    mask = torch.zeros(world * n, dtype=torch.bool)
+    for a, b in ranges:
+        mask[a:b] = True
+    return {
+        "rs_exact": torch.equal(out[mine], reference[mine]),
+        "rs_elsewhere_differs": not torch.equal(out, reference),
+        "ag_exact": torch.equal(full[mask], shards[mask]),
+        "ag_elsewhere_differs": not torch.equal(full[~mask], shards[~mask]),
+        "bytes": _bytes(log.summary(), "reduce_scatter"),
+        "plain_bytes": world * spec.payload_bytes(n),
+        "width": exact.width,
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_exact_positions_travel_in_full_precision_beside_the_codes(world: int) -> None:
+    for result in run_distributed(_exact_world, world, timeout=60):
+        assert result["rs_exact"] and result["ag_exact"], result
+        assert result["rs_elsewhere_differs"] and result["ag_elsewhere_differs"]
+        assert result["width"] == 10  # chunk 0: 7 of (0, 7) and 3 of (n - 3, n + 5)
+        assert result["bytes"] == result["plain_bytes"] + world * 4 * result["width"]
+
+
+def _mismatched_world(rank: int, size: int) -> None:
+    group = dist.group.WORLD
+    assert group is not None
+    with pytest.raises(ValueError, match="build ExactPositions for this buffer"):
+        quantized_reduce_scatter_into(
+            torch.ones(20),
+            torch.empty(10),
+            group,
+            BlockQuantization(),
+            exact=ExactPositions([(0, 3)], 30, 3),
+        )
+
+
+def test_exact_positions_made_for_another_buffer_are_refused() -> None:
+    run_distributed(_mismatched_world, 2, timeout=60)

@@ -11,7 +11,9 @@ import logging
 from typing import Any
 
 import pytest
+import torch
 from hooks_models import AlignedModel, shard_blocks_then_root, train_aligned
+from torch import nn
 
 from mfsdp_collectives import (
     BlockQuantization,
@@ -142,3 +144,52 @@ def test_each_bucket_logs_its_relative_quantization_error_at_every_step() -> Non
             # int8 rounds to 1/254 of a block's largest value; int4 to 1/14: 10x or more worse
             assert 0 < error < 0.02, (bucket, error)
             assert four["latest"][bucket] > 5 * error, (bucket, error, four["latest"][bucket])
+
+
+class _NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(64)
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin(self.norm(x))
+
+
+class _NormModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_NormBlock() for _ in range(2))
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _gradients(rank: int, world: int, quantized: bool) -> dict[str, list[float]]:
+    model = _NormModel()
+    shard_blocks_then_root(model, "ours", host_transport="gloo")
+    if quantized:  # the gradients only: the forward and the local gradients stay exact
+        quantize_communication(model, gradients=BlockQuantization(block=256))
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(16, 64, generator=generator)
+    y = torch.randn(16, 8, generator=generator)
+    nn.functional.mse_loss(model(x), y).backward()
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}  # type: ignore[union-attr]
+    return {name: grad.flatten().tolist() for name, grad in grads.items()}
+
+
+def test_one_dimensional_parameters_travel_exactly() -> None:
+    full = run_distributed(_gradients, 2, False, timeout=120)
+    quantized = run_distributed(_gradients, 2, True, timeout=120)
+    for exact, approx in zip(full, quantized, strict=True):
+        for name, values in exact.items():
+            grad, other = torch.tensor(values), torch.tensor(approx[name])
+            error = float((other - grad).norm() / grad.norm())
+            if name.endswith(("bias", "norm.weight")):  # 1-D: exact on the wire
+                assert error <= 1e-6, (name, error)
+            else:
+                assert 1e-5 < error < 0.05, (name, error)

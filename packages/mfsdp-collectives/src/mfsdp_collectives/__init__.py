@@ -19,6 +19,7 @@ from .c10d_tracer import C10dTracer
 from .coalescing import coalesced_gathers
 from .collective_worker import BackgroundWork, CollectiveWorker
 from .custom_comms import AllGatherComm, CommAllocator, ReduceScatterComm, check_comm
+from .exact_values import ExactPositions
 from .handle import CommHandle
 from .host_transport import (
     HOST_TRANSPORTS,
@@ -61,6 +62,7 @@ __all__ = [
     "QuantizedAllGather",
     "QuantizedReduceScatter",
     "QuantizationBuffers",
+    "ExactPositions",
     "QuantizationErrorLog",
     "ErrorSums",
     "BackgroundWork",

@@ -43,6 +43,7 @@ from .block_codec import (
     write_headers,
 )
 from .collective_worker import CollectiveWorker
+from .exact_values import ExactPositions
 from .naming import group_name
 from .quantization_buffers import QuantizationBuffers
 from .quantization_errors import ErrorSums
@@ -98,13 +99,15 @@ class _ReduceScatterJob:
         *,
         average: bool,
         report: ErrorReport | None,
+        exact: ExactPositions | None,
     ) -> None:
         self.group, self.spec, self.buffers, self.average = group, spec, buffers, average
-        self.report = report
+        self.report, self.exact = report, exact
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.grad, self.out, n = grad, out, out.numel()
         self.own = grad[self.rank * n : (self.rank + 1) * n]
-        self.payload_bytes = spec.payload_bytes(n)
+        self.exact_at = spec.payload_bytes(n)  # where each row's exact values start
+        self.payload_bytes = self.exact_at + (exact.row_bytes if exact is not None else 0)
         self.send: torch.Tensor | None = None
         self.recv: torch.Tensor | None = None
 
@@ -117,6 +120,8 @@ class _ReduceScatterJob:
             if dst != self.rank and finite:
                 chunk, payload = self.grad[dst * n : (dst + 1) * n], send[dst, HEADER_BYTES:]
                 finite = quantize_blocks(chunk, spec, payload, buffers.scratch(n), sums)
+                if self.exact is not None:
+                    self.exact.write(chunk, dst, send[dst, self.exact_at :])
         write_headers(send, self.grad, finite)
         if self.report is not None and sums is not None and finite:
             self.report(sums, n * (self.size - 1))
@@ -158,8 +163,24 @@ class _ReduceScatterJob:
                 accumulate_blocks(payload, self.spec, n, total, self.buffers.scratch(n))
         if self.average:
             total.div_(self.size)
+        if self.exact is not None:
+            self._overwrite_exact(recv, total)
         if not direct:
             out.copy_(total)
+
+    def _overwrite_exact(self, recv: torch.Tensor, total: torch.Tensor) -> None:
+        """This chunk's exact positions: the fp32 values summed in rank order."""
+        assert self.exact is not None
+        exact, rank = self.exact, self.rank
+        values = torch.zeros(len(exact.per_rank[rank]), dtype=torch.float32)
+        for src in range(self.size):
+            if src == rank:
+                values.add_(self.own[exact.per_rank[rank]])
+            else:
+                values.add_(exact.read(recv[src, self.exact_at :], rank))
+        if self.average:
+            values.div_(self.size)
+        exact.overwrite(total, rank, values)
 
 
 class QuantizedReduction:
@@ -215,6 +236,7 @@ def quantized_reduce_scatter_into(
     buffers: QuantizationBuffers | None = None,
     worker: CollectiveWorker | None = None,
     report: ErrorReport | None = None,
+    exact: ExactPositions | None = None,
 ) -> Work | None:
     """``out_shard = mean (or sum) over ranks of unsharded[rank chunk]``, each peer's chunk
     carried block-quantized. Any chunk size; fp32 sums; non-finite inputs raise
@@ -223,13 +245,18 @@ def quantized_reduce_scatter_into(
     scratch come from (reused across calls); without it, fresh tensors every call.
     ``worker``: quantize, exchange and sum on that ``CollectiveWorker``'s thread (over its
     clone of ``group``) instead of this one, which then only waits. ``report``: called
-    with the relative error of what this rank quantized (``ErrorSums``) and its count."""
+    with the relative error of what this rank quantized (``ErrorSums``) and its count.
+    ``exact``: positions of ``unsharded`` carried in fp32 beside the codes (1-D
+    parameters), so the output there is what a full-precision reduce-scatter gives."""
     unsharded, out_shard = check_flat(unsharded, "unsharded"), check_flat(out_shard, "out_shard")
     group, _, size = membership(group, "group")
     check_shard_sizes(unsharded.numel(), "unsharded", out_shard, "out_shard", size)
     buffers = buffers if buffers is not None else QuantizationBuffers(keep=0)
     grad = unsharded.detach().float()
-    job = _ReduceScatterJob(grad, out_shard, group, spec, buffers, average=average, report=report)
+    _check_exact(exact, unsharded.numel(), size)
+    job = _ReduceScatterJob(
+        grad, out_shard, group, spec, buffers, average=average, report=report, exact=exact
+    )
     wire_bytes = size * job.payload_bytes
     record_comm("quantized_reduce_scatter", group_name(group), wire_bytes, torch.uint8)
     work: Work
@@ -253,24 +280,35 @@ def quantized_all_gather_into(
     buffers: QuantizationBuffers | None = None,
     worker: CollectiveWorker | None = None,
     report: ErrorReport | None = None,
+    exact: ExactPositions | None = None,
 ) -> Work | None:
     """``unsharded`` = every rank's ``shard``, carried block-quantized; every slot, this
     rank's included, holds the dequantized values, so all ranks hold the same weights.
     Non-finite shards raise ``NonFiniteError`` on every rank. ``buffers``, ``worker``,
-    ``report``: as for the reduce-scatter; without a worker the gather is blocking
-    (``async_op`` or not)."""
+    ``report``, ``exact``: as for the reduce-scatter; without a worker the gather is
+    blocking (``async_op`` or not)."""
     shard, unsharded = check_flat(shard, "shard"), check_flat(unsharded, "unsharded")
     group, _, size = membership(group, "group")
     check_shard_sizes(unsharded.numel(), "unsharded", shard, "shard", size)
+    _check_exact(exact, unsharded.numel(), size)
     kept = buffers if buffers is not None else QuantizationBuffers(keep=0)
-    payload_bytes = spec.payload_bytes(shard.numel())
+    payload_bytes = spec.payload_bytes(shard.numel()) + (exact.row_bytes if exact else 0)
     record_comm("quantized_all_gather", group_name(group), payload_bytes, torch.uint8)
+    extras = (report, exact)
     if worker is None:
-        _gather(shard, unsharded, (group, group), spec, kept, report)
+        _gather(shard, unsharded, (group, group), spec, kept, extras)
         return None
     clone = worker.clone(group)
-    job = functools.partial(_gather, shard, unsharded, (group, clone), spec, kept, report)
+    job = functools.partial(_gather, shard, unsharded, (group, clone), spec, kept, extras)
     return _returned(worker.submit(job), async_op)
+
+
+def _check_exact(exact: ExactPositions | None, numel: int, size: int) -> None:
+    if exact is not None and (exact.numel, exact.size) != (numel, size):
+        raise ValueError(
+            f"exact positions were made for {exact.numel} values over {exact.size} ranks, "
+            f"not {numel} over {size}: build ExactPositions for this buffer and group"
+        )
 
 
 def _returned(work: Work, async_op: bool) -> Work | None:
@@ -287,16 +325,19 @@ def _gather(
     groups: tuple[dist.ProcessGroup, dist.ProcessGroup],
     spec: BlockQuantization,
     buffers: QuantizationBuffers,
-    report: ErrorReport | None,
+    extras: tuple[ErrorReport | None, ExactPositions | None],
 ) -> None:
     """Quantize ``shard``, gather every rank's payload over ``groups[1]`` (the exchange's),
     dequantize every slot (errors name ``groups[0]``, the caller's)."""
-    group, exchange_group = groups
-    n, size = shard.numel(), dist.get_world_size(group)
+    (group, exchange_group), (report, exact) = groups, extras
+    n, size, rank = shard.numel(), dist.get_world_size(group), dist.get_rank(group)
     values = shard.detach().float()
-    mine = buffers.payloads(1, spec.payload_bytes(n))
+    exact_at = spec.payload_bytes(n)
+    mine = buffers.payloads(1, exact_at + (exact.row_bytes if exact is not None else 0))
     sums = ErrorSums() if report is not None else None
     finite = quantize_blocks(values, spec, mine[0, HEADER_BYTES:], buffers.scratch(n), sums)
+    if exact is not None:
+        exact.write(values, rank, mine[0, exact_at:])
     write_headers(mine, values, finite)
     if report is not None and sums is not None and finite:
         report(sums, n)
@@ -309,6 +350,8 @@ def _gather(
             slot = unsharded[src * n : (src + 1) * n]
             target = slot if in_place else buffers.scratch(n)
             dequantize_blocks(gathered[src, HEADER_BYTES:], spec, n, target)
+            if exact is not None:
+                exact.overwrite(target, src, exact.read(gathered[src, exact_at:], src))
             if not in_place:
                 slot.copy_(target)
     finally:

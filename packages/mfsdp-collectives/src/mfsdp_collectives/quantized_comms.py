@@ -9,6 +9,8 @@ collectives run off the training thread.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -16,6 +18,7 @@ from ._compat import Work, all_gather_single, backend_name, reduce_scatter_singl
 from .block_codec import BlockQuantization
 from .collective_worker import CollectiveWorker
 from .custom_comms import EmptyBuffers
+from .exact_values import ExactPositions
 from .quantization_buffers import QuantizationBuffers
 from .quantization_errors import QuantizationErrorLog
 from .quantized import ErrorReport, quantized_all_gather_into, quantized_reduce_scatter_into
@@ -31,7 +34,9 @@ class _QuantizedComm(EmptyBuffers):
     ``CollectiveWorker`` (``worker``). ``background`` (default: on gloo groups): an async
     call quantizes, exchanges and sums (or dequantizes) on that worker's thread; off, on the
     calling thread. ``error_log``: each call's relative quantization error is recorded
-    there under ``name`` (the bucket: a unit's name) and the op."""
+    there under ``name`` (the bucket: a unit's name) and the op. ``exact``: for a flat
+    buffer of a given size (unsharded), the ``[start, stop)`` ranges carried in fp32 beside
+    the codes (the 1-D parameters of the unit whose buffer has that size)."""
 
     op_name = ""
 
@@ -45,6 +50,7 @@ class _QuantizedComm(EmptyBuffers):
         worker: CollectiveWorker | None = None,
         error_log: QuantizationErrorLog | None = None,
         name: str = "",
+        exact: Mapping[int, Sequence[tuple[int, int]]] | None = None,
     ) -> None:
         if background is not None and not isinstance(background, bool):
             raise TypeError(f"background={background!r} must be True, False or None (gloo)")
@@ -56,6 +62,18 @@ class _QuantizedComm(EmptyBuffers):
         self.background = background
         self._worker = worker
         self.error_log, self.name = error_log, name
+        self.exact = dict(exact or {})
+        self._positions: dict[tuple[int, int], ExactPositions] = {}
+
+    def _exact_for(self, numel: int, group: dist.ProcessGroup) -> ExactPositions | None:
+        """The exact positions of a buffer of ``numel`` values over ``group`` (cached)."""
+        ranges = self.exact.get(numel)
+        if not ranges:
+            return None
+        key = (numel, dist.get_world_size(group))
+        if key not in self._positions:
+            self._positions[key] = ExactPositions(ranges, *key)
+        return self._positions[key]
 
     def _report(self) -> ErrorReport | None:
         log = self.error_log
@@ -105,6 +123,7 @@ class QuantizedReduceScatter(_QuantizedComm):
             buffers=self.buffers,
             worker=self._worker_for(group, async_op),
             report=self._report(),
+            exact=self._exact_for(input_tensor.numel(), group),
         )
 
 
@@ -132,6 +151,7 @@ class QuantizedAllGather(_QuantizedComm):
             buffers=self.buffers,
             worker=self._worker_for(group, async_op),
             report=self._report(),
+            exact=self._exact_for(output_tensor.numel(), group),
         )
 
 

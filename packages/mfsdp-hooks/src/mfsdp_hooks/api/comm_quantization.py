@@ -11,6 +11,8 @@ What travels and how errors are reported: ``mfsdp_collectives.quantized``.
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 
 from mfsdp_collectives import (
@@ -22,6 +24,7 @@ from mfsdp_collectives import (
     QuantizedReduceScatter,
 )
 from mfsdp_hooks.api.fsdp_module import FSDPModule
+from mfsdp_hooks.runtime.unit import unit_of
 
 __all__ = ["INT8", "quantize_communication"]
 
@@ -40,7 +43,8 @@ def quantize_communication(
     """Carry the gradient reduce-scatters (``gradients``, int8 with 2048-element blocks by
     default) and the weight all-gathers (``weights``, off by default) of every unit under
     ``module`` block-quantized; ``None`` leaves that collective in full precision. Returns
-    the units changed. ``background`` (default: on gloo groups): the quantized collectives
+    the units changed. 1-D parameters (norm weights, biases) travel exactly, in fp32
+    beside the codes. ``background`` (default: on gloo groups): the quantized collectives
     run on a worker thread of their own, off the training thread (``CollectiveWorker``).
     ``error_log``: each unit's relative quantization error is recorded there, and logged,
     at every reduction and gather (a bucket per unit and op, named by the unit's path
@@ -63,7 +67,7 @@ def quantize_communication(
     buffers = QuantizationBuffers()
     reduce_worker, gather_worker = CollectiveWorker(), CollectiveWorker()
     for path, unit in units:
-        name = path or "root"
+        name, exact = path or "root", _one_dim_ranges(unit)
         if gradients is not None:
             reduce_comm = QuantizedReduceScatter(
                 gradients,
@@ -72,6 +76,7 @@ def quantize_communication(
                 worker=reduce_worker,
                 error_log=error_log,
                 name=name,
+                exact=exact,
             )
             unit.set_custom_reduce_scatter(reduce_comm)
         if weights is not None:
@@ -82,6 +87,22 @@ def quantize_communication(
                 worker=gather_worker,
                 error_log=error_log,
                 name=name,
+                exact=exact,
             )
             unit.set_custom_all_gather(gather_comm)
     return [unit for _, unit in units]
+
+
+def _one_dim_ranges(module: FSDPModule) -> dict[int, list[tuple[int, int]]]:
+    """Where the unit's 1-D parameters (norms, biases) sit in each of its groups' unsharded
+    flat buffers, keyed by the buffer's size (the comm learns which group calls it from
+    that; two groups of one size share the union, which only carries more values exactly)."""
+    unit = unit_of(cast(nn.Module, module))  # every FSDPModule is one
+    assert unit is not None, "a FSDPModule without its unit"
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    for group in unit.groups:
+        layout = group.layout
+        ranges.setdefault(layout.padded_numel, []).extend(
+            (p.offset, p.offset + p.numel) for p in layout.placements if len(p.shape) <= 1
+        )
+    return {numel: found for numel, found in ranges.items() if found}
