@@ -193,3 +193,26 @@ def test_one_dimensional_parameters_travel_exactly() -> None:
                 assert error <= 1e-6, (name, error)
             else:
                 assert 1e-5 < error < 0.05, (name, error)
+
+
+def _poisoned_weight(rank: int, world: int) -> dict[str, str]:
+    model = AlignedModel()
+    shard_blocks_then_root(model, "ours", host_transport="gloo")
+    quantize_communication(model, gradients=None, weights=SPEC)
+    poisoned = ""
+    for name, param in model.blocks[1].named_parameters():  # type: ignore[index]
+        local = param.to_local()  # type: ignore[attr-defined]
+        if rank == 1 and local.numel() and not poisoned:
+            with torch.no_grad():
+                local.view(-1)[3] = float("inf")
+            poisoned = name  # named within its unit (blocks.1), as gradients are
+    with pytest.raises(FloatingPointError) as caught:
+        model(torch.randn(4, 32))
+    return {"message": str(caught.value), "poisoned": poisoned}
+
+
+def test_an_inf_weight_is_reported_on_every_rank_naming_the_parameter() -> None:
+    results = run_distributed(_poisoned_weight, 2, timeout=120)
+    assert results[0]["message"] == results[1]["message"]
+    message, name = results[1]["message"], results[1]["poisoned"]
+    assert f"the weight of {name} holds a non-finite value on rank 1 (element 3 of" in message

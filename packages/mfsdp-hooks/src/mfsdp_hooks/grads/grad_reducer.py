@@ -228,12 +228,14 @@ class GradReducer:
 
 
 def named_non_finite(
-    error: NonFiniteError, layout: FlatLayout, names: Sequence[str], what: str
+    error: NonFiniteError, layout: FlatLayout, names: Sequence[str], what: str, offset: int = 0
 ) -> FloatingPointError:
-    """``error`` (a flat-buffer element) told as the parameter holding it."""
+    """``error`` (element ``offset + error.index`` of the unsharded flat buffer: ``offset``
+    is where the erring sender's input starts) told as the parameter holding it."""
+    index = offset + error.index
     for placement, name in zip(layout.placements, names, strict=False):
-        if placement.offset <= error.index < placement.offset + placement.numel:
-            element = error.index - placement.offset
+        if placement.offset <= index < placement.offset + placement.numel:
+            element = index - placement.offset
             return FloatingPointError(
                 f"the {what} of {name} holds a non-finite value on rank {error.rank} (element "
                 f"{element} of {placement.numel}), so it cannot be quantized for the "

@@ -30,12 +30,13 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from mfsdp_buffers import Allocator, PlainAllocator
+from mfsdp_buffers import Allocator, FlatLayout, PlainAllocator
 from mfsdp_collectives import (
     AllGatherComm,
     CommHandle,
     CommStreams,
     FSDPTopology,
+    NonFiniteError,
     PostForwardGroup,
     all_gather_into,
 )
@@ -44,7 +45,7 @@ from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.strategy import ShardingStrategy
 from mfsdp_hooks.dtensor.tensor_parallel import local_value, tp_spec_of
-from mfsdp_hooks.grads.grad_reducer import GradReducer
+from mfsdp_hooks.grads.grad_reducer import GradReducer, named_non_finite
 from mfsdp_hooks.grads.grad_shard import GradShard
 from mfsdp_hooks.weights.group_storage import (
     adopt_params,
@@ -75,7 +76,7 @@ class GroupRoot(Protocol):
 class _DecodeAfter:
     """A gather whose codec rebuilds the compute weights once it has landed."""
 
-    def __init__(self, handle: CommHandle, decode: Callable[[], None]) -> None:
+    def __init__(self, handle: Waitable, decode: Callable[[], None]) -> None:
         self._handle = handle
         self._decode: Callable[[], None] | None = decode
 
@@ -85,6 +86,21 @@ class _DecodeAfter:
         if decode is not None:
             with torch.no_grad():
                 decode()
+
+
+class _NamingNonFinite:
+    """A gather through a custom comm (a quantized one) whose non-finite weight is reported
+    as the parameter that holds it (the comm knows only its rank and element)."""
+
+    def __init__(self, handle: Waitable, layout: FlatLayout, names: Sequence[str]) -> None:
+        self._handle, self._layout, self._names = handle, layout, names
+
+    def wait(self) -> None:
+        try:
+            self._handle.wait()
+        except NonFiniteError as error:
+            offset = error.rank * self._layout.shard_numel  # the sender's shard
+            raise named_non_finite(error, self._layout, self._names, "weight", offset) from error
 
 
 def _require_main_weights(
@@ -289,9 +305,12 @@ class ParameterGroup:
         return self._decoded(handle, unsharded)
 
     def _decoded(self, handle: CommHandle, gathered: torch.Tensor) -> Waitable:
+        landed: Waitable = handle
+        if self.all_gather_comm is not None:
+            landed = _NamingNonFinite(handle, self.layout, self.names)
         if not self.codec.decodes:
-            return handle
-        return _DecodeAfter(handle, lambda: self.codec.decode(gathered))
+            return landed
+        return _DecodeAfter(landed, lambda: self.codec.decode(gathered))
 
     def reshard(self, onto: PostForwardGroup | None = None) -> None:
         """Free the unsharded weights; ``onto`` (after forward, FSDP2's int
