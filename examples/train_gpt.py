@@ -139,6 +139,10 @@ def main() -> None:
     text = make_corpus(4000)
     chars = sorted(set(text))
     data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    # held out: other sentences of the same grammar, the same 16 windows every evaluation
+    held_text = make_corpus(200, seed=1)
+    held = torch.tensor([chars.index(c) for c in held_text], dtype=torch.long)
+    held_starts = torch.linspace(0, len(held) - args.context - 2, 16).long()[rank::world]
     model = GPT(len(chars), args.width, args.depth, args.heads, args.context).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if args.bf16 else None
@@ -160,6 +164,19 @@ def main() -> None:
             f" strategy {args.zero_dp_strategy}, {len(text)} characters of text",
             flush=True,
         )
+    def held_out_loss() -> float:
+        """Mean loss on the held-out windows (every rank takes its share of them)."""
+        x = torch.stack([held[s : s + args.context] for s in held_starts]).to(device)
+        y = torch.stack([held[s + 1 : s + args.context + 1] for s in held_starts]).to(device)
+        model.eval()
+        with torch.no_grad():
+            logits = model(x)
+            mean = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        model.train()
+        total = mean.detach().reshape(1) * len(held_starts)
+        dist.all_reduce(total)
+        return float(total) / 16
+
     first_loss = last_loss = math.nan
     start = time.perf_counter()
     tokens_seen = 0
@@ -189,8 +206,9 @@ def main() -> None:
                     f"loss {mean_loss:.3f} {tokens_seen / elapsed:,.0f} tok/s mem {memory}"
                 )
                 sys.stdout.flush()
+    held_out = held_out_loss()
     if rank == 0:
-        print(f"\nloss {first_loss:.3f} -> {last_loss:.3f}", flush=True)
+        print(f"\nloss {first_loss:.3f} -> {last_loss:.3f} (held out {held_out:.3f})", flush=True)
     disable_host_transport()
     dist.destroy_process_group()
     if not last_loss < first_loss:
