@@ -164,6 +164,7 @@ def main() -> None:
             f" strategy {args.zero_dp_strategy}, {len(text)} characters of text",
             flush=True,
         )
+
     def held_out_loss() -> float:
         """Mean loss on the held-out windows (every rank takes its share of them)."""
         x = torch.stack([held[s : s + args.context] for s in held_starts]).to(device)

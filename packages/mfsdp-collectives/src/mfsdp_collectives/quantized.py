@@ -17,7 +17,9 @@ wrong elsewhere:
   quantized from an inf scale (#6926's silent infs) and no rank is left waiting.
 
 The payload of one destination: a header (int32: the sender's first non-finite index, -1
-for none), the codes (padded to 4 bytes), then the block scales (fp32).
+for none), the codes (padded to 4 bytes), the block scales (fp32), then the values at the
+``ExactPositions`` (fp32, 1-D parameters), if any. Each collective can run on the calling
+thread or, whole, on a ``CollectiveWorker`` (``worker=``); the codec is ``block_codec``.
 """
 
 from __future__ import annotations
