@@ -8,10 +8,12 @@ parameter."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from hooks_models import AlignedModel, shard_blocks_then_root, train_aligned
 from torch import nn
 
@@ -216,3 +218,62 @@ def test_an_inf_weight_is_reported_on_every_rank_naming_the_parameter() -> None:
     assert results[0]["message"] == results[1]["message"]
     message, name = results[1]["message"], results[1]["poisoned"]
     assert f"the weight of {name} holds a non-finite value on rank 1 (element 3 of" in message
+
+
+class _OddBlock(nn.Module):
+    """Sizes that are multiples of neither 8 nor the block: 37x53 + 53 + 53 + 53x37 + 37."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(37, 53)
+        self.norm = nn.LayerNorm(53, bias=False)
+        self.down = nn.Linear(53, 37)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.norm(self.up(x))))
+
+
+class _OddModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_OddBlock() for _ in range(2))
+        self.head = nn.Linear(37, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _odd_training(rank: int, world: int, bits: int | None) -> list[float]:
+    model = _OddModel()
+    shard_blocks_then_root(model, "ours", host_transport="gloo")
+    if bits is not None:
+        spec = BlockQuantization(bits=bits, block=100)
+        quantize_communication(model, gradients=spec, weights=spec)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(6):
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(12, 37, generator=generator), torch.randn(12, 3, generator=generator)
+        share = slice(rank * 12 // world, (rank + 1) * 12 // world)  # 12 rows over the ranks
+        loss = nn.functional.mse_loss(model(x[share]), y[share])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().reshape(1) * (share.stop - share.start)
+        dist.all_reduce(total)
+        losses.append(float(total) / 12)
+    return losses
+
+
+@pytest.mark.parametrize(("world", "bits"), [(3, 8), (3, 4), (4, 8)])
+def test_odd_sizes_train_quantized_at_three_and_four_ranks(world: int, bits: int) -> None:
+    exact = run_distributed(_odd_training, world, None, timeout=180)[0]
+    for losses in run_distributed(_odd_training, world, bits, timeout=180):
+        assert all(math.isfinite(loss) for loss in losses)
+        assert losses != exact  # quantized
+        tolerance = 0.02 if bits == 8 else 0.1
+        for got, want in zip(losses, exact, strict=True):
+            assert abs(got - want) <= tolerance * want, (losses, exact)
