@@ -43,7 +43,7 @@ class FSDPRoot:
                 self._unit_path[id(unit)] = f"{path}." if path else ""
                 unit.root = self
                 for group in unit.groups:
-                    group.root = self
+                    group.attach_root(self, self._unit_path[id(unit)])
         self._refuse_ignored_root_options()
         paths = [self._unit_path[id(unit)] for unit in self.units]
         log_units(root_unit.name, self.units, paths)  # INFO on rank 0; names DEBUG events
