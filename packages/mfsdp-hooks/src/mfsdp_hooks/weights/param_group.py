@@ -143,7 +143,7 @@ class ParameterGroup:
         ``shard_dims`` (default all 0): the dim each parameter is cut along."""
         self.names = list(names)
         self.root: GroupRoot | None = None
-        self.path_prefix = ""  # the unit's path under the root module ("blocks.1."), for errors
+        self.full_names = list(names)  # under the root module, once one holds this group
         self.topology = topology
         self.strategy = strategy
         self.requires_grad = params[0].requires_grad
@@ -306,20 +306,16 @@ class ParameterGroup:
         return self._decoded(handle, unsharded)
 
     def attach_root(self, root: GroupRoot, path_prefix: str) -> None:
-        """Join ``root``, whose module holds this group's unit at ``path_prefix``: from then
-        on errors name the parameters in full (the reducer's too)."""
-        self.root, self.path_prefix = root, path_prefix
+        """Join ``root``, whose module holds this group's unit at ``path_prefix`` (e.g.
+        "blocks.1."): errors then name the parameters in full, the reducer's too."""
+        self.root, self.full_names = root, [path_prefix + name for name in self.names]
         if self.reducer is not None:
-            self.reducer.names = self.full_names()
-
-    def full_names(self) -> list[str]:
-        """The parameters' names under the root module (under the unit, before a root)."""
-        return [self.path_prefix + name for name in self.names]
+            self.reducer.names = self.full_names
 
     def _decoded(self, handle: CommHandle, gathered: torch.Tensor) -> Waitable:
         landed: Waitable = handle
         if self.all_gather_comm is not None:
-            landed = _NamingNonFinite(handle, self.layout, self.full_names())
+            landed = _NamingNonFinite(handle, self.layout, self.full_names)
         if not self.codec.decodes:
             return landed
         return _DecodeAfter(landed, lambda: self.codec.decode(gathered))
