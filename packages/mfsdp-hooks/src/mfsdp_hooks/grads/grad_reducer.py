@@ -64,12 +64,9 @@ class PendingReduction:
         self.release()
 
     def landed(self) -> bool:
-        """Whether it landed (without blocking); ``wait()`` still completes it. Asked at
-        every gradient's arrival: a plain try, no context manager."""
-        try:
-            return self.handle.is_completed()
-        except NonFiniteError as error:
-            raise self._named(error) from error
+        """Whether it landed (without blocking); ``wait()`` still completes it. A poll never
+        raises: a failed reduction raises at ``wait()``, where every rank reaches it."""
+        return self.handle.is_completed()
 
     def _named(self, error: NonFiniteError) -> FloatingPointError:
         """An async quantized comm reports a non-finite gradient where it lands: name it."""
