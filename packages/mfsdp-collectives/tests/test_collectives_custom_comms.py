@@ -96,3 +96,60 @@ def test_sum_only_sums_on_the_wire_and_divides_the_output() -> None:
         assert asked == [True, False]
         expected = (torch.arange(8, dtype=torch.float32) + 0.5)[4 * rank : 4 * rank + 4]
         assert averaged == summed == expected.tolist()
+
+
+class _GatherIntoCallers(CountingAllGather):
+    uses_caller_buffers = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[int] = []
+
+    def __call__(self, output_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.outputs.append(output_tensor.data_ptr())
+        return super().__call__(output_tensor, *args, **kwargs)
+
+
+class _ScatterIntoCallers(CountingReduceScatter):
+    uses_caller_buffers = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[int] = []
+
+    def __call__(self, output_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.outputs.append(output_tensor.data_ptr())
+        return super().__call__(output_tensor, *args, **kwargs)
+
+
+def _caller_buffers_world(rank: int, world: int) -> dict[str, Any]:
+    group = dist.group.WORLD
+    assert group is not None
+    gather, scatter = _GatherIntoCallers(), _ScatterIntoCallers()
+    full = torch.full((4 * world,), -1.0)
+    shard = torch.full((4,), float(rank + 1))
+    all_gather_into(shard, full, group, comm=gather).wait()
+    grad = torch.arange(6 * world, dtype=torch.float32) * (rank + 1)
+    stored, added = torch.zeros(6), torch.ones(6)
+    reduce_scatter_into(grad, stored, group, comm=scatter).wait()
+    reduce_scatter_into(grad, added, group, comm=scatter, accumulate=True).wait()
+    return {
+        "gathered": full.tolist(),
+        "gather_wrote_into_full": gather.outputs == [full.data_ptr()],
+        "gather_allocated": gather.allocated,
+        "stored": stored.tolist(),
+        "added": added.tolist(),
+        "scatter_wrote_into_stored": scatter.outputs[0] == stored.data_ptr(),
+        "scatter_allocated": scatter.allocated,
+    }
+
+
+def test_a_comm_that_uses_caller_buffers_writes_into_them_without_a_copy() -> None:
+    for rank, out in enumerate(run_distributed(_caller_buffers_world, 2, timeout=60)):
+        assert out["gathered"] == [1.0] * 4 + [2.0] * 4
+        assert out["gather_wrote_into_full"] and out["gather_allocated"] == []
+        mean = (torch.arange(12, dtype=torch.float32) * 1.5)[6 * rank : 6 * rank + 6]
+        assert out["stored"] == mean.tolist()
+        assert out["added"] == (mean + 1).tolist()
+        # storing reduces straight into the shard; adding needs a buffer for the sum first
+        assert out["scatter_wrote_into_stored"] and out["scatter_allocated"] == [(6,)]

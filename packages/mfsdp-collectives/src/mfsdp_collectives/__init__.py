@@ -18,7 +18,13 @@ from .block_codec import BlockQuantization
 from .c10d_tracer import C10dTracer
 from .coalescing import coalesced_gathers
 from .collective_worker import BackgroundWork, CollectiveWorker
-from .custom_comms import AllGatherComm, CommAllocator, ReduceScatterComm, check_comm
+from .custom_comms import (
+    AllGatherComm,
+    CommAllocator,
+    ReduceScatterComm,
+    check_comm,
+    uses_caller_buffers,
+)
 from .exact_values import ExactPositions
 from .handle import CommHandle
 from .host_transport import (
@@ -73,6 +79,7 @@ __all__ = [
     "CommAllocator",
     "ReduceScatterComm",
     "check_comm",
+    "uses_caller_buffers",
     "mesh_has_dim",
     "CommHandle",
     "C10dTracer",

@@ -16,6 +16,13 @@ How ours uses them, and what it costs against the built-in path:
   a ``CommAllocator`` over the comm) and the output comes from ``comm.allocate``; the result is
   scaled and stored into the caller's shard once it landed.
 
+A comm that sets ``uses_caller_buffers = True`` declares that its ``allocate`` is nothing
+but a fresh ``torch.empty``: any contiguous buffer of the size, dtype and device serves. The
+engine then hands it its own buffers (the unsharded buffer of a gather, the output shard of a
+reduce-scatter that stores, the pooled gradient buffer it reads) and skips the copies out.
+Ours (``QuantizedAllGather``, ``QuantizedReduceScatter``) do; FSDP2's protocol has no such
+flag, so any other comm keeps FSDP2's buffers and copies.
+
 Neither goes over the shared-memory transport or into a coalesced gather: the comm decides
 how the bytes travel.
 """
@@ -43,6 +50,7 @@ __all__ = [
     "allocate_flat",
     "check_comm",
     "custom_all_gather",
+    "uses_caller_buffers",
 ]
 
 
@@ -88,6 +96,12 @@ class EmptyBuffers:
         self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+def uses_caller_buffers(comm: object) -> bool:
+    """Whether ``comm`` takes the caller's buffers (``uses_caller_buffers = True``, see the
+    module docstring) instead of ones from its ``allocate``."""
+    return getattr(comm, "uses_caller_buffers", False) is True
 
 
 def check_comm(comm: object, arg: str) -> None:
@@ -159,21 +173,30 @@ def custom_all_gather(
     async_op: bool,
 ) -> CommHandle:
     """``all_gather_into`` through ``comm`` (arguments checked by the caller): into a buffer
-    from ``comm.allocate``, copied into ``unsharded`` once it landed."""
+    from ``comm.allocate``, copied into ``unsharded`` once it landed (straight into
+    ``unsharded`` where the comm ``uses_caller_buffers``)."""
     n = shard.numel()
     name = group_name(group)
     record_comm("all_gather", name, n, shard.dtype)
+    in_place = uses_caller_buffers(comm)
     gathered: list[torch.Tensor] = []
 
     def issue() -> Work | None:
-        buffer = allocate_flat(comm, unsharded.numel(), shard.dtype, shard.device)
+        buffer = (
+            unsharded
+            if in_place
+            else allocate_flat(comm, unsharded.numel(), shard.dtype, shard.device)
+        )
         slot = buffer[rank * n : (rank + 1) * n]
-        slot.copy_(shard)
+        if slot.data_ptr() != shard.data_ptr():
+            slot.copy_(shard)
         gathered.append(buffer)
         return comm(output_tensor=buffer, input_tensor=slot, group=group, async_op=True)
 
     def finish() -> None:
-        unsharded.copy_(gathered.pop())
+        buffer = gathered.pop()
+        if buffer is not unsharded:
+            unsharded.copy_(buffer)
 
     return launch(
         [(side, issue)],

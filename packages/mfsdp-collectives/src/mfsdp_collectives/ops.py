@@ -47,6 +47,7 @@ from .custom_comms import (
     allocate_flat,
     check_comm,
     custom_all_gather,
+    uses_caller_buffers,
 )
 from .handle import CommHandle
 from .liveness import naming_dead_peers
@@ -165,7 +166,8 @@ class ReduceScatterStage:
         self.send, self.recv = send, recv
         if self.comm is not None:  # its output buffer is the comm's; finish copies it out
             assert isinstance(send, torch.Tensor)
-            self.recv = allocate_flat(self.comm, self.out.numel(), recv.dtype, recv.device)
+            if not (direct and uses_caller_buffers(self.comm)):
+                self.recv = allocate_flat(self.comm, self.out.numel(), recv.dtype, recv.device)
             return self.comm(
                 output_tensor=self.recv,
                 input_tensor=send,

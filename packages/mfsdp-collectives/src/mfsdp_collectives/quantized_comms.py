@@ -39,6 +39,7 @@ class _QuantizedComm(EmptyBuffers):
     the codes (the 1-D parameters of the unit whose buffer has that size)."""
 
     op_name = ""
+    uses_caller_buffers = True  # allocate is EmptyBuffers': the engine's buffers serve
 
     def __init__(
         self,

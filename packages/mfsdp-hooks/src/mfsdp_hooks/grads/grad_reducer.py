@@ -31,6 +31,7 @@ from mfsdp_collectives import (
     FSDPTopology,
     NonFiniteError,
     ReduceSpec,
+    uses_caller_buffers,
 )
 from mfsdp_hooks.config.comm_hooks import CommHooks
 from mfsdp_hooks.config.grad_allocator import pools_memory
@@ -104,9 +105,11 @@ class GradReducer:
 
     def _build(self) -> None:
         """The collector and plan for the current hooks (a custom reduce-scatter allocates
-        the buffer it reads)."""
+        the buffer it reads, unless it ``uses_caller_buffers``)."""
         topology, strategy, custom = self._topology, self._strategy, self.hooks.reduce_scatter
-        allocator = self._allocator if custom is None else CommAllocator(custom)
+        allocator: Allocator = self._allocator
+        if custom is not None and not uses_caller_buffers(custom):
+            allocator = CommAllocator(custom)
         # Per-parameter gradients are kept as they arrive when the reduce-scatter can read
         # them in place; a pre-scale then becomes the same post-scale on the output shard.
         in_place = (
