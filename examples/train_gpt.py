@@ -9,6 +9,7 @@ in-process (no downloads): character-level text from a small generated grammar.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
@@ -104,6 +105,24 @@ def memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def learning_rate_factor(step: int, warmup: int, total: int) -> float:
+    """GPT's schedule: linear warm-up, then a cosine from 1 down to 0.1 at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
+def write_losses(path: str, every_step: list[torch.Tensor], held_out: float, world: int) -> None:
+    """Rank 0 writes each step's loss averaged over the ranks (one all-reduce at the end)."""
+    losses = torch.cat(every_step)
+    dist.all_reduce(losses)
+    if dist.get_rank() == 0:
+        record = {"losses": (losses / world).tolist(), "held_out": held_out}
+        with open(path, "w") as file:
+            json.dump(record, file)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=150)
@@ -112,7 +131,13 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=15,
+        help="linear warm-up to --lr, then a cosine decay to a tenth of it at the last step",
+    )
     parser.add_argument("--zero-dp-strategy", default="optim_grads_params")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 main weights")
     parser.add_argument(
@@ -122,6 +147,9 @@ def main() -> None:
         help="int8 block-quantized gradient reduce-scatters (and weight all-gathers)",
     )
     parser.add_argument("--log-every", type=int, default=10, help="steps between loss reports")
+    parser.add_argument(
+        "--losses", default=None, help="write every step's loss (mean over ranks) to this JSON file"
+    )
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -153,6 +181,9 @@ def main() -> None:
         mixed_precision_policy=policy,
     )
     optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: learning_rate_factor(step, args.warmup_steps, args.steps)
+    )
     if args.quantize_comms != "none":
         weights = BlockQuantization() if args.quantize_comms == "grads+weights" else None
         quantize_communication(model, gradients=BlockQuantization(), weights=weights)
@@ -179,6 +210,7 @@ def main() -> None:
         return float(total) / 16
 
     first_loss = last_loss = math.nan
+    every_step: list[torch.Tensor] = []
     start = time.perf_counter()
     tokens_seen = 0
     for step in range(1, args.steps + 1):
@@ -190,6 +222,9 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        schedule.step()
+        if args.losses is not None:
+            every_step.append(loss.detach().reshape(1))
         tokens_seen += x.numel() * world
         if step % args.log_every == 0 or step == 1 or step == args.steps:
             stats = torch.tensor([loss.item(), memory_mib(device)], device=device)
@@ -208,6 +243,8 @@ def main() -> None:
                 )
                 sys.stdout.flush()
     held_out = held_out_loss()
+    if args.losses is not None:
+        write_losses(args.losses, every_step, held_out, world)
     if rank == 0:
         print(f"\nloss {first_loss:.3f} -> {last_loss:.3f} (held out {held_out:.3f})", flush=True)
     disable_host_transport()
