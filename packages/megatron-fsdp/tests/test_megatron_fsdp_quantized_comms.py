@@ -10,11 +10,14 @@ import functools
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 from matrix_cases import ROWS, STEPS, build, make_layout, reference_run, train_step
+from torch.distributed.tensor import DTensor
 
 import mfsdp_hooks
 from mfsdp_collectives import BlockQuantization, QuantizedAllGather, QuantizedReduceScatter
+from mfsdp_collectives.counting_comms import CountingAllGather
 from mfsdp_collectives.testing import run_distributed
 
 # Small blocks: the toy model's chunks are small (one under a block stays full precision).
@@ -50,3 +53,65 @@ def test_quantize_communication_reaches_every_entry_points_units(row: str) -> No
         for step, (got, exact) in enumerate(zip(result["losses"], want, strict=True)):
             assert abs(got - exact) <= 0.01 * abs(exact), (row, step, got, exact)
         assert result["losses"] != want  # quantized, not exact
+
+
+class _Bf16Gather(CountingAllGather):
+    """A lossy all-gather comm (bf16 on the wire, as low-precision gather hooks do): every
+    slot, this rank's too, comes back rounded to bf16."""
+
+    def __call__(self, output_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        kwargs["async_op"] = False
+        super().__call__(output_tensor, *args, **kwargs)
+        output_tensor.copy_(output_tensor.to(torch.bfloat16))
+        return None
+
+
+def _off_the_bf16_grid(optimizer: torch.optim.Optimizer) -> list[bool]:
+    """Per parameter the optimizer steps: whether any of this rank's values is not a bf16."""
+    found = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            local = param.to_local() if isinstance(param, DTensor) else param
+            values = local.detach().float()
+            if values.numel() >= 8:  # this rank holds some of it (ZeRO shards them)
+                found.append(bool((values != values.to(torch.bfloat16).float()).any()))
+    return found
+
+
+def _lossy_gather_zero2(rank: int, world: int, row: str) -> dict[str, Any]:
+    layout = make_layout("zero2", rank, world)
+    built = build(row, "zero2", layout)
+    units = [m for m in built.model.modules() if isinstance(m, mfsdp_hooks.FSDPModule)]
+    with pytest.raises(ValueError) as refused:
+        mfsdp_hooks.quantize_communication(built.model, gradients=None, weights=SPEC)
+    untouched = all(mfsdp_hooks.fsdp_units(u)[0].comm_hooks.all_gather is None for u in units)
+    comm = _Bf16Gather()
+    for unit in units:
+        unit.set_custom_all_gather(comm)
+    losses = [train_step(built, row, "zero2", step, layout) for step in range(STEPS)]
+    dist.barrier()
+    return {
+        "refused": str(refused.value),
+        "untouched": untouched,
+        "gathers": comm.calls,
+        "off_grid": _off_the_bf16_grid(built.optimizer),
+        "losses": losses,
+    }
+
+
+@pytest.mark.parametrize("row", ["seed", "model_optimizer", "class", "per_module", "mcore"])
+def test_a_lossy_gather_leaves_the_weights_the_zero2_optimizer_steps(row: str) -> None:
+    """ZeRO-1/2 in fp32 keep one copy of each rank's weights: its slot of the gathered
+    buffer. A custom comm's version of that slot (here bf16) must not replace it, or the
+    optimizer would step rounded weights from then on; quantized weights, which would make
+    the ranks' weights differ, are refused there by name before any unit changes."""
+    want = reference_run(row, "zero2")["losses"]
+    for result in run_distributed(_lossy_gather_zero2, 2, row, timeout=120):
+        assert "keeps its weights whole" in result["refused"], result["refused"]
+        assert "zero_dp_strategy='optim_grads_params'" in result["refused"]
+        assert result["untouched"]
+        assert result["gathers"] >= STEPS
+        # fp32 weights stay fp32 through the gathers: none is rounded to bf16
+        assert result["off_grid"] and all(result["off_grid"]), result["off_grid"]
+        for got, exact in zip(result["losses"], want, strict=True):
+            assert abs(got - exact) <= 0.01 * abs(exact), (row, got, exact)

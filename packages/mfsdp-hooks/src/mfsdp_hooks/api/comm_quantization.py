@@ -49,7 +49,9 @@ def quantize_communication(
     ``error_log``: each unit's relative quantization error is recorded there, and logged,
     at every reduction and gather (a bucket per unit and op, named by the unit's path
     under ``module``, ``root`` for ``module`` itself). Call it between iterations, on every
-    rank alike."""
+    rank alike. Quantized weights need the gathered weights apart from the ones the
+    optimizer steps: under ZeRO-1/2 with no main weights apart (fp32) it raises, naming the
+    unit, before changing any."""
     for name, value in (("gradients", gradients), ("weights", weights)):
         if value is not None and not isinstance(value, BlockQuantization):
             raise TypeError(
@@ -62,6 +64,8 @@ def quantize_communication(
             f"{type(module).__name__} holds no fully-sharded unit: wrap it (fully_shard, "
             "fully_shard_model, MegatronFSDP) before quantize_communication"
         )
+    if weights is not None:
+        _check_weights_can_be_quantized(units)
     # a comm per unit (named, for the error log), all sharing one set of reused buffers and
     # one worker thread per kind of collective
     buffers = QuantizationBuffers()
@@ -91,6 +95,25 @@ def quantize_communication(
             )
             unit.set_custom_all_gather(gather_comm)
     return [unit for _, unit in units]
+
+
+def _check_weights_can_be_quantized(units: list[tuple[str, FSDPModule]]) -> None:
+    """Raise, before any unit is changed, where the gathered weights are the only copy of
+    this rank's weights: every rank must compute with the same dequantized weights, and
+    this rank's fp32 ones cannot also stay exact in the same buffer."""
+    for path, module in units:
+        unit = unit_of(cast(nn.Module, module))
+        assert unit is not None, "a FSDPModule without its unit"
+        if any(group.gathers_into_its_only_copy for group in unit.groups):
+            raise ValueError(
+                f"quantize_communication(weights=...): unit {path or 'root'!r} keeps its "
+                "weights whole (zero_dp_strategy 'optim' or 'optim_grads') with no main "
+                "weights apart, so its gathered weights are the ones the optimizer steps and "
+                "int8 would overwrite them every step. Shard the weights "
+                "(zero_dp_strategy='optim_grads_params'), keep fp32 main weights apart "
+                "(MixedPrecisionPolicy(param_dtype=torch.bfloat16)), or quantize only the "
+                "gradients (weights=None)"
+            )
 
 
 def _one_dim_ranges(module: FSDPModule) -> dict[int, list[tuple[int, int]]]:

@@ -73,19 +73,20 @@ class GroupRoot(Protocol):
     def finish_grad_sync(self) -> None: ...
 
 
-class _DecodeAfter:
-    """A gather whose codec rebuilds the compute weights once it has landed."""
+class _AfterLanding:
+    """A gather followed, once it has landed, by one step on this rank (the codec rebuilding
+    the compute weights, or this rank's weights put back where a custom comm wrote)."""
 
-    def __init__(self, handle: Waitable, decode: Callable[[], None]) -> None:
+    def __init__(self, handle: Waitable, then: Callable[[], None]) -> None:
         self._handle = handle
-        self._decode: Callable[[], None] | None = decode
+        self._then: Callable[[], None] | None = then
 
     def wait(self) -> None:
         self._handle.wait()
-        decode, self._decode = self._decode, None
-        if decode is not None:
+        then, self._then = self._then, None
+        if then is not None:
             with torch.no_grad():
-                decode()
+                then()
 
 
 class _NamingNonFinite:
@@ -215,14 +216,18 @@ class ParameterGroup:
         """Start making the unsharded weights current; wait on the returned handle before use."""
         return self._make_current(self._path(stale=self.freshness.dirty, unsharding=True), streams)
 
+    @property
+    def _whole_main(self) -> bool:
+        """Each rank holds the whole optimizer-facing weights (nothing to gather)."""
+        return self.strategy == ShardingStrategy.NO_SHARD or self.topology.shard_size == 1
+
     def _path(self, *, stale: bool, unsharding: bool) -> WeightPath:
-        whole_main = self.strategy == ShardingStrategy.NO_SHARD or self.topology.shard_size == 1
         return weight_path(
             sharded=self.model.sharded,
             gathered=self.model.is_materialized,
             stale=stale,
             unsharding=unsharding,
-            whole_main=whole_main,
+            whole_main=self._whole_main,
         )
 
     def _make_current(self, path: WeightPath, streams: CommStreams | None) -> Waitable | None:
@@ -239,32 +244,7 @@ class ParameterGroup:
         if path is WeightPath.REFRESH_AND_GATHER:
             self._refresh_compute_shard(streams)
             return self._gather(streams)
-        return self._install_whole(streams, gather=path is WeightPath.ENCODE_AND_GATHER)
-
-    def _install_whole(self, streams: CommStreams | None, *, gather: bool) -> Waitable | None:
-        """Rebuild whole (never sharded) compute weights from the main weights: encoded here
-        from the whole main weights, or (``gather``) from this rank's main shard into its
-        slot, the other slots all-gathered."""
-        full = self.model.materialize()
-        if not gather:
-            if self.main is not None:
-                with torch.no_grad():
-                    self.codec.encode(self.main.materialize(), full)
-                    self.codec.decode(full)
-            return None
-        slot = self.model.shard
-        if self.main is not None:
-            with torch.no_grad():
-                self.codec.encode(self.main.shard, slot)
-        handle = all_gather_into(
-            slot,
-            full,
-            self.topology.shard_group,
-            stream=streams,
-            transport=self.topology.host_transport,
-            comm=self.all_gather_comm,
-        )
-        return self._decoded(handle, full)
+        return _install_whole(self, streams, gather=path is WeightPath.ENCODE_AND_GATHER)
 
     def _refresh_compute_shard(self, streams: CommStreams | None) -> None:
         """HFSDP: rebuild the compute shard from the ``dp_outer`` peers' updated sub-shards
@@ -318,7 +298,7 @@ class ParameterGroup:
             landed = _NamingNonFinite(handle, self.layout, self.full_names)
         if not self.codec.decodes:
             return landed
-        return _DecodeAfter(landed, lambda: self.codec.decode(gathered))
+        return _AfterLanding(landed, lambda: self.codec.decode(gathered))
 
     def reshard(self, onto: PostForwardGroup | None = None) -> None:
         """Free the unsharded weights; ``onto`` (after forward, FSDP2's int
@@ -330,6 +310,13 @@ class ParameterGroup:
         if onto is not None and gathered is not None and onto.serves(self.topology.shard_group):
             self._post_forward = PostForwardShard(gathered, onto)
         self.model.release()
+
+    @property
+    def gathers_into_its_only_copy(self) -> bool:
+        """Whether this rank's slot of the gathered weights is its only copy of them (ZeRO-1/2
+        with no main weights apart): a custom all-gather comm must leave it as it was, so
+        it is put back once the gather lands."""
+        return self.main is None and not self.model.sharded and not self._whole_main
 
     @property
     def post_forward_numel(self) -> int:
@@ -381,3 +368,43 @@ def _reducer(
         allocator=grad_allocator or PlainAllocator(),
         names=group.names,
     )
+
+
+def _install_whole(
+    group: ParameterGroup, streams: CommStreams | None, *, gather: bool
+) -> Waitable | None:
+    """Rebuild ``group``'s whole (never sharded: ZeRO-1/2) compute weights from the main
+    weights: encoded here from the whole main weights, or (``gather``) from this rank's main
+    shard into its slot, the other slots all-gathered."""
+    full = group.model.materialize()
+    if not gather:
+        if group.main is not None:
+            with torch.no_grad():
+                group.codec.encode(group.main.materialize(), full)
+                group.codec.decode(full)
+        return None
+    slot = group.model.shard
+    if group.main is not None:
+        with torch.no_grad():
+            group.codec.encode(group.main.shard, slot)
+    custom = group.all_gather_comm is not None
+    kept = slot.clone() if custom and group.gathers_into_its_only_copy else None
+    handle = all_gather_into(
+        slot,
+        full,
+        group.topology.shard_group,
+        stream=streams,
+        transport=group.topology.host_transport,
+        comm=group.all_gather_comm,
+    )
+    landed = group._decoded(handle, full)
+    if kept is None:
+        return landed
+    saved = kept
+
+    def put_back() -> None:
+        # what a custom comm wrote back into this rank's slot (a lossy one: its version of
+        # the weights) must not replace the weights the optimizer steps
+        slot.copy_(saved)
+
+    return _AfterLanding(landed, put_back)
