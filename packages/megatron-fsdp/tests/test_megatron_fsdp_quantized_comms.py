@@ -115,3 +115,26 @@ def test_a_lossy_gather_leaves_the_weights_the_zero2_optimizer_steps(row: str) -
         assert result["off_grid"] and all(result["off_grid"]), result["off_grid"]
         for got, exact in zip(result["losses"], want, strict=True):
             assert abs(got - exact) <= 0.01 * abs(exact), (row, got, exact)
+
+
+def _float8_weights(rank: int, world: int, row: str) -> dict[str, Any]:
+    layout = make_layout("float8", rank, world)
+    built = build(row, "float8", layout)
+    units = [m for m in built.model.modules() if isinstance(m, mfsdp_hooks.FSDPModule)]
+    with pytest.raises(ValueError) as refused:
+        mfsdp_hooks.quantize_communication(built.model, weights=SPEC)
+    hooks = [mfsdp_hooks.fsdp_units(u)[0].comm_hooks for u in units]
+    return {
+        "refused": str(refused.value),
+        "untouched": all(h.all_gather is None and h.reduce_scatter is None for h in hooks),
+    }
+
+
+@pytest.mark.parametrize("row", ["model_optimizer", "per_module"])
+def test_float8_weights_are_not_block_quantized(row: str) -> None:
+    """float8 weights travel as bytes: rounding a byte as a number makes another float8 value
+    (or a NaN), so quantized weights are refused for them by name, before any unit changes."""
+    pytest.importorskip("torchao")
+    for result in run_distributed(_float8_weights, 2, row, timeout=120):
+        assert "gathers its weights as torch.uint8" in result["refused"], result["refused"]
+        assert result["untouched"]

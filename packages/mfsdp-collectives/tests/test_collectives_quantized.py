@@ -336,3 +336,18 @@ def _mismatched_world(rank: int, size: int) -> None:
 
 def test_exact_positions_made_for_another_buffer_are_refused() -> None:
     run_distributed(_mismatched_world, 2, timeout=60)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.float8_e4m3fn])
+def test_tensors_that_are_not_floating_values_are_refused_by_name(dtype: torch.dtype) -> None:
+    """Bytes (float8 weights travel as uint8) rounded as numbers become other values: refused
+    before anything goes on the wire, naming the argument."""
+    spec = BlockQuantization(block=8)
+    values, floats = torch.zeros(64, dtype=dtype), torch.zeros(64)
+    group: Any = None  # never reached: the dtype is checked first
+    with pytest.raises(TypeError, match=rf"shard is {dtype}: block quantization codes"):
+        quantized_all_gather_into(values[:32], values, group, spec)
+    with pytest.raises(TypeError, match=rf"unsharded is {dtype}: block quantization codes"):
+        quantized_reduce_scatter_into(values, floats[:32], group, spec)
+    with pytest.raises(TypeError, match=rf"out_shard is {dtype}"):
+        quantized_reduce_scatter_into(floats, values[:32], group, spec)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ._reduce import ReduceSpec
 from .agreement import RankMismatchError, check_ranks_agree
-from .block_codec import BlockQuantization
+from .block_codec import CODED_DTYPES, BlockQuantization
 from .c10d_tracer import C10dTracer
 from .coalescing import coalesced_gathers
 from .collective_worker import BackgroundWork, CollectiveWorker
@@ -63,6 +63,7 @@ from .tracer import CommLog, CommRecord, CommTracer
 __version__ = "1.0.0"
 
 __all__ = [
+    "CODED_DTYPES",
     "BlockQuantization",
     "NonFiniteError",
     "QuantizedAllGather",

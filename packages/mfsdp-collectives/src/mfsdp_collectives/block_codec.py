@@ -24,8 +24,10 @@ from .quantization_errors import ErrorSums
 
 __all__ = [
     "HEADER_BYTES",
+    "CODED_DTYPES",
     "BlockQuantization",
     "accumulate_blocks",
+    "check_codable",
     "dequantize_blocks",
     "first_non_finite",
     "is_finite",
@@ -34,6 +36,19 @@ __all__ = [
 ]
 
 HEADER_BYTES = 4
+CODED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""What the codec codes: floating values. Bytes (float8 weights travel as uint8) and
+integers mean nothing as numbers; rounding one would change them into other values."""
+
+
+def check_codable(t: torch.Tensor, arg: str) -> None:
+    """Raise unless ``t`` holds values the codec can code (``CODED_DTYPES``)."""
+    if t.dtype not in CODED_DTYPES:
+        raise TypeError(
+            f"{arg} is {t.dtype}: block quantization codes float32, bfloat16 or float16 "
+            "values; a tensor of another dtype (float8 weights travel as uint8 bytes) must "
+            "go over a plain collective"
+        )
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from .block_codec import (
     HEADER_BYTES,
     BlockQuantization,
     accumulate_blocks,
+    check_codable,
     dequantize_blocks,
     is_finite,
     quantize_blocks,
@@ -251,6 +252,8 @@ def quantized_reduce_scatter_into(
     ``exact``: positions of ``unsharded`` carried in fp32 beside the codes (1-D
     parameters), so the output there is what a full-precision reduce-scatter gives."""
     unsharded, out_shard = check_flat(unsharded, "unsharded"), check_flat(out_shard, "out_shard")
+    check_codable(unsharded, "unsharded")
+    check_codable(out_shard, "out_shard")
     group, _, size = membership(group, "group")
     check_shard_sizes(unsharded.numel(), "unsharded", out_shard, "out_shard", size)
     buffers = buffers if buffers is not None else QuantizationBuffers(keep=0)
@@ -290,6 +293,8 @@ def quantized_all_gather_into(
     ``report``, ``exact``: as for the reduce-scatter; without a worker the gather is
     blocking (``async_op`` or not)."""
     shard, unsharded = check_flat(shard, "shard"), check_flat(unsharded, "unsharded")
+    check_codable(shard, "shard")
+    check_codable(unsharded, "unsharded")
     group, _, size = membership(group, "group")
     check_shard_sizes(unsharded.numel(), "unsharded", shard, "shard", size)
     _check_exact(exact, unsharded.numel(), size)

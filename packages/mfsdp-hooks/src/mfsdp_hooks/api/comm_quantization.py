@@ -16,6 +16,7 @@ from typing import cast
 from torch import nn
 
 from mfsdp_collectives import (
+    CODED_DTYPES,
     BlockQuantization,
     CollectiveWorker,
     QuantizationBuffers,
@@ -98,22 +99,32 @@ def quantize_communication(
 
 
 def _check_weights_can_be_quantized(units: list[tuple[str, FSDPModule]]) -> None:
-    """Raise, before any unit is changed, where the gathered weights are the only copy of
-    this rank's weights: every rank must compute with the same dequantized weights, and
-    this rank's fp32 ones cannot also stay exact in the same buffer."""
+    """Raise, naming the unit, before any unit is changed, where the gathered weights are
+    not floating values (float8 weights travel as bytes) or are the only copy of this rank's
+    weights (every rank must compute with the same dequantized weights, and this rank's
+    fp32 ones cannot also stay exact in the same buffer)."""
     for path, module in units:
         unit = unit_of(cast(nn.Module, module))
         assert unit is not None, "a FSDPModule without its unit"
-        if any(group.gathers_into_its_only_copy for group in unit.groups):
-            raise ValueError(
-                f"quantize_communication(weights=...): unit {path or 'root'!r} keeps its "
-                "weights whole (zero_dp_strategy 'optim' or 'optim_grads') with no main "
-                "weights apart, so its gathered weights are the ones the optimizer steps and "
-                "int8 would overwrite them every step. Shard the weights "
-                "(zero_dp_strategy='optim_grads_params'), keep fp32 main weights apart "
-                "(MixedPrecisionPolicy(param_dtype=torch.bfloat16)), or quantize only the "
-                "gradients (weights=None)"
-            )
+        name = path or "root"
+        for group in unit.groups:
+            if group.compute_dtype not in CODED_DTYPES:
+                raise ValueError(
+                    f"quantize_communication(weights=...): unit {name!r} gathers its weights "
+                    f"as {group.compute_dtype} (float8 weights travel as bytes, already one a "
+                    "value), which block quantization cannot code. Quantize the weights of "
+                    "the other units only (call it on those submodules) or pass weights=None"
+                )
+            if group.gathers_into_its_only_copy:
+                raise ValueError(
+                    f"quantize_communication(weights=...): unit {name!r} keeps its weights "
+                    "whole (zero_dp_strategy 'optim' or 'optim_grads') with no main weights "
+                    "apart, so its gathered weights are the ones the optimizer steps and int8 "
+                    "would overwrite them every step. Shard the weights "
+                    "(zero_dp_strategy='optim_grads_params'), keep fp32 main weights apart "
+                    "(MixedPrecisionPolicy(param_dtype=torch.bfloat16)), or quantize only the "
+                    "gradients (weights=None)"
+                )
 
 
 def _one_dim_ranges(module: FSDPModule) -> dict[int, list[tuple[int, int]]]:
