@@ -277,3 +277,21 @@ def test_odd_sizes_train_quantized_at_three_and_four_ranks(world: int, bits: int
         tolerance = 0.02 if bits == 8 else 0.1
         for got, want in zip(losses, exact, strict=True):
             assert abs(got - want) <= tolerance * want, (losses, exact)
+
+
+def _refused_midway(rank: int, world: int) -> dict[str, Any]:
+    from mfsdp_hooks import fsdp_units, fully_shard
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    fully_shard(model[1], sharding_strategy=0)  # no_shard: custom comms are refused there
+    fully_shard(model)  # the root comes first in named_modules()
+    with pytest.raises(NotImplementedError) as caught:
+        quantize_communication(model)
+    hooks = [fsdp_units(m)[0].comm_hooks for m in model.modules() if isinstance(m, FSDPModule)]
+    return {"said": str(caught.value), "untouched": [h.reduce_scatter is None for h in hooks]}
+
+
+def test_a_unit_that_refuses_leaves_every_unit_as_it_was() -> None:
+    for result in run_distributed(_refused_midway, 2, timeout=60):
+        assert "not supported yet with no_shard" in result["said"], result["said"]
+        assert result["untouched"] == [True, True]

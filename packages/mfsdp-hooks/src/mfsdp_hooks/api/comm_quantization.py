@@ -25,7 +25,8 @@ from mfsdp_collectives import (
     QuantizedReduceScatter,
 )
 from mfsdp_hooks.api.fsdp_module import FSDPModule
-from mfsdp_hooks.runtime.unit import unit_of
+from mfsdp_hooks.runtime.comm_hook_setter import checked_comm_hooks, set_comm_hooks
+from mfsdp_hooks.runtime.unit import FSDPUnit, unit_of
 
 __all__ = ["INT8", "quantize_communication"]
 
@@ -70,32 +71,33 @@ def quantize_communication(
     # a comm per unit (named, for the error log), all sharing one set of reused buffers and
     # one worker thread per kind of collective
     buffers = QuantizationBuffers()
-    reduce_worker, gather_worker = CollectiveWorker(), CollectiveWorker()
-    for path, unit in units:
-        name, exact = path or "root", _one_dim_ranges(unit)
-        if gradients is not None:
-            reduce_comm = QuantizedReduceScatter(
-                gradients,
+    kinds = (
+        ("reduce_scatter", gradients, QuantizedReduceScatter),
+        ("all_gather", weights, QuantizedAllGather),
+    )
+    workers = {kind: CollectiveWorker() for kind, spec, _ in kinds if spec is not None}
+    changes: list[tuple[FSDPUnit, dict[str, object]]] = []
+    for path, wrapped in units:
+        name, exact = path or "root", _one_dim_ranges(wrapped)
+        change: dict[str, object] = {
+            kind: comm(
+                spec,
                 buffers=buffers,
                 background=background,
-                worker=reduce_worker,
+                worker=workers[kind],
                 error_log=error_log,
                 name=name,
                 exact=exact,
             )
-            unit.set_custom_reduce_scatter(reduce_comm)
-        if weights is not None:
-            gather_comm = QuantizedAllGather(
-                weights,
-                buffers=buffers,
-                background=background,
-                worker=gather_worker,
-                error_log=error_log,
-                name=name,
-                exact=exact,
-            )
-            unit.set_custom_all_gather(gather_comm)
-    return [unit for _, unit in units]
+            for kind, spec, comm in kinds
+            if spec is not None
+        }
+        unit = _unit(wrapped)
+        checked_comm_hooks(unit, **change)  # every unit is checked before any changes
+        changes.append((unit, change))
+    for unit, change in changes:
+        set_comm_hooks(unit, **change)
+    return [wrapped for _, wrapped in units]
 
 
 def _check_weights_can_be_quantized(units: list[tuple[str, FSDPModule]]) -> None:
@@ -104,10 +106,8 @@ def _check_weights_can_be_quantized(units: list[tuple[str, FSDPModule]]) -> None
     weights (every rank must compute with the same dequantized weights, and this rank's
     fp32 ones cannot also stay exact in the same buffer)."""
     for path, module in units:
-        unit = unit_of(cast(nn.Module, module))
-        assert unit is not None, "a FSDPModule without its unit"
         name = path or "root"
-        for group in unit.groups:
+        for group in _unit(module).groups:
             if group.compute_dtype not in CODED_DTYPES:
                 raise ValueError(
                     f"quantize_communication(weights=...): unit {name!r} gathers its weights "
@@ -127,14 +127,18 @@ def _check_weights_can_be_quantized(units: list[tuple[str, FSDPModule]]) -> None
                 )
 
 
+def _unit(module: FSDPModule) -> FSDPUnit:
+    unit = unit_of(cast(nn.Module, module))
+    assert unit is not None, "a FSDPModule without its unit"  # every FSDPModule is one
+    return unit
+
+
 def _one_dim_ranges(module: FSDPModule) -> dict[int, list[tuple[int, int]]]:
     """Where the unit's 1-D parameters (norms, biases) sit in each of its groups' unsharded
     flat buffers, keyed by the buffer's size (the comm learns which group calls it from
     that; two groups of one size share the union, which only carries more values exactly)."""
-    unit = unit_of(cast(nn.Module, module))  # every FSDPModule is one
-    assert unit is not None, "a FSDPModule without its unit"
     ranges: dict[int, list[tuple[int, int]]] = {}
-    for group in unit.groups:
+    for group in _unit(module).groups:
         layout = group.layout
         ranges.setdefault(layout.padded_numel, []).extend(
             (p.offset, p.offset + p.numel) for p in layout.placements if len(p.shape) <= 1

@@ -27,14 +27,15 @@ class FSDP2CommHooks:
     def set_custom_all_gather(self, comm: AllGatherComm) -> None:
         """Run this module's all-gathers through ``comm`` (FSDP2's ``AllGather``: its
         ``allocate`` gives the gather's buffer, its call runs it); see ``config.comm_hooks``.
-        Costs one copy of the gathered weights out of the comm's buffer, as in FSDP2."""
+        Costs one copy of the gathered weights out of the comm's buffer, as in FSDP2, unless
+        the comm ``uses_caller_buffers`` (``mfsdp_collectives.custom_comms``)."""
         check_comm(comm, "comm")
         set_comm_hooks(_unit_of(self), all_gather=comm)
 
     def set_custom_reduce_scatter(self, comm: ReduceScatterComm) -> None:
         """Run this module's gradient reduce-scatter through ``comm`` (FSDP2's
         ``ReduceScatter``); the unsharded gradient buffer and the output come from its
-        ``allocate``."""
+        ``allocate``, or are the engine's own where it ``uses_caller_buffers``."""
         check_comm(comm, "comm")
         set_comm_hooks(_unit_of(self), reduce_scatter=comm)
 

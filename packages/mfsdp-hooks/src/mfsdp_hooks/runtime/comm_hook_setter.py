@@ -5,17 +5,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mfsdp_hooks.config.comm_hooks import check_comm_hooks
+from mfsdp_hooks.config.comm_hooks import CommHooks, check_comm_hooks
 from mfsdp_hooks.runtime.training_state import TrainingState
 from mfsdp_hooks.runtime.unit import FSDPUnit
 
-__all__ = ["set_comm_hooks"]
+__all__ = ["checked_comm_hooks", "set_comm_hooks"]
 
 
-def set_comm_hooks(unit: FSDPUnit, **change: Any) -> None:
-    """Change some of ``unit``'s communication hooks (``config.comm_hooks``): outside forward
-    and backward only, refused where the engine would not honour them. Each parameter group
-    gathers through the all-gather comm; its reducer takes the rest."""
+def checked_comm_hooks(unit: FSDPUnit, **change: Any) -> CommHooks:
+    """``unit``'s communication hooks with ``change`` applied, checked as ``set_comm_hooks``
+    checks them (it raises where they would be refused) but not installed: a caller changing
+    many units checks them all before it changes any."""
     if unit.state is not TrainingState.IDLE:
         raise RuntimeError(
             f"FSDP unit {unit.name}: communication hooks can be set only between "
@@ -30,6 +30,14 @@ def set_comm_hooks(unit: FSDPUnit, **change: Any) -> None:
         topology=options.topology,
         reshards_onto_subgroup=options.reshard_after_forward_group_size is not None,
     )
+    return hooks
+
+
+def set_comm_hooks(unit: FSDPUnit, **change: Any) -> None:
+    """Change some of ``unit``'s communication hooks (``config.comm_hooks``): outside forward
+    and backward only, refused where the engine would not honour them. Each parameter group
+    gathers through the all-gather comm; its reducer takes the rest."""
+    hooks = checked_comm_hooks(unit, **change)
     for group in unit.groups:
         group.all_gather_comm = hooks.all_gather
         if group.reducer is not None:
