@@ -18,7 +18,10 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from mfsdp_collectives import (
+    BlockQuantization,
     PeerDiedError,
+    QuantizedAllGather,
+    QuantizedReduceScatter,
     all_gather_into,
     dead_ranks,
     enable_host_transport,
@@ -143,3 +146,36 @@ def test_collectives_appear_in_the_profiler(transport: str, gather: str, scatter
     for names in run_distributed(_profiled, 2, transport, timeout=60):
         assert names.count(gather) == 1, [n for n in set(names) if "aten" not in n]
         assert names.count(scatter) == 1, sorted(set(names))
+
+
+def _quantized_with_a_dead_peer(rank: int, world: int, background: bool) -> str:
+    group = dist.new_group(list(range(world)))
+    exchange_identities(group)
+    spec = BlockQuantization(block=256)
+    gather = QuantizedAllGather(spec, background=background)
+    scatter = QuantizedReduceScatter(spec, background=background)
+    shard = torch.full((1 << 16,), float(rank))
+    out = torch.empty(shard.numel() * world)
+    all_gather_into(shard, out, group, comm=gather).wait()  # the world works before the fault
+    if rank == 1:
+        time.sleep(0.3)  # the peers are waiting inside the next collective by now
+        _die()
+    for _ in range(3):
+        reduce_scatter_into(out, torch.empty_like(shard), group, comm=scatter).wait()
+        all_gather_into(shard, out, group, comm=gather).wait()
+    return "the collectives finished although a peer died"
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["worker_thread", "calling_thread"])
+def test_a_dead_peer_of_a_quantized_collective_is_named_within_seconds(background: bool) -> None:
+    """The quantized comms exchange over c10d, on their worker's private group or this
+    thread's: either way the survivor names the dead rank instead of waiting on it."""
+    outcomes = run_distributed_outcomes(_quantized_with_a_dead_peer, 2, background, timeout=60)
+    death, survivor = outcomes[1], outcomes[0]
+    assert death.died, death
+    assert survivor.error is not None, survivor.result
+    original = survivor.error.exception
+    assert isinstance(original, PeerDiedError), survivor.error
+    assert "rank 1 (pid" in str(original), original
+    delay = survivor.at - death.at
+    assert delay < RAISE_WITHIN_S, f"the survivor raised {delay:.1f}s after the death"

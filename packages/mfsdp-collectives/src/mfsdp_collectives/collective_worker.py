@@ -27,6 +27,7 @@ from concurrent.futures import Future
 
 import torch.distributed as dist
 
+from .liveness import call_watching_peers
 from .naming import group_name, register_group_name
 
 __all__ = ["BackgroundWork", "CollectiveWorker"]
@@ -65,7 +66,11 @@ class CollectiveWorker:
         ranks = tuple(dist.get_process_group_ranks(group))
         clone = self._clones.get(ranks)
         if clone is None:
-            made = dist.new_group(list(ranks), use_local_synchronization=True)
+            made = call_watching_peers(
+                lambda: dist.new_group(list(ranks), use_local_synchronization=True),
+                ranks,
+                f"creating the quantized collectives' own group over {group_name(group)}",
+            )
             assert made is not None, "a member of the group got no clone of it"
             register_group_name(made, f"{group_name(group)}.quantized")
             clone = self._clones[ranks] = made

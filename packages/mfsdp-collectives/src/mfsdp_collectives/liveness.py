@@ -22,8 +22,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 __all__ = [
     "PeerDiedError",
     "ProcessIdentity",
+    "call_watching_peers",
     "dead_ranks",
     "exchange_identities",
     "naming_dead_peers",
@@ -42,6 +44,10 @@ __all__ = [
 # its sockets close (which is what gloo saw) before the process turns into a zombie.
 _SETTLE_S = 2.0
 _SETTLE_POLL_S = 0.02
+# How often a rendezvous' waiter looks for dead members (call_watching_peers).
+_WATCH_POLL_S = 0.25
+
+T = TypeVar("T")
 
 
 def _read(path: str) -> str | None:
@@ -149,6 +155,34 @@ def peer_died_error(ranks: list[int], during: str) -> PeerDiedError:
         "or crashed). Its work since the last checkpoint is lost; restart the job from the "
         "latest checkpoint (with torchrun, the agent does this for --max-restarts)",
     )
+
+
+def call_watching_peers(call: Callable[[], T], ranks: Iterable[int], during: str) -> T:
+    """``call()`` on a helper thread while this one watches the processes of ``ranks``
+    (global): a rendezvous such as creating a group waits for every member and has no error
+    of its own for one that died, only the store's timeout (30 minutes by default). Raises
+    ``PeerDiedError`` as soon as a member is gone; the helper, a daemon thread, is left
+    blocked. This thread waits meanwhile, so no other c10d call of it runs beside ``call``."""
+    members = list(ranks)
+    outcome: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as error:  # raised below, on the waiting thread
+            failure.append(error)
+
+    helper = threading.Thread(target=run, name="mfsdp-rendezvous", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        helper.join(_WATCH_POLL_S)
+        dead = dead_ranks(members) if helper.is_alive() else []
+        if dead:
+            raise peer_died_error(dead, during)
+    if failure:
+        raise failure[0]
+    return outcome[0]
 
 
 def explain_failure(during: str, ranks: Iterable[int] | None = None) -> PeerDiedError | None:
