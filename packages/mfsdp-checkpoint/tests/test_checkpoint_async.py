@@ -243,3 +243,35 @@ def test_torch_dcp_async_save_of_our_state_dicts_resumes_exactly(tmp_path: Path)
         loaded, at_save = unpack(result["loaded"]), unpack(result["at_save"])
         for section in ("model", "optim"):
             assert_states_equal(loaded[section], at_save[section], f"dcp.async_save {section}")
+
+
+def _first_async_save_after_a_death(rank: int, world: int, path: str) -> str:
+    import os
+    import signal
+
+    from mfsdp_collectives import exchange_identities
+
+    exchange_identities(dist.group.WORLD)  # what wrapping a model does
+    dist.barrier()
+    if rank == 1:
+        time.sleep(0.3)  # the survivor is inside the first async save's setup by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    mc.async_save({"step": torch.tensor([rank])}, path).result()
+    return "the save finished although a peer died"
+
+
+def test_a_peer_dead_before_the_first_async_save_is_named_within_seconds(tmp_path: Path) -> None:
+    """The first async save makes its background group, a rendezvous of every rank: a rank
+    that died meanwhile is named at once, not after the store's 30-minute timeout."""
+    from mfsdp_collectives import PeerDiedError
+    from mfsdp_collectives.testing import run_distributed_outcomes
+
+    outcomes = run_distributed_outcomes(
+        _first_async_save_after_a_death, 2, str(tmp_path / "ckpt"), timeout=_TIMEOUT
+    )
+    death, survivor = outcomes[1], outcomes[0]
+    assert death.died, death
+    assert survivor.error is not None, survivor.result
+    assert isinstance(survivor.error.exception, PeerDiedError), survivor.error
+    assert "rank 1 (pid" in str(survivor.error.exception)
+    assert survivor.at - death.at < 5.0, f"raised {survivor.at - death.at:.1f}s after the death"

@@ -34,6 +34,7 @@ from mfsdp_checkpoint import _dist
 from mfsdp_checkpoint.atomic import PathLike, check_target, save
 from mfsdp_checkpoint.checkpoint import checkpoint_state
 from mfsdp_checkpoint.chunks import copy_dcp_protocol
+from mfsdp_collectives import call_watching_peers
 
 
 @dataclass
@@ -58,13 +59,25 @@ def _default_group() -> dist.ProcessGroup | None:
 def _new_group(parent: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     if not _dist.is_distributed():
         return None
+    # made at the first async save, mid-run: a member that died before it is named within
+    # seconds instead of holding the rendezvous to the store's timeout
     if parent is None:
-        group = dist.new_group(backend="gloo")  # collective over every rank, like the caller
+        ranks = list(range(dist.get_world_size()))
+        group = call_watching_peers(
+            lambda: dist.new_group(backend="gloo"),  # collective over every rank, like the caller
+            ranks,
+            "creating the group of asynchronous checkpoints",
+        )
     else:
-        group = dist.new_group(
-            ranks=dist.get_process_group_ranks(parent),
-            backend="gloo",
-            use_local_synchronization=True,  # only the members call async_save
+        ranks = dist.get_process_group_ranks(parent)
+        group = call_watching_peers(
+            lambda: dist.new_group(
+                ranks=ranks,
+                backend="gloo",
+                use_local_synchronization=True,  # only the members call async_save
+            ),
+            ranks,
+            "creating the group of asynchronous checkpoints",
         )
     return cast(dist.ProcessGroup, group)
 

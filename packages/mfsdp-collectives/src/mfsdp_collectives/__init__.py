@@ -35,7 +35,13 @@ from .host_transport import (
     host_transport_of,
 )
 from .hsdp_ops import hfsdp_reduce_scatter_into, hsdp_reduce_scatter_into
-from .liveness import PeerDiedError, dead_ranks, exchange_identities, naming_dead_peers
+from .liveness import (
+    PeerDiedError,
+    call_watching_peers,
+    dead_ranks,
+    exchange_identities,
+    naming_dead_peers,
+)
 from .naming import group_name, register_group_name
 from .nccl_ub import UserBufferPool, register_user_buffers
 from .ops import (
@@ -105,6 +111,7 @@ __all__ = [
     "check_post_forward_size",
     "check_ranks_agree",
     "coalesced_gathers",
+    "call_watching_peers",
     "dead_ranks",
     "default_device",
     "disable_host_transport",

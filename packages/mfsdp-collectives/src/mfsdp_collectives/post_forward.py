@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from mfsdp_collectives.host_transport import enable_host_transport
+from mfsdp_collectives.liveness import call_watching_peers
 from mfsdp_collectives.naming import register_group_name
 from mfsdp_collectives.shm import SharedMemoryTransport
 
@@ -69,7 +70,11 @@ def post_forward_group(
     with _lock:
         group = _subgroups.get(members)
     if group is None:
-        group = dist.new_group(list(members), use_local_synchronization=True)
+        group = call_watching_peers(
+            lambda: dist.new_group(list(members), use_local_synchronization=True),
+            members,
+            "creating the group that keeps weights between forward and backward",
+        )
         assert group is not None, "a member of the subgroup got no group"
         register_group_name(group, "post_forward[" + ",".join(map(str, members)) + "]")
         with _lock:
