@@ -146,6 +146,9 @@ def main() -> None:
         default="none",
         help="int8 block-quantized gradient reduce-scatters (and weight all-gathers)",
     )
+    parser.add_argument(
+        "--quantize-bits", type=int, choices=(8, 4), default=8, help="bits per quantized value"
+    )
     parser.add_argument("--log-every", type=int, default=10, help="steps between loss reports")
     parser.add_argument(
         "--losses", default=None, help="write every step's loss (mean over ranks) to this JSON file"
@@ -185,8 +188,9 @@ def main() -> None:
         optimizer, lambda step: learning_rate_factor(step, args.warmup_steps, args.steps)
     )
     if args.quantize_comms != "none":
-        weights = BlockQuantization() if args.quantize_comms == "grads+weights" else None
-        quantize_communication(model, gradients=BlockQuantization(), weights=weights)
+        spec = BlockQuantization(bits=args.quantize_bits)
+        weights = spec if args.quantize_comms == "grads+weights" else None
+        quantize_communication(model, gradients=spec, weights=weights)
 
     generator = torch.Generator().manual_seed(1234 + rank)
     if rank == 0:
