@@ -164,8 +164,10 @@ class ReduceScatterStage:
             else self.out.new_empty(self.out.shape, dtype=self.spec.reduce_dtype)
         )
         self.send, self.recv = send, recv
-        if self.comm is not None:  # its output buffer is the comm's; finish copies it out
+        if self.comm is not None:
             assert isinstance(send, torch.Tensor)
+            # the output buffer is the comm's (finish copies it out), unless the comm takes
+            # ours and the output can be written in place
             if not (direct and uses_caller_buffers(self.comm)):
                 self.recv = allocate_flat(self.comm, self.out.numel(), recv.dtype, recv.device)
             return self.comm(

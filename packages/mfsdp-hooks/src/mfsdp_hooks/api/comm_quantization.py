@@ -51,9 +51,10 @@ def quantize_communication(
     ``error_log``: each unit's relative quantization error is recorded there, and logged,
     at every reduction and gather (a bucket per unit and op, named by the unit's path
     under ``module``, ``root`` for ``module`` itself). Call it between iterations, on every
-    rank alike. Quantized weights need the gathered weights apart from the ones the
-    optimizer steps: under ZeRO-1/2 with no main weights apart (fp32) it raises, naming the
-    unit, before changing any."""
+    rank alike. Every unit's new hooks are checked before any unit changes. Quantized
+    weights need floating weights (float8 ones travel as bytes) gathered apart from the ones
+    the optimizer steps (not so under ZeRO-1/2 with no main weights apart): elsewhere it
+    raises, naming the unit."""
     for name, value in (("gradients", gradients), ("weights", weights)):
         if value is not None and not isinstance(value, BlockQuantization):
             raise TypeError(
