@@ -295,3 +295,36 @@ def test_a_unit_that_refuses_leaves_every_unit_as_it_was() -> None:
     for result in run_distributed(_refused_midway, 2, timeout=60):
         assert "not supported yet with no_shard" in result["said"], result["said"]
         assert result["untouched"] == [True, True]
+
+
+def _switched_off(rank: int, world: int) -> dict[str, Any]:
+    from mfsdp_collectives.counting_comms import CountingAllGather
+    from mfsdp_hooks import fsdp_units
+
+    def hooks(model: nn.Module) -> list[Any]:
+        return [fsdp_units(m)[0].comm_hooks for m in model.modules() if isinstance(m, FSDPModule)]
+
+    plain, switched = AlignedModel(), AlignedModel()
+    users_gather = CountingAllGather()  # exact: the same values as the built-in gather
+    for model in (plain, switched):
+        shard_blocks_then_root(model, "ours", host_transport="gloo")
+        model.set_custom_all_gather(users_gather)  # type: ignore[operator]
+    quantize_communication(switched, gradients=SPEC)
+    on = [(type(h.reduce_scatter).__name__, h.all_gather is users_gather) for h in hooks(switched)]
+    quantize_communication(switched, gradients=None)  # back to full precision
+    off = [(h.reduce_scatter, h.all_gather is users_gather) for h in hooks(switched)]
+    return {
+        "on": on,
+        "off": off,
+        "losses": (train_aligned(plain, rank, 3), train_aligned(switched, rank, 3)),
+    }
+
+
+def test_a_second_call_with_none_switches_quantization_off_and_keeps_the_users_comms() -> None:
+    for result in run_distributed(_switched_off, 2, timeout=60):
+        assert result["on"] and result["on"][0] == ("QuantizedReduceScatter", True)
+        assert all(kind == "QuantizedReduceScatter" for kind, _ in result["on"])
+        assert result["off"][0] == (None, True)  # the user's gather on the root stays
+        assert all(comm is None for comm, _ in result["off"])
+        plain, switched = result["losses"]
+        assert switched == plain  # full precision again, bit for bit

@@ -44,10 +44,12 @@ def quantize_communication(
 ) -> list[FSDPModule]:
     """Carry the gradient reduce-scatters (``gradients``, int8 with 2048-element blocks by
     default) and the weight all-gathers (``weights``, off by default) of every unit under
-    ``module`` block-quantized; ``None`` leaves that collective in full precision. Returns
-    the units changed. 1-D parameters (norm weights, biases) travel exactly, in fp32
-    beside the codes. ``background`` (default: on gloo groups): the quantized collectives
-    run on a worker thread of their own, off the training thread (``CollectiveWorker``).
+    ``module`` block-quantized; ``None`` leaves that collective in full precision (a
+    quantized comm an earlier call set is removed; a comm of the user's is left as it is),
+    so a second call switches quantization off again. Returns the units changed. 1-D
+    parameters (norm weights, biases) travel exactly, in fp32 beside the codes.
+    ``background`` (default: on gloo groups): the quantized collectives run on a worker
+    thread of their own, off the training thread (``CollectiveWorker``).
     ``error_log``: each unit's relative quantization error is recorded there, and logged,
     at every reduction and gather (a bucket per unit and op, named by the unit's path
     under ``module``, ``root`` for ``module`` itself). Call it between iterations, on every
@@ -79,21 +81,26 @@ def quantize_communication(
     workers = {kind: CollectiveWorker() for kind, spec, _ in kinds if spec is not None}
     changes: list[tuple[FSDPUnit, dict[str, object]]] = []
     for path, wrapped in units:
-        name, exact = path or "root", _one_dim_ranges(wrapped)
-        change: dict[str, object] = {
-            kind: comm(
-                spec,
-                buffers=buffers,
-                background=background,
-                worker=workers[kind],
-                error_log=error_log,
-                name=name,
-                exact=exact,
-            )
-            for kind, spec, comm in kinds
-            if spec is not None
+        name, exact, unit = path or "root", _one_dim_ranges(wrapped), _unit(wrapped)
+        hooks = unit.comm_hooks
+        current: dict[str, object] = {
+            "reduce_scatter": hooks.reduce_scatter,
+            "all_gather": hooks.all_gather,
         }
-        unit = _unit(wrapped)
+        change: dict[str, object] = {}
+        for kind, spec, comm in kinds:
+            if spec is not None:
+                change[kind] = comm(
+                    spec,
+                    buffers=buffers,
+                    background=background,
+                    worker=workers[kind],
+                    error_log=error_log,
+                    name=name,
+                    exact=exact,
+                )
+            elif isinstance(current[kind], comm):  # an earlier call's: back to full precision
+                change[kind] = None
         checked_comm_hooks(unit, **change)  # every unit is checked before any changes
         changes.append((unit, change))
     for unit, change in changes:
