@@ -328,3 +328,27 @@ def test_a_second_call_with_none_switches_quantization_off_and_keeps_the_users_c
         assert all(comm is None for comm, _ in result["off"])
         plain, switched = result["losses"]
         assert switched == plain  # full precision again, bit for bit
+
+
+def _with_fsdp2_hooks(rank: int, world: int, force_sum: bool) -> dict[str, Any]:
+    from mfsdp_collectives.counting_comms import GradientRecorder
+
+    model = AlignedModel()
+    shard_blocks_then_root(model, "ours", host_transport="gloo")
+    units = quantize_communication(model, gradients=SPEC)
+    recorder = GradientRecorder()
+    for unit in units:
+        unit.set_all_reduce_hook(recorder)
+        unit.set_force_sum_reduction_for_comms(force_sum)
+    return {"losses": train_aligned(model, rank, 4), "sums": recorder.sums}
+
+
+def test_quantized_reduce_scatters_take_the_all_reduce_hook_and_force_sum() -> None:
+    """FSDP2's other two comm hooks beside a quantized reduce-scatter: the all-reduce hook
+    sees every reduced chunk, and a forced sum changes nothing on gloo, which has no
+    average: both sum on the wire and divide the output (what the hook sees is the sum)."""
+    averaged = run_distributed(_with_fsdp2_hooks, 2, False, timeout=60)
+    summed = run_distributed(_with_fsdp2_hooks, 2, True, timeout=60)
+    for mean, total in zip(averaged, summed, strict=True):
+        assert len(mean["sums"]) >= 4 and mean["sums"] == total["sums"]
+        assert mean["losses"] == total["losses"]
