@@ -5,36 +5,20 @@ from_pretrained."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from example_runs import run_example
 
 from mfsdp_checkpoint import convert
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _run_example(work: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(ROOT / "examples" / "finetune_hf.py"),
-        "--work-dir",
-        str(work),
-        *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    return run_example("finetune_hf.py", "--work-dir", str(work), *args)
 
 
 def test_finetune_survives_a_killed_rank_and_exports_for_from_pretrained(tmp_path: Path) -> None:

@@ -4,26 +4,18 @@ and its ``save_model()`` output loads with ``from_pretrained`` to the sharded lo
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from example_runs import run_example
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _run(out: Path, *args: str) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", str(ROOT / "examples" / "hf_trainer.py")]
-    command += ["--output-dir", str(out), "--save-steps", "10", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    done = run_example("hf_trainer.py", "--output-dir", str(out), "--save-steps", "10", *args)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 

@@ -6,33 +6,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from example_runs import run_example
 
-ROOT = Path(__file__).resolve().parents[1]
 FULL = os.environ.get("MFSDP_FULL_MATRIX") == "1"
 
 
 def _losses(out: Path, name: str, *args: str) -> tuple[list[float], float]:
     """Every step's loss (mean over the ranks) and the held-out loss of one demo run."""
     path = out / f"{name}.json"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(ROOT / "examples" / "train_gpt.py"),
-        "--losses",
-        str(path),
-        *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    done = run_example("train_gpt.py", "--losses", str(path), *args, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads(path.read_text())
     return record["losses"], record["held_out"]

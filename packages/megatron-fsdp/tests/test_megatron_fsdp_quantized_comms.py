@@ -135,7 +135,18 @@ def _float8_weights(rank: int, world: int, row: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("row", ["model_optimizer", "per_module"])
+_FULL_ONLY = pytest.mark.skip(reason="CI cross-section: MFSDP_FULL_MATRIX=1 (nox -s tests_full)")
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        pytest.param(
+            row, marks=() if FULL or row in ("model_optimizer", "per_module") else _FULL_ONLY
+        )
+        for row in ROWS
+    ],
+)
 def test_float8_weights_are_not_block_quantized(row: str) -> None:
     """float8 weights travel as bytes: rounding a byte as a number makes another float8 value
     (or a NaN), so quantized weights are refused for them by name, before any unit changes."""
@@ -177,9 +188,10 @@ def _composed(rank: int, world: int, row: str, col: str) -> list[float]:
 
 
 def _composed_cases() -> list[Any]:
-    skip = pytest.mark.skip(reason="CI cross-section: MFSDP_FULL_MATRIX=1 (nox -s tests_full)")
     return [
-        pytest.param(row, col, marks=() if FULL or (col in IN_CI and row == "per_module") else skip)
+        pytest.param(
+            row, col, marks=() if FULL or (col in IN_CI and row == "per_module") else _FULL_ONLY
+        )
         for row in ("per_module", "model_optimizer")
         for col in COMPOSED
         if not (row == "model_optimizer" and col in ("cpu_offload", "fine_grained"))

@@ -98,7 +98,10 @@ def test_sum_only_sums_on_the_wire_and_divides_the_output() -> None:
         assert averaged == summed == expected.tolist()
 
 
-class _GatherIntoCallers(CountingAllGather):
+class _RecordsOutputs:
+    """Mixed in before a counting comm: it takes the caller's buffers and remembers where
+    each call wrote."""
+
     uses_caller_buffers = True
 
     def __init__(self) -> None:
@@ -107,19 +110,15 @@ class _GatherIntoCallers(CountingAllGather):
 
     def __call__(self, output_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         self.outputs.append(output_tensor.data_ptr())
-        return super().__call__(output_tensor, *args, **kwargs)
+        return super().__call__(output_tensor, *args, **kwargs)  # type: ignore[misc]
 
 
-class _ScatterIntoCallers(CountingReduceScatter):
-    uses_caller_buffers = True
+class _GatherIntoCallers(_RecordsOutputs, CountingAllGather):
+    pass
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.outputs: list[int] = []
 
-    def __call__(self, output_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        self.outputs.append(output_tensor.data_ptr())
-        return super().__call__(output_tensor, *args, **kwargs)
+class _ScatterIntoCallers(_RecordsOutputs, CountingReduceScatter):
+    pass
 
 
 def _caller_buffers_world(rank: int, world: int) -> dict[str, Any]:
