@@ -174,6 +174,7 @@ COMPOSED = (
     "train_eval",
     "tied",
     "frozen",
+    "reshard_int",
 )
 IN_CI = {"hsdp", "bf16", "no_sync"}
 

@@ -3,7 +3,9 @@ many consecutive ranks, so backward gathers among them only. Side by side with F
 ranks with ``reshard_after_forward=2``: no backward all-gather on the 4-rank group, the same
 losses as ``True`` (bitwise), half the unsharded weights held from forward to backward, the
 none of it left after backward (no step peaks above the first two), and the same calls and
-bytes as FSDP2 in each phase."""
+bytes as FSDP2 in each phase. A custom all-gather (``set_custom_all_gather``) runs the backward
+gathers over the pairs as FSDP2's does; block-quantized weights gather the pairs' slices
+exactly (backward computes with the forward's weights, bitwise as ``True``)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ import pytest
 import torch
 from hooks_models import AlignedModel
 from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from mfsdp_buffers import LiveTensorTracker
-from mfsdp_collectives import C10dTracer, CommLog, CommTracer
+from mfsdp_collectives import BlockQuantization, C10dTracer, CommLog, CommTracer
+from mfsdp_collectives.counting_comms import CountingAllGather
 from mfsdp_collectives.testing import run_distributed
 
 STEPS = 4
@@ -254,3 +258,75 @@ def test_int_reshard_under_hsdp_keeps_backward_gathers_inside_each_replica_pair(
         assert a["losses"] == b["losses"]
         first = rank // 2 * 2
         assert b["backward"] == [[f"post_forward[{first},{first + 1}]/all_gather"]] * STEPS
+
+
+def _custom_gather_worker(
+    rank: int, world: int, impl: str, reshard: bool | int, quantized: bool
+) -> dict[str, Any]:
+    """Every unit's all-gathers through a custom comm: a counted one (ours or FSDP2), or
+    ``quantize_communication``'s int8 weights (ours; the gradients stay fp32)."""
+    from mfsdp_hooks import quantize_communication
+
+    model = AlignedModel()
+    _shard(model, impl, reshard)
+    comms = []
+    if quantized:  # blocks that do not divide the 1024-value shards
+        quantize_communication(model, gradients=None, weights=BlockQuantization(bits=8, block=96))
+    else:
+        for unit in model.modules():
+            if isinstance(unit, TorchFSDPModule):
+                comms.append(CountingAllGather())
+                unit.set_custom_all_gather(comms[-1])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out: dict[str, Any] = {"losses": [], "forward": [], "backward": [], "traced": [], "sizes": []}
+    seen = [0] * len(comms)
+
+    def sizes_since_last() -> list[int]:
+        """The group sizes the comms gathered over since the last call."""
+        new = [size for i, comm in enumerate(comms) for size in comm.group_sizes[seen[i] :]]
+        seen[:] = [len(comm.group_sizes) for comm in comms]
+        return sorted(new)
+
+    for step in range(STEPS):
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 32, generator=generator), torch.randn(8, 16, generator=generator)
+        with C10dTracer() as forward:
+            rows = slice(2 * rank, 2 * rank + 2)
+            loss = nn.functional.mse_loss(model(x[rows]), y[rows])
+        in_forward = sizes_since_last()
+        with C10dTracer() as backward, CommTracer() as traced:
+            loss.backward()
+        out["sizes"].append((in_forward, sizes_since_last()))
+        out["forward"].append(forward.summary())
+        out["backward"].append(backward.summary())
+        out["traced"].append(sorted(k for k in traced.summary() if "/all_gather" in k))
+        optimizer.step()
+        optimizer.zero_grad()
+        out["losses"].append(loss.item())
+    return out
+
+
+def test_a_custom_all_gather_runs_the_backward_gathers_over_the_pairs_as_fsdp2() -> None:
+    ours = run_distributed(_custom_gather_worker, WORLD, "ours", 2, False, timeout=180)
+    fsdp2 = run_distributed(_custom_gather_worker, WORLD, "fsdp2", 2, False, timeout=180)
+    for mine, theirs in zip(ours, fsdp2, strict=True):
+        # each of the 4 units' comm: its forward gather over the 4 ranks, its backward one
+        # over this rank's pair, as FSDP2's
+        assert mine["sizes"] == theirs["sizes"]
+        assert mine["sizes"] == [([4, 4, 4, 4], [2, 2, 2, 2])] * STEPS, mine["sizes"]
+        for phase in ("forward", "backward"):  # all-gather calls and bytes on the wire
+            for got, want in zip(mine[phase], theirs[phase], strict=True):
+                assert got["c10d/all_gather"] == want["c10d/all_gather"], phase
+        for a, b in zip(mine["losses"], theirs["losses"], strict=True):
+            assert abs(a - b) <= 1e-6 * abs(b)
+
+
+def test_quantized_weights_regather_the_pairs_slices_exactly() -> None:
+    full = run_distributed(_custom_gather_worker, WORLD, "ours", True, True, timeout=180)
+    pairs = run_distributed(_custom_gather_worker, WORLD, "ours", 2, True, timeout=180)
+    for rank, (a, b) in enumerate(zip(full, pairs, strict=True)):
+        assert a["losses"] == b["losses"]  # bitwise: backward used the forward's weights
+        pair = "post_forward[0,1]" if rank < 2 else "post_forward[2,3]"
+        for step, traced in enumerate(b["traced"]):
+            assert f"{pair}/all_gather" in traced, (step, traced)
+            assert not any("dp_shard" in name for name in traced), (step, traced)

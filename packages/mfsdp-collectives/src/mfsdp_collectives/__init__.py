@@ -23,6 +23,7 @@ from .custom_comms import (
     CommAllocator,
     ReduceScatterComm,
     check_comm,
+    regathers_exactly,
     uses_caller_buffers,
 )
 from .exact_values import ExactPositions
@@ -86,6 +87,7 @@ __all__ = [
     "CommAllocator",
     "ReduceScatterComm",
     "check_comm",
+    "regathers_exactly",
     "uses_caller_buffers",
     "mesh_has_dim",
     "CommHandle",

@@ -34,7 +34,12 @@ class _CountedBuffers(EmptyBuffers):
 
 
 class CountingAllGather(_CountedBuffers):
-    """c10d's all-gather, counted: every call and every buffer it allocated."""
+    """c10d's all-gather, counted: every call, the size of the group it gathered over, and
+    every buffer it allocated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.group_sizes: list[int] = []
 
     def __call__(
         self,
@@ -44,6 +49,7 @@ class CountingAllGather(_CountedBuffers):
         async_op: bool = False,
     ) -> Work | None:
         self.calls += 1
+        self.group_sizes.append(dist.get_world_size(group))
         return all_gather_single(output_tensor, input_tensor, group, async_op=async_op)
 
 

@@ -23,6 +23,13 @@ reduce-scatter that stores, the pooled gradient buffer it reads) and skips the c
 Ours (``QuantizedAllGather``, ``QuantizedReduceScatter``) do; FSDP2's protocol has no such
 flag, so any other comm keeps FSDP2's buffers and copies.
 
+A comm that sets ``regathers_exactly = False`` declares that gathering again what it
+delivered would not give the same values (a lossy code that rounds again on every pass, as
+block quantization does). Where the engine regathers values a gather already delivered
+(the backward gather of an int ``reshard_after_forward``, from the slices kept after
+forward) it then carries them exactly instead, so backward computes with the forward's
+weights. Any other comm runs that gather too, as FSDP2 runs it.
+
 Neither goes over the shared-memory transport or into a coalesced gather: the comm decides
 how the bytes travel.
 """
@@ -50,6 +57,7 @@ __all__ = [
     "allocate_flat",
     "check_comm",
     "custom_all_gather",
+    "regathers_exactly",
     "uses_caller_buffers",
 ]
 
@@ -102,6 +110,12 @@ def uses_caller_buffers(comm: object) -> bool:
     """Whether ``comm`` takes the caller's buffers (``uses_caller_buffers = True``, see the
     module docstring) instead of ones from its ``allocate``."""
     return getattr(comm, "uses_caller_buffers", False) is True
+
+
+def regathers_exactly(comm: object) -> bool:
+    """Whether gathering again what ``comm`` delivered gives the same values (see the module
+    docstring): True unless it sets ``regathers_exactly = False``."""
+    return getattr(comm, "regathers_exactly", True) is not False
 
 
 def check_comm(comm: object, arg: str) -> None:

@@ -40,6 +40,7 @@ class _QuantizedComm(EmptyBuffers):
 
     op_name = ""
     uses_caller_buffers = True  # allocate is EmptyBuffers': the engine's buffers serve
+    regathers_exactly = False  # a second pass over dequantized values rounds them again
 
     def __init__(
         self,

@@ -47,7 +47,10 @@ def quantize_communication(
     ``module`` block-quantized; ``None`` leaves that collective in full precision (a
     quantized comm an earlier call set is removed; a comm of the user's is left as it is),
     so a second call switches quantization off again. Returns the units changed. 1-D
-    parameters (norm weights, biases) travel exactly, in fp32 beside the codes.
+    parameters (norm weights, biases) travel exactly, in fp32 beside the codes. Under an
+    int ``reshard_after_forward`` the forward gather is quantized and the backward one,
+    inside the smaller group, carries the forward's dequantized weights exactly (ZeRO++'s
+    qwZ with hpZ: backward computes with the forward's weights).
     ``background`` (default: on gloo groups): the quantized collectives run on a worker
     thread of their own, off the training thread (``CollectiveWorker``).
     ``error_log``: each unit's relative quantization error is recorded there, and logged,

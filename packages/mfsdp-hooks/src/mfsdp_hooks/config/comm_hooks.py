@@ -6,7 +6,9 @@ and ``set_force_sum_reduction_for_comms`` each change one field of the unit's ``
 all-gather comm, their reducers the rest:
 
 - ``all_gather``: every all-gather of the unit's weights over the shard group runs through it
-  (``mfsdp_collectives.custom_comms``);
+  (``mfsdp_collectives.custom_comms``), and so does the backward gather over the smaller
+  group of an int ``reshard_after_forward``, as FSDP2's, unless the comm cannot regather
+  its own output exactly (``regathers_exactly``: block quantization), when it is exact;
 - ``reduce_scatter``: the gradient reduce-scatter runs through it, and the unsharded gradient
   buffer it reads comes from its ``allocate``;
 - ``all_reduce_hook``: called with the reduced gradient shard, in the reduce dtype, after the
@@ -64,7 +66,6 @@ def check_comm_hooks(
     *,
     strategy: ShardingStrategy,
     topology: FSDPTopology,
-    reshards_onto_subgroup: bool,
 ) -> None:
     """Raise, naming the unit and the setter, where the engine would not honour ``hooks``
     (before any collective runs with them)."""
@@ -77,12 +78,6 @@ def check_comm_hooks(
             f"FSDP unit {unit}: custom comms and the all-reduce hook are not supported yet "
             f"with {layout}: its gradients do not travel as one reduce-scatter in the shard "
             "group; use plain FSDP or HSDP for this unit"
-        )
-    if hooks.all_gather is not None and reshards_onto_subgroup:
-        raise NotImplementedError(
-            f"FSDP unit {unit}: set_custom_all_gather with an int reshard_after_forward is "
-            "not supported yet (its backward all-gather runs over the smaller group); pass "
-            "reshard_after_forward=True or False"
         )
     if hooks.all_reduce_hook_stream is not None:
         if topology.outer_group is not None:

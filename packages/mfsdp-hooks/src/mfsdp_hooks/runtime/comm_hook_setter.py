@@ -23,13 +23,7 @@ def checked_comm_hooks(unit: FSDPUnit, **change: Any) -> CommHooks:
         )
     hooks = dataclasses.replace(unit.comm_hooks, **change)
     options = unit.options
-    check_comm_hooks(
-        hooks,
-        unit.name,
-        strategy=options.strategy,
-        topology=options.topology,
-        reshards_onto_subgroup=options.reshard_after_forward_group_size is not None,
-    )
+    check_comm_hooks(hooks, unit.name, strategy=options.strategy, topology=options.topology)
     return hooks
 
 

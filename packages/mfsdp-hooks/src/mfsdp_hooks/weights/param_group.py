@@ -91,16 +91,20 @@ class _AfterLanding:
 
 class _NamingNonFinite:
     """A gather through a custom comm (a quantized one) whose non-finite weight is reported
-    as the parameter that holds it (the comm knows only its rank and element)."""
+    as the parameter that holds it (the comm knows only its rank and element); each sender
+    sent ``sent_numel`` values of the flat buffer, in rank order."""
 
-    def __init__(self, handle: Waitable, layout: FlatLayout, names: Sequence[str]) -> None:
+    def __init__(
+        self, handle: Waitable, layout: FlatLayout, names: Sequence[str], sent_numel: int
+    ) -> None:
         self._handle, self._layout, self._names = handle, layout, names
+        self._sent_numel = sent_numel
 
     def wait(self) -> None:
         try:
             self._handle.wait()
         except NonFiniteError as error:
-            offset = error.rank * self._layout.shard_numel  # the sender's shard
+            offset = error.rank * self._sent_numel  # where the sender's values start
             raise named_non_finite(error, self._layout, self._names, "weight", offset) from error
 
 
@@ -271,7 +275,8 @@ class ParameterGroup:
         """
         unsharded = self.model.materialize()
         if post_forward is not None:
-            return self._decoded(post_forward.gather_into(unsharded, streams), unsharded)
+            handle = post_forward.gather_into(unsharded, streams, self.all_gather_comm)
+            return self._decoded(handle, unsharded, senders=post_forward.subgroup.size)
         if self.main is not None and not self.model.has_persistent_shard:
             with torch.no_grad():
                 self.codec.encode(self.main.shard, self.model.shard)
@@ -283,7 +288,7 @@ class ParameterGroup:
             transport=self.topology.host_transport,
             comm=self.all_gather_comm,
         )
-        return self._decoded(handle, unsharded)
+        return self._decoded(handle, unsharded, senders=self.topology.shard_size)
 
     def attach_root(self, root: GroupRoot, path_prefix: str) -> None:
         """Join ``root``, whose module holds this group's unit at ``path_prefix`` (e.g.
@@ -292,10 +297,12 @@ class ParameterGroup:
         if self.reducer is not None:
             self.reducer.names = self.full_names
 
-    def _decoded(self, handle: CommHandle, gathered: torch.Tensor) -> Waitable:
+    def _decoded(self, handle: CommHandle, gathered: torch.Tensor, *, senders: int) -> Waitable:
+        """``handle``'s gather of ``gathered`` from ``senders`` ranks, decoded once landed."""
         landed: Waitable = handle
         if self.all_gather_comm is not None:
-            landed = _NamingNonFinite(handle, self.layout, self.full_names)
+            sent = gathered.numel() // senders
+            landed = _NamingNonFinite(handle, self.layout, self.full_names, sent)
         if not self.codec.decodes:
             return landed
         return _AfterLanding(landed, lambda: self.codec.decode(gathered))
@@ -397,7 +404,7 @@ def _install_whole(
         transport=group.topology.host_transport,
         comm=group.all_gather_comm,
     )
-    landed = group._decoded(handle, full)
+    landed = group._decoded(handle, full, senders=group.topology.shard_size)
     if kept is None:
         return landed
     saved = kept

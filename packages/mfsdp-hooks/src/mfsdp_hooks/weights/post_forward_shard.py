@@ -4,16 +4,26 @@ FSDP2's ``reshard_after_forward=<int>``: when a unit's forward ends, this rank c
 ``1/size`` slice of the gathered (compute-dtype, or a codec's wire) buffer and the buffer is
 released. The backward unshard puts the slice back into its place of a fresh buffer and
 all-gathers over the ``size`` ranks of ``PostForwardGroup``, so no byte crosses the rest of
-the shard group. The slice is dropped as soon as the buffer is rebuilt from it, or when the
-weights change before that (an optimizer step, a load): then the next unshard gathers the
-whole shard group as usual.
+the shard group; a custom all-gather comm (FSDP2's ``set_custom_all_gather``) runs it, as
+FSDP2 runs it over its post-forward mesh, unless the comm cannot regather its own output
+exactly (``regathers_exactly``: block quantization): the slices are already what it
+delivered in forward, and backward must compute with the same weights. The slice is dropped
+as soon as the buffer is rebuilt from it, or when the weights change before that (an
+optimizer step, a load): then the next unshard gathers the whole shard group as usual.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mfsdp_collectives import CommHandle, CommStreams, PostForwardGroup, all_gather_into
+from mfsdp_collectives import (
+    AllGatherComm,
+    CommHandle,
+    CommStreams,
+    PostForwardGroup,
+    all_gather_into,
+    regathers_exactly,
+)
 
 __all__ = ["PostForwardShard"]
 
@@ -36,9 +46,12 @@ class PostForwardShard:
         start = self.subgroup.rank * share
         return buffer[start : start + share]
 
-    def gather_into(self, buffer: torch.Tensor, streams: CommStreams | None) -> CommHandle:
+    def gather_into(
+        self, buffer: torch.Tensor, streams: CommStreams | None, comm: AllGatherComm | None
+    ) -> CommHandle:
         """Rebuild the whole of ``buffer`` (a fresh unsharded buffer) from the subgroup's
-        slices; the slice is given back at once (it lives on in ``buffer``)."""
+        slices, through ``comm`` (the unit's custom all-gather) where it regathers exactly;
+        the slice is given back at once (it lives on in ``buffer``)."""
         held, self._slice = self._slice, None
         assert held is not None, "a post-forward shard is gathered once"
         slot = self._slot(buffer)
@@ -46,6 +59,7 @@ class PostForwardShard:
             slot.copy_(held)
         del held
         subgroup = self.subgroup
+        through = comm if comm is not None and regathers_exactly(comm) else None
         return all_gather_into(
-            slot, buffer, subgroup.group, stream=streams, transport=subgroup.transport
+            slot, buffer, subgroup.group, stream=streams, transport=subgroup.transport, comm=through
         )
