@@ -165,15 +165,31 @@ def test_float8_weights_train_under_hfsdp_at_parity(entry: str) -> None:
     assembled across dp_outer in float8, and the dp_shard gather moves one byte per element.
     Through the seed API and the reference's class (``fp8_param_gather=True``)."""
     results = run_distributed(_hfsdp_float8, 4, entry, timeout=240)
-    reference = float8_model()
-    if entry == "class":  # fp8_param_gather also converts the head, as in one process here
-        convert_for_float8_param_gather(reference, "fp8_param_gather")
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    want = [float8_step(reference, optimizer, s, 4, sharded=False) for s in range(HFSDP_STEPS)]
+    reference, want = _one_process_hfsdp_reference(entry, reverse=False)
+    reordered, _ = _one_process_hfsdp_reference(entry, reverse=True)
     for rank, result in enumerate(results):
         assert result["wire"]["blocks.0.up.weight"] == torch.uint8, result["wire"]
         for step, (got, exp) in enumerate(zip(result["losses"], want, strict=True)):
             assert abs(got - exp) <= 1e-5 * abs(exp), (rank, step, result["losses"], want)
         for name, param in reference.named_parameters():
-            got_w = torch.tensor(result["weights"][name])
-            torch.testing.assert_close(got_w, param.detach(), rtol=1e-5, atol=1e-6)
+            got_w, exact = torch.tensor(result["weights"][name]), param.detach()
+            # AdamW's normalised step amplifies float rounding where a gradient is near 0: a
+            # weight may then differ by what summing the micro-batches in another order
+            # moves it in one process (3.5e-6 on one LayerNorm bias here), never by more
+            rounding = (exact - dict(reordered.named_parameters())[name].detach()).abs()
+            bound = 1e-6 + 1e-5 * exact.abs() + 2 * rounding
+            assert ((got_w - exact).abs() <= bound).all(), (name, (got_w - exact).abs().max())
+
+
+def _one_process_hfsdp_reference(entry: str, *, reverse: bool) -> tuple[nn.Module, list[float]]:
+    """The one-process float8 model after the HFSDP run's steps (each rank's share a
+    micro-batch of its own, in reverse order with ``reverse``) and its losses."""
+    reference = float8_model()
+    if entry == "class":  # fp8_param_gather also converts the head, as in one process here
+        convert_for_float8_param_gather(reference, "fp8_param_gather")
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    losses = [
+        float8_step(reference, optimizer, s, 4, sharded=False, reverse=reverse)
+        for s in range(HFSDP_STEPS)
+    ]
+    return reference, losses

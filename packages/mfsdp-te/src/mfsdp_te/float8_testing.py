@@ -66,14 +66,22 @@ def float8_batch(step: int, rows: int = 32) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def float8_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, step: int, parts: int, *, sharded: bool
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    parts: int,
+    *,
+    sharded: bool,
+    reverse: bool = False,
 ) -> float:
     """One step on batch ``step`` cut into ``parts`` shares, returning the mean loss: this
     rank's share (``sharded``, the loss averaged over ranks), or in one process every share
-    as a micro-batch of its own. Float8 scales activations per tensor, so this is how a
-    one-process reference sees what data parallelism computes."""
+    as a micro-batch of its own (in reverse order with ``reverse``: the gradients then sum in
+    another order, which shows how far float rounding alone moves the reference). Float8
+    scales activations per tensor, so this is how a one-process reference sees what data
+    parallelism computes."""
     x, y = float8_batch(step)
-    shares = [dist.get_rank()] if sharded else list(range(parts))
+    shares = [dist.get_rank()] if sharded else list(range(parts))[:: -1 if reverse else 1]
     loss = torch.zeros(())
     for share in shares:
         part = nn.functional.mse_loss(model(x.chunk(parts)[share]), y.chunk(parts)[share])
