@@ -167,6 +167,7 @@ def test_float8_weights_train_under_hfsdp_at_parity(entry: str) -> None:
     results = run_distributed(_hfsdp_float8, 4, entry, timeout=240)
     reference, want = _one_process_hfsdp_reference(entry, reverse=False)
     reordered, _ = _one_process_hfsdp_reference(entry, reverse=True)
+    reordered_weights = dict(reordered.named_parameters())
     for rank, result in enumerate(results):
         assert result["wire"]["blocks.0.up.weight"] == torch.uint8, result["wire"]
         for step, (got, exp) in enumerate(zip(result["losses"], want, strict=True)):
@@ -176,7 +177,7 @@ def test_float8_weights_train_under_hfsdp_at_parity(entry: str) -> None:
             # AdamW's normalised step amplifies float rounding where a gradient is near 0: a
             # weight may then differ by what summing the micro-batches in another order
             # moves it in one process (3.5e-6 on one LayerNorm bias here), never by more
-            rounding = (exact - dict(reordered.named_parameters())[name].detach()).abs()
+            rounding = (exact - reordered_weights[name].detach()).abs()
             bound = 1e-6 + 1e-5 * exact.abs() + 2 * rounding
             assert ((got_w - exact).abs() <= bound).all(), (name, (got_w - exact).abs().max())
 

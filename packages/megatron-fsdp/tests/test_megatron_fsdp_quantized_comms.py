@@ -189,12 +189,16 @@ def _composed(rank: int, world: int, row: str, col: str) -> list[float]:
 
 
 def _composed_cases() -> list[Any]:
+    """Two rows for every column; all five for ``reshard_int``, whose backward gather over
+    pairs each entry point reaches through its own option (``reshard_after_forward=2``,
+    ``reshard_after_forward_group_size=2``)."""
     return [
         pytest.param(
             row, col, marks=() if FULL or (col in IN_CI and row == "per_module") else _FULL_ONLY
         )
-        for row in ("per_module", "model_optimizer")
+        for row in ROWS
         for col in COMPOSED
+        if row in ("per_module", "model_optimizer") or col == "reshard_int"
         if not (row == "model_optimizer" and col in ("cpu_offload", "fine_grained"))
     ]
 
