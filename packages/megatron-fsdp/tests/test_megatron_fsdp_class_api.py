@@ -104,7 +104,11 @@ def test_what_the_reference_would_drop_or_ours_lacks_raises(case: str, expected:
 def _methods_worker(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(100 + rank)  # ranks start from different weights...
     module = make_model(seed=100 + rank)
-    config = DistributedDataParallelConfig(data_parallel_sharding_strategy="no_shard")
+    # Megatron-LM's --data-parallel-random-init: wrapping must not refuse the different
+    # weights (check_replicas=False) that broadcast_params makes equal afterwards.
+    config = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="no_shard", check_replicas=False
+    )
     model = MegatronFSDP(module, _index(world), config, fsdp_unit_modules=[Block])
     model.broadcast_params()  # ...until rank 0's are everyone's
     tokens, targets = make_batches(1)[0]

@@ -63,6 +63,7 @@ def fully_shard_model(
     host_transport: str = "auto",
     backward_prefetch_grad_fraction: float = 0.5,
     reshard_after_forward_group_size: int | None = None,
+    check_replicas: bool = True,
 ) -> MegatronFSDP:
     """Shard ``module`` (every ``fsdp_unit_modules`` match, then the root) and wrap it.
 
@@ -154,6 +155,11 @@ def fully_shard_model(
             elements more per rank between forward and backward (FSDP2's
             ``reshard_after_forward=<int>``, DeepSpeed's hpZ). A divisor of the shard group's
             size; ZeRO-3 only. None: reshard over the whole group.
+        check_replicas: compare, at each unit's wrap, the values of its weights across the
+            ranks, and raise on every rank naming the first weight that differs when the
+            ranks built the model with different values (different seeds): sharded, each
+            rank would train its slice of its own weights. False when you load the weights
+            into the sharded model after wrapping.
     """
     options = sharding_options(
         module,
@@ -189,6 +195,7 @@ def fully_shard_model(
         host_transport=host_transport,
         backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
         reshard_after_forward_group_size=reshard_after_forward_group_size,
+        check_replicas=check_replicas,
     )
     wrapped = MegatronFSDP(module, fsdp_unit_modules=fsdp_unit_modules, options=options)
     if preproc_state_dict_for_dcp_ckpt:
@@ -275,6 +282,7 @@ def fully_shard(
     host_transport: str = "auto",
     backward_prefetch_grad_fraction: float = 0.5,
     reshard_after_forward_group_size: int | None = None,
+    check_replicas: bool = True,
 ) -> tuple[MegatronFSDP, torch.optim.Optimizer]:
     """One-line change for an initialised model and optimizer: shard both, keep param groups.
 
@@ -290,7 +298,7 @@ def fully_shard(
         fsdp_unit_modules: classes (or import paths) of the submodules that become FSDP
             units.
 
-    Every keyword argument (``device_mesh`` ... ``reshard_after_forward_group_size``) has
+    Every keyword argument (``device_mesh`` ... ``check_replicas``) has
     the name, default and meaning it has in :func:`fully_shard_model`, whose docstring
     describes each; ``preproc_state_dict_for_dcp_ckpt`` applies to the optimizer too.
     """
@@ -333,6 +341,7 @@ def fully_shard(
         host_transport=host_transport,
         backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
         reshard_after_forward_group_size=reshard_after_forward_group_size,
+        check_replicas=check_replicas,
     )
     _rebind_optimizer(optimizer)
     return model, fully_shard_optimizer(

@@ -61,6 +61,9 @@ class DistributedDataParallelConfig:
     (``fully_shard_model(reshard_after_forward_group_size=...)``; FSDP2's int
     ``reshard_after_forward``). Megatron-Core's own config has no such field: pass this
     class as ``ddp_config`` to set it through the adapter."""
+    check_replicas: bool = True
+    """Not in the reference: compare the weights' values across the ranks at wrap time and
+    raise when they differ (``fully_shard_model(check_replicas=...)``)."""
     use_distributed_optimizer: bool = False
     """Megatron-Core sets it with FSDP: an optimizer over sharded parameters is distributed
     by construction, so either value is honoured."""

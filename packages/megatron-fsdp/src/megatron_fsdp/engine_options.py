@@ -224,6 +224,7 @@ def sharding_options(
     host_transport: str = "auto",
     backward_prefetch_grad_fraction: float = 0.5,
     reshard_after_forward_group_size: int | None = None,
+    check_replicas: bool = True,
 ) -> ShardingOptions:
     """Check ``fully_shard_model``'s arguments (locally, then the topology's collectives),
     move ``module`` to ``device`` when asked, and return the engine's options record.
@@ -278,4 +279,5 @@ def sharding_options(
         reshard_after_forward=reshard_after_forward_group_size,
         reduce_scatter_in_no_sync=True,  # Megatron-FSDP's no_sync: ZeRO-2/3 still reduce-scatter
         param_codecs=float8_codecs(),  # torchao float8 weights travel as float8 bytes
+        check_replicas=check_replicas,
     )

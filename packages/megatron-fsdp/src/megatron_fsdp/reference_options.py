@@ -135,6 +135,7 @@ def reference_options(
         fsdp_db_use_persist_buf_on_alloc_fail=config.fsdp_db_use_persist_buf_on_alloc_fail,
         use_decoupled_grad=config.megatron_fsdp_use_decoupled_grad,
         reshard_after_forward_group_size=config.reshard_after_forward_group_size,
+        check_replicas=config.check_replicas,
     )
     return _with_config_only_fields(options, config)
 

@@ -22,6 +22,7 @@ from mfsdp_collectives import (
     check_ranks_agree,
     post_forward_group,
 )
+from mfsdp_collectives.agreement import RankFacts
 from mfsdp_hooks.api.argument_checks import (
     check_flag,
     check_numel_caps,
@@ -34,6 +35,12 @@ from mfsdp_hooks.api.fsdp2_options import (
     check_shard_placements,
 )
 from mfsdp_hooks.api.fsdp_module import FSDPModule, UnshardHandle
+from mfsdp_hooks.api.replica_values import (
+    WEIGHTS,
+    explain_weight_mismatch,
+    summarise,
+    weight_digests,
+)
 from mfsdp_hooks.api.wrap_agreement import UNITS_INSIDE, explain_wrap_mismatch, units_inside
 from mfsdp_hooks.config.codec import IDENTITY, ParamClassCodec, ParamCodec
 from mfsdp_hooks.config.experts import ExpertSharding
@@ -83,16 +90,30 @@ def _policy(mp_policy: object) -> MixedPrecisionPolicy:
 
 
 def _agree_on_wrap(
-    label: str, target: nn.Module, slots: SlotMap, options: UnitOptions, host_transport: str
+    label: str,
+    target: nn.Module,
+    slots: SlotMap,
+    options: UnitOptions,
+    host_transport: str,
+    check_replicas: bool,
 ) -> None:
-    """The wrap's first collective: every rank of the shard group wraps the same thing.
-    The parameters travel as a digest and, to name the first that differs, line by line."""
+    """The wrap's first collective: every rank of the shard group wraps the same thing, and
+    (``check_replicas``) holds the same values (``replica_values``). The parameters and
+    their values travel as digests and, to name the first that differs, line by line."""
     facts = {
         "module": label,
         UNITS_INSIDE: units_inside(target),
         "parameters": describe_parameters(slots),
         "host_transport": host_transport,
     }
+    details = {"parameters": parameter_lines(slots)}
+    if check_replicas:
+        experts = options.experts
+        digests = weight_digests(
+            [(name, param) for param, name, _ in slots.values()],
+            experts.is_expert if experts is not None else _no_experts,
+        )
+        facts[WEIGHTS], details[WEIGHTS] = summarise(digests), digests
     for field in dataclasses.fields(options):
         value = getattr(options, field.name)
         if field.name == "topology":
@@ -104,12 +125,17 @@ def _agree_on_wrap(
             facts[field.name] = repr([codec.name for codec in value])
         if isinstance(value, ExpertSharding):  # its topology's repr holds addresses
             facts[field.name] = value.describe()
-    details = {"parameters": parameter_lines(slots)}
     for group in (options.topology.shard_group, options.topology.outer_group):
         if group is not None:  # HSDP: the replicas must agree too
-            check_ranks_agree(
-                group, facts, what="fully_shard", details=details, explain=explain_wrap_mismatch
-            )
+            check_ranks_agree(group, facts, what="fully_shard", details=details, explain=_explain)
+
+
+def _no_experts(name: str, param: nn.Parameter) -> bool:
+    return False
+
+
+def _explain(reports: Sequence[RankFacts]) -> str | None:
+    return explain_wrap_mismatch(reports) or explain_weight_mismatch(reports)
 
 
 def _ignored_ids(ignored: Iterable[nn.Parameter] | None) -> frozenset[int]:
@@ -235,6 +261,7 @@ def fully_shard(
     ignored_params: Iterable[nn.Parameter] | None = None,
     offload_policy: Any = None,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    check_replicas: bool = True,
     **unsupported: Any,
 ) -> Any:
     """Shard ``module``'s parameters (those not owned by an already-sharded child) in place.
@@ -275,6 +302,10 @@ def fully_shard(
     :func:`check_offload_policy`. ``shard_placement_fn`` (FSDP2's): each parameter's
     placement, ``Shard(d)`` or None (``Shard(0)``); a parameter cut along ``d`` is a
     ``Shard(d)`` DTensor to the optimizer and ``state_dict`` (see :func:`check_shard_placements`).
+    ``check_replicas`` (not FSDP2's, which trains a patchwork silently): the wrap's agreement
+    check also compares the values of the module's weights across the ranks and raises on
+    every rank, naming the first that differs, when the ranks built the model with different
+    values; False when you load the weights into the sharded model after wrapping.
     """
     refuse_unknown_arguments(unsupported)
     members = unit_members(module)
@@ -287,6 +318,7 @@ def fully_shard(
     check_overlap_options(max_inflight_reductions, prefetch_depth, backward_prefetch_grad_fraction)
     check_numel_caps(prefetch_numel=prefetch_numel, max_bucket_numel=max_bucket_numel)
     check_flag(coalesce_prefetch, "coalesce_prefetch")
+    check_flag(check_replicas, "check_replicas")
     grad_allocator = make_grad_allocator(grad_buffer_allocator, max_inflight_reductions)
     check_host_transport(host_transport)  # before resolve_topology, which may communicate
     # A module (partly) on the meta device: its own modules are initialised here, in module
@@ -333,7 +365,7 @@ def fully_shard(
         max_bucket_numel=max_bucket_numel,
         shard_dims=shard_dims,
     )
-    _agree_on_wrap(label, target, slots, options, host_transport)
+    _agree_on_wrap(label, target, slots, options, host_transport, check_replicas)
     _make_unit(target, members, _with_transports(options, host_transport), slots)
     return module
 

@@ -283,6 +283,7 @@ def _shard_unit(
         param_codec=options.param_codec,
         param_codecs=options.param_codecs,
         experts=options.experts,
+        check_replicas=options.check_replicas,
     )
 
 

@@ -85,6 +85,10 @@ class ShardingOptions:
     """Under ``no_sync`` ZeRO-2/3 units still reduce-scatter each micro-batch inside
     ``dp_shard``, as Megatron-FSDP does (False: keep them local until a synced backward, as
     FSDP2 and the per-module ``fully_shard``'s default do)."""
+    check_replicas: bool = True
+    """Each unit's wrap compares the values of its weights across the ranks and raises when
+    they differ (``fully_shard(check_replicas=...)``); False when the weights are loaded into
+    the sharded model after wrapping."""
 
     def __post_init__(self) -> None:
         strategy = parse_strategy(self.zero_dp_strategy, "zero_dp_strategy")

@@ -195,6 +195,7 @@ class FSDPUnit:
         _refuse_params_of_other_units(self.name, slots)
         self.groups, self._group_slots = build_groups(self.name, slots, options)
         trainable = sum(g.layout.data_numel for g in self.groups if g.requires_grad)
+        self._holds_frozen = any(not g.requires_grad for g in self.groups)
         self._prefetch = BackwardPrefetch(trainable)
         _register_grad_hooks(self.groups, self._on_grad_ready)
         self._swap(use_unsharded=False)
@@ -363,8 +364,11 @@ class FSDPUnit:
         # Every gradient here: the backward may end now. Only where an input-grad trigger
         # would end it anyway right after, with nothing issued in between, so a rank whose
         # data skipped a parameter (no "every gradient" moment) issues the same collectives
-        # in the same order; units without one end at the root's final callback.
-        if complete and not waiting and self._inputs_trigger_armed:
+        # in the same order; units without one end at the root's final callback. A unit
+        # with frozen weights never ends here: a frozen weight gets no gradient to say that
+        # autograd is done with it (LoRA's base weight is still read for the input gradient
+        # after the adapters' gradients landed), so only the trigger may free it.
+        if complete and not waiting and self._inputs_trigger_armed and not self._holds_frozen:
             self._end_own_backward()
 
     def _end_own_backward(self) -> None:
