@@ -47,6 +47,8 @@ TEST_TOOLS = [
     "transformers>=5.0",
     # megatron_fsdp.integrations (MegatronFSDPTrainer, MegatronFSDPAccelerator).
     "accelerate>=1.10",
+    # LoRA adapters (frozen base weights in a unit) in the parity matrix's ecosystem columns.
+    "peft>=0.17",
     # test_megatron_fsdp_options_typing runs mypy on snippets with misspelt options.
     "mypy>=1.10",
     # Float8 training whose tensor-subclass parameters the engine must refuse (and, later,

@@ -96,3 +96,9 @@ def test_rejects_local_functions_and_bad_arguments() -> None:
         run_distributed(_identity, 0)
     with pytest.raises(ValueError, match="timeout"):
         run_distributed(_identity, 2, timeout=0)
+
+
+def test_rejects_hash_seeds_that_are_not_one_per_rank() -> None:
+    for bad in ([0], [0, -1], [0, True], "01"):
+        with pytest.raises(ValueError, match="hash_seeds must be one PYTHONHASHSEED"):
+            run_distributed(_identity, 2, hash_seeds=bad)  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ from mfsdp_hooks import (
     MegatronFSDP,
     MixedPrecisionPolicy,
     attach_optimizer,
+    declare_elementwise_optimizer,
     local_tensor,
     optimizer_grad,
 )
@@ -35,6 +36,7 @@ from mfsdp_hooks import (
 GLOBAL_BATCH = 8  # divisible by 2 and 4 ranks
 
 
+@declare_elementwise_optimizer
 class DecoupledSGD(torch.optim.Optimizer):
     """Plain SGD over ``decoupled_grad`` (its own ``zero_grad`` is torch's: it never touches
     ``decoupled_grad``, so clearing it is the attached optimizer's job)."""

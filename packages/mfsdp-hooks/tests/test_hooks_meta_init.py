@@ -131,6 +131,33 @@ def test_a_meta_module_without_reset_parameters_is_named_on_every_rank() -> None
         assert "reset_parameters()" in message
 
 
+def _tied_meta_siblings_worker(rank: int, world: int) -> list[str]:
+    messages = []
+    for per_module in (True, False):
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        model[1].weight = model[0].weight
+        try:
+            if per_module:
+                fully_shard(model[0])
+                fully_shard(model[1])
+            else:
+                MegatronFSDP(model, fsdp_unit_modules=[nn.Linear], init_model_with_meta_device=True)
+        except ValueError as exc:
+            messages.append(str(exc))
+        else:
+            messages.append("no error")
+    return messages
+
+
+def test_a_meta_weight_tied_across_two_units_is_refused() -> None:
+    """Failed before for per-module units: the second unit gave the tied meta weight storage
+    of its own and trained it apart, where a model on the CPU is refused."""
+    for messages in run_distributed(_tied_meta_siblings_worker, 2, timeout=60):
+        for message in messages:
+            assert "'weight' of Linear is shared with the FSDP unit Linear" in message, message
+
+
 def _peak_worker(rank: int, world: int) -> tuple[int, int, int]:
     blocks = 8
     with LiveTensorTracker() as tracker:
@@ -151,7 +178,11 @@ def _peak_worker(rank: int, world: int) -> tuple[int, int, int]:
 
 
 def test_meta_init_never_holds_more_than_the_shards_and_two_units() -> None:
+    """Failed before (issue 48 item 7): peak 21,916 B where 17,864 B were allowed; a 64 KiB
+    slack, six times this model, had hidden the whole model materialised at once."""
+    # the replica check's digest: four int64 temporaries of the largest weight at once
+    digest = 32 * max(p.numel() for p in make_model(n_blocks=8).parameters())
     for peak, bound, whole in run_distributed(_peak_worker, 2, timeout=120):
-        slack = 64 * 1024
-        assert peak <= bound + slack, (peak, bound)
+        slack = digest + 1024
+        assert peak <= bound + slack, (peak, bound, slack)
         assert bound < whole, "the bound must be below the whole model for this to mean much"

@@ -7,7 +7,12 @@ from megatron_fsdp.plan import MemoryPlan, ModelStatesPlan, plan_memory, plan_mo
 from megatron_fsdp.trace import OverlapReport, Timeline, trace
 from megatron_fsdp.wrapper import MegatronFSDP
 from mfsdp_collectives import BlockQuantization, QuantizationErrorLog
-from mfsdp_hooks import MixedPrecisionPolicy, ShardingStrategy, quantize_communication
+from mfsdp_hooks import (
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    declare_elementwise_optimizer,
+    quantize_communication,
+)
 
 __version__ = "1.0.0"
 
@@ -22,6 +27,7 @@ __all__ = [
     "ModelStatesPlan",
     "ShardingStrategy",
     "__version__",
+    "declare_elementwise_optimizer",
     "fully_shard",
     "fully_shard_model",
     "fully_shard_optimizer",

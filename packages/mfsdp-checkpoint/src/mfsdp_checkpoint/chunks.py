@@ -292,7 +292,12 @@ def split_rows(tensor: torch.Tensor, parts: int, what: str) -> list[torch.Tensor
         view = local[start - chunk.row_start : end - chunk.row_start]
         stride = torch.empty(shape, device="meta").stride()
         piece = DTensor.from_local(
-            view, tensor.device_mesh, tensor.placements, run_check=False, shape=shape, stride=stride
+            view,
+            tensor.device_mesh,
+            tensor._spec.placements,  # a row-sharded one's RowShard describes ``tensor`` only
+            run_check=False,
+            shape=shape,
+            stride=stride,
         )
         setattr(piece, _WRITE_ATTR, _WriteItems(own))
         setattr(piece, _CHUNKS_ATTR, _ChunkList(own, found.on_load))

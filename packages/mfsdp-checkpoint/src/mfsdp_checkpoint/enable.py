@@ -9,6 +9,10 @@ snippet works as written, across world sizes and sharding strategies::
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"], strict=False)
     optimizer.load_state_dict(state["optimizer"])
+
+The same snippet is exact without it too (``mfsdp_hooks``' row-sharded DTensors give DCP their
+row ranges themselves); ``enable_dcp`` adds optimizer state keyed by name, placeholders for an
+optimizer that never stepped, and Megatron-Core strided TP partitions, which it alone can save.
 """
 
 from __future__ import annotations

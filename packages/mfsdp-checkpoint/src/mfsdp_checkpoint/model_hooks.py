@@ -26,6 +26,8 @@ from torch.utils.hooks import RemovableHandle
 from mfsdp_checkpoint.chunks import annotate, chunk_of
 from mfsdp_checkpoint.param_index import ParamIndex, ParamRef
 from mfsdp_hooks import FSDPUnit, ParameterGroup, dtensor_like, local_tensor
+from mfsdp_hooks.dtensor.load_rows import own_rows
+from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor
 
 _HOOKS_ATTR = "_mfsdp_checkpoint_hooks"
 
@@ -49,6 +51,14 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and (a.numel() == 0 or a.data_ptr() == b.data_ptr())
 
 
+def _row_or_torch_sharded(value: DTensor) -> bool:
+    """Row-sharded, or a plain DTensor cut as its placements say (``torch.chunk``), not a
+    replica."""
+    if isinstance(value, RowShardedDTensor):
+        return True
+    return type(value) is DTensor and not all(p.is_replicate() for p in value.placements)
+
+
 def coerce_for_load(value: Any, ref: ParamRef, key: str) -> Any:
     """Turn one incoming state-dict value into something ``param.copy_`` copies correctly."""
     target = ref.param
@@ -61,6 +71,11 @@ def coerce_for_load(value: Any, ref: ParamRef, key: str) -> Any:
         if own is not None:
             if own == ref.chunk:
                 return value
+        elif isinstance(target, RowShardedDTensor) and _row_or_torch_sharded(value):
+            # Our rows already (the unit's own pre-hook ran), or torch's layout
+            # (set_model_state_dict's distribute_tensor): gathered, our rows taken. Decided
+            # from types and ranges alone, so every rank gathers the same tensors.
+            return own_rows(value, target, key)
         elif _same_storage(local_tensor(value), local_tensor(target)):
             return value  # this very parameter, taken before the hooks were installed
         if all(p.is_replicate() for p in value.placements):

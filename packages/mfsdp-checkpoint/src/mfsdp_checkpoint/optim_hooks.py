@@ -26,6 +26,7 @@ from mfsdp_checkpoint.chunks import annotate
 from mfsdp_checkpoint.optim_placeholders import PlaceholderLedger, make_placeholders
 from mfsdp_checkpoint.param_index import ParamIndex, ParamRef
 from mfsdp_hooks import RowShardedDTensor, dist_param_of, dtensor_like, local_tensor
+from mfsdp_hooks.dtensor.load_rows import own_rows
 
 _HOOKS_ATTR = "_mfsdp_checkpoint_hooks"
 
@@ -53,6 +54,23 @@ def _laid_out_as(value: torch.Tensor, ref: ParamRef) -> torch.Tensor:
     ):
         return dtensor_like(local_tensor(value), param)
     return value
+
+
+def _torch_sharded(value: DTensor) -> bool:
+    """A plain DTensor cut as its placements say (``torch.chunk``), not a replica."""
+    return type(value) is DTensor and not all(p.is_replicate() for p in value.placements)
+
+
+def _full_or_torch_sharded(value: Any) -> bool:
+    """A full tensor (torch's set_optimizer_state_dict passes the full one where this rank's
+    state had no such key), or a DTensor in torch's layout: neither is this rank's rows."""
+    if isinstance(value, DTensor):
+        return _torch_sharded(value)
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def _position(key: Any) -> Any:
+    return int(key) if isinstance(key, str) and key.isdigit() else key
 
 
 class OptimizerCheckpointHooks:
@@ -131,7 +149,11 @@ class OptimizerCheckpointHooks:
     ) -> dict[str, Any]:
         saved_groups = state_dict.get("param_groups", [])
         if not any(isinstance(n, str) for g in saved_groups for n in g.get("params", [])):
-            return state_dict  # torch's positional format: nothing to translate
+            # torch's positional format. torch's set_optimizer_state_dict flattens and
+            # unflattens it on the way ("state.0.exp_avg"), which turns positions into
+            # strings: without their int back torch would keep that state unmatched, unused.
+            positional = {_position(k): v for k, v in state_dict.get("state", {}).items()}
+            return {**state_dict, "state": self._own_rows(positional)}
         params = self.params()
         position = {self._name(p): i for i, p in enumerate(params)}
         groups = optimizer.param_groups
@@ -162,7 +184,25 @@ class OptimizerCheckpointHooks:
                 continue  # a placeholder nothing was loaded into: the parameter stays fresh
             state[position[name]] = entry
         self.ledger.clear()
-        return {"state": state, "param_groups": translated_groups}
+        return {"state": self._own_rows(state), "param_groups": translated_groups}
+
+    def _own_rows(self, state: dict[Any, Any]) -> dict[Any, Any]:
+        """Full or torch-sharded state (``set_optimizer_state_dict`` of a full state dict
+        cuts it by ``torch.chunk``) as its parameter's rows; in position order, the same on
+        every rank, since each torch-sharded tensor is gathered (a collective)."""
+        params = self.params()
+        for position in sorted(k for k in state if isinstance(k, int) and k < len(params)):
+            ref = self.index.ref_of(params[position])
+            if ref is None or not isinstance(ref.param, RowShardedDTensor):
+                continue
+            entry = state[position]
+            state[position] = {
+                key: own_rows(value, ref.param, f"optimizer state {ref.fqn}.{key}")
+                if _full_or_torch_sharded(value)
+                else value
+                for key, value in entry.items()
+            }
+        return state
 
     def remove(self) -> None:
         for handle in self.handles:

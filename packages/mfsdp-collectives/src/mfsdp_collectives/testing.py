@@ -26,7 +26,7 @@ import pickle
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from ._hash_seeds import check_hash_seeds, hash_seed
 from .host_transport import disable_host_transport
 
 __all__ = ["DistributedTestError", "RankOutcome", "run_distributed", "run_distributed_outcomes"]
@@ -254,6 +255,7 @@ def run_distributed(
     timeout: float = 120.0,
     backend: str = "gloo",
     env: dict[str, str] | None = None,
+    hash_seeds: Sequence[int] | None = None,
 ) -> list[T]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results by rank.
 
@@ -263,8 +265,11 @@ def run_distributed(
     values must be picklable. ``env`` is applied in each rank before the process
     group is created (torch is already imported by then, so variables torch
     reads only at import time must be set in the test process instead).
+
+    ``hash_seeds``: a ``PYTHONHASHSEED`` per rank, as under torchrun (spawned: ``_hash_seeds``).
     """
-    outcomes = _run_world(fn, world_size, args, timeout, backend, env, _FAILURE_GRACE_S)
+    check_hash_seeds(hash_seeds, world_size)
+    outcomes = _run_world(fn, world_size, args, timeout, backend, env, _FAILURE_GRACE_S, hash_seeds)
     failures = [(o.at, o.error) for o in outcomes if o.error is not None]
     if failures:
         raise _root_cause(failures)
@@ -315,11 +320,12 @@ def _run_world(
     backend: str,
     env: dict[str, str] | None,
     grace: float | None,
+    hash_seeds: Sequence[int] | None = None,
 ) -> list[RankOutcome]:
     _validate(world_size, timeout, backend, env)
     ref = _FnRef.of(fn)
     worker_env = {"OMP_NUM_THREADS": "1", **(env or {})}
-    ctx = _context()
+    ctx = _context() if hash_seeds is None else multiprocessing.get_context("spawn")
     store = dist.TCPStore(  # type: ignore[attr-defined]
         _HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
     )
@@ -335,7 +341,8 @@ def _run_world(
                 name=f"{ref.qualname}-rank{rank}",
                 daemon=False,  # ranks may start their own workers (data loaders)
             )
-            proc.start()
+            with hash_seed(None if hash_seeds is None else hash_seeds[rank]):
+                proc.start()
             send.close()
             procs.append(proc)
             conns.append(recv)

@@ -33,6 +33,7 @@ from mfsdp_hooks.dtensor.dtensor_views import dtensor_like, local_tensor
 from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor, row_sharded
 from mfsdp_hooks.dtensor.tensor_parallel import TPSpec, tp_full_tensor
 from mfsdp_hooks.optim.optimizer import FSDPOptimizer, attach_optimizer, optimizer_groups
+from mfsdp_hooks.runtime.elementwise_optimizers import declare_elementwise_optimizer
 from mfsdp_hooks.runtime.timeline import TimelineRecorder, record_timeline
 from mfsdp_hooks.runtime.timeline_events import (
     HOST_CATEGORIES,
@@ -86,6 +87,7 @@ __all__ = [
     "FSDPOptimizer",
     "IdentityCodec",
     "attach_optimizer",
+    "declare_elementwise_optimizer",
     "dist_param_of",
     "dtensor_like",
     "fsdp_units",

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from mfsdp_hooks.runtime.unit import unit_of
+from mfsdp_hooks.runtime.unit import unit_of, untraced
 
 __all__ = ["register_fsdp_forward_method"]
 
@@ -32,9 +32,11 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
             f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}"
         )
 
+    pre_forward, post_forward = untraced(unit.pre_forward), untraced(unit.post_forward)
+
     @functools.wraps(method)
     def run_as_forward(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = unit.pre_forward(module, args, kwargs)
-        return unit.post_forward(module, args, method(*args, **kwargs))
+        args, kwargs = pre_forward(module, args, kwargs)
+        return post_forward(module, args, method(*args, **kwargs))
 
     setattr(module, method_name, run_as_forward)

@@ -321,8 +321,7 @@ def fully_shard(
     check_flag(check_replicas, "check_replicas")
     grad_allocator = make_grad_allocator(grad_buffer_allocator, max_inflight_reductions)
     check_host_transport(host_transport)  # before resolve_topology, which may communicate
-    # A module (partly) on the meta device: its own modules are initialised here, in module
-    # order, before sharding; whether they can be is checked before any collective.
+    # Meta modules of its own are initialised here in module order (checked before any collective).
     scope = modules_in_scope(target, skip=lambda m: unit_of(m) is not None)
     check_initialisable(scope, f"fully_shard({label})")
     topology = resolve_topology(mesh, target)

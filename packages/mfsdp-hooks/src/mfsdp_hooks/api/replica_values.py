@@ -34,7 +34,7 @@ WEIGHTS = "weights"
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _POSITION_MODULUS = 65521  # a prime: the position weights cycle through 1..65521
-_CHUNK = 1 << 24  # elements per pass, to bound the int64 temporaries of a large weight
+_CHUNK = 1 << 20  # elements per pass: the int64 temporaries stay within 32 MiB
 
 
 def _plain_values(param: torch.Tensor) -> torch.Tensor | None:
@@ -94,9 +94,9 @@ def explain_weight_mismatch(reports: Sequence[RankFacts]) -> str | None:
     if differing != {WEIGHTS}:
         return None
     return (
-        "The ranks built the same model with different values (initialised with different "
-        "seeds, or loaded from different files): sharded, each rank would train its own "
-        "slice of its own weights. Seed every rank alike before building the model "
+        "The ranks hold different values for the same parameters (initialised with "
+        "different seeds, or loaded from different files): sharded, each rank would train "
+        "its own slice of its own weights. Seed every rank alike before building the model "
         "(torch.manual_seed), or load the same weights on every rank before wrapping; "
         "if you load the weights into the sharded model after wrapping, pass "
         "check_replicas=False"

@@ -59,12 +59,14 @@ def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
         out = DTensor.from_local(
             local,
             like.device_mesh,
-            like.placements,
+            like._spec.placements,  # not a row-sharded one's RowShard: it is not ``local``'s
             run_check=False,
             shape=like.shape,
             stride=contiguous_stride(like.shape),
         )
-    return row_sharded(out, like.dp_row_ranges) if isinstance(like, RowShardedDTensor) else out
+    if not isinstance(like, RowShardedDTensor):
+        return out
+    return row_sharded(out, like.dp_row_ranges, tp_partition_stride=like.tp_partition_stride)
 
 
 def replicated_dtensor(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:

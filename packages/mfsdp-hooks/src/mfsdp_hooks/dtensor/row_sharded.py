@@ -21,30 +21,57 @@ shards dim 0 (``ColwiseParallel``), dim 0 is cut over tp first and then over dp,
 what FSDP2 spells ``_StridedShard``; here ``Shard(0)`` plus the ranges say it.
 
 What keeps the type: ``.data``, ``detach()``, ``clone()`` (so ``nn.Parameter`` and
-``state_dict()`` values keep it), and ``dtensor_like`` of one. What does not: the result of
-any other op, e.g. the optimizer's ``zeros_like`` state. Re-lay such a tensor out with
-``dtensor_like(t.to_local(), param)`` before gathering it; the optimizer ``state_dict``
-hooks of ``mfsdp_checkpoint`` do that for you.
+``state_dict()`` values keep it), ``dtensor_like`` of one, and the functions that make a
+tensor laid out like their input (``_LAID_OUT_LIKE``: ``zeros_like``, ``full_like``, ...,
+``Tensor.to``), which is how torch's optimizers create their state: a bare optimizer's
+``exp_avg`` knows the rows as its parameter does. What does not: the result of any other
+op. Re-lay such a tensor out with ``dtensor_like(t.to_local(), param)`` before gathering it.
 
-Known cost: torch's optimizers default to ``foreach`` only for exact ``DTensor`` types, so
-on CUDA pass ``foreach=True`` (or use the contiguous optimizer step).
+Checkpoints: DCP asks a DTensor where its piece goes (``__create_write_items__``,
+``__create_chunk_list__``); this one answers from its ranges (:mod:`.dcp_protocol`), so
+``dcp.save``/``dcp.load`` of ``model.state_dict()`` and of a bare optimizer's
+``state_dict()`` are exact as they are with FSDP2.
+
+Known costs: torch's optimizers default to ``foreach`` only for exact ``DTensor`` types, so
+on CUDA pass ``foreach=True`` (or use the contiguous optimizer step). Every torch function on
+one of these runs a Python ``__torch_function__`` (about a microsecond, against tens for
+DTensor's own dispatch of an op); forward and backward never see them (they compute with
+the unsharded parameters).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from mfsdp_collectives import all_gather_into
+from mfsdp_hooks.dtensor.dcp_protocol import row_chunks, row_write_items
+from mfsdp_hooks.dtensor.row_placement import row_placements
 
 __all__ = ["RowShardedDTensor", "row_sharded"]
 
 _TENSOR_DATA: Any = torch.Tensor.data  # the C getset descriptor behind ``Tensor.data``
+_NO_TORCH_FUNCTION: Callable[..., Any] = torch._C._disabled_torch_function_impl
+# What makes a tensor laid out like its first argument: how optimizers create their state.
+_LAID_OUT_LIKE: frozenset[Callable[..., Any]] = frozenset(
+    {
+        torch.zeros_like,
+        torch.ones_like,
+        torch.empty_like,
+        torch.full_like,
+        torch.rand_like,
+        torch.randn_like,
+        torch.clone,
+        torch.Tensor.to,
+    }
+)
 
 
 class RowShardedDTensor(DTensor):
@@ -52,6 +79,40 @@ class RowShardedDTensor(DTensor):
 
     dp_row_ranges: tuple[tuple[int, int], ...]
     """``[start, end)`` rows of the (TP-local) tensor that each rank of mesh dim 0 holds."""
+    tp_partition_stride: int = 1
+    """Megatron-Core's strided TP partition (``TPSpec.partition_stride``): the TP-local rows
+    are this many blocks at several places of the full tensor (see :mod:`.dcp_protocol`)."""
+    on_checkpoint_load: Callable[[], None] | None = None
+    """Called when DCP plans a load into this tensor, i.e. its values are about to change in
+    place (the engine re-installs the compute weights). Views of it (``.data``,
+    ``detach()``) share it; copies and tensors laid out like it do not."""
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = _NO_TORCH_FUNCTION(func, types, args, kwargs or {})
+        if func in _LAID_OUT_LIKE and type(out) is DTensor:
+            source = args[0] if args else (kwargs or {}).get("input")
+            if isinstance(source, RowShardedDTensor) and _same_layout(out, source):
+                return _rewrap(out, source.dp_row_ranges, source.tp_partition_stride)
+        return out
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
+        return row_write_items(fqn, self, self.__create_chunks())
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        chunks = self.__create_chunks()
+        if self.on_checkpoint_load is not None:
+            self.on_checkpoint_load()
+        return chunks
+
+    def __create_chunks(self) -> list[ChunkStorageMetadata]:
+        return row_chunks(self, self.dp_row_ranges, self.tp_partition_stride)
 
     @property
     def dp_shard_dim(self) -> int:
@@ -61,19 +122,26 @@ class RowShardedDTensor(DTensor):
         return placement.dim
 
     @property
+    def placements(self) -> tuple[Placement, ...]:
+        """The spec's, with mesh dim 0's ``Shard`` telling torch's slicers our rows (a
+        :class:`~.row_placement.RowShard`); the spec itself keeps the plain ``Shard``."""
+        return row_placements(self, self.dp_row_ranges, self.tp_partition_stride)
+
+    @property
     def data(self) -> RowShardedDTensor:
-        return _rewrap(_TENSOR_DATA.__get__(self), self.dp_row_ranges)
+        return _view_of(_TENSOR_DATA.__get__(self), self)
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
         _TENSOR_DATA.__set__(self, value)
 
     def detach(self) -> RowShardedDTensor:
-        return _rewrap(super().detach(), self.dp_row_ranges)
+        return _view_of(super().detach(), self)
 
     def clone(self, *, memory_format: torch.memory_format | None = None) -> RowShardedDTensor:
         format = torch.preserve_format if memory_format is None else memory_format
-        return _rewrap(super().clone(memory_format=format), self.dp_row_ranges)
+        cloned = super().clone(memory_format=format)
+        return _rewrap(cloned, self.dp_row_ranges, self.tp_partition_stride)
 
     def redistribute(
         self,
@@ -116,9 +184,11 @@ class RowShardedDTensor(DTensor):
             )
 
 
-def row_sharded(tensor: DTensor, dp_row_ranges: Sequence[tuple[int, int]]) -> RowShardedDTensor:
+def row_sharded(
+    tensor: DTensor, dp_row_ranges: Sequence[tuple[int, int]], *, tp_partition_stride: int = 1
+) -> RowShardedDTensor:
     """``tensor`` (no copy) as a :class:`RowShardedDTensor` whose rank ``r`` of mesh dim 0
-    holds rows ``dp_row_ranges[r]``.
+    holds rows ``dp_row_ranges[r]`` (of a strided TP partition: ``tp_partition_stride``).
 
     ``tensor`` must be ``Shard(d)`` on mesh dim 0; the ranges, one per rank of that dim, must
     tile dim ``d`` of the (TP-local) tensor, and this rank's local tensor must hold its range.
@@ -148,16 +218,38 @@ def row_sharded(tensor: DTensor, dp_row_ranges: Sequence[tuple[int, int]]) -> Ro
         if start != next_row or end < start:
             raise ValueError(f"dp_row_ranges {ranges} do not tile the rows from 0 without gaps")
         next_row = end
-    return _rewrap(tensor, ranges)
+    return _rewrap(tensor, ranges, tp_partition_stride)
 
 
-def _rewrap(tensor: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> RowShardedDTensor:
+def _rewrap(
+    tensor: torch.Tensor, ranges: tuple[tuple[int, int], ...], stride: int = 1
+) -> RowShardedDTensor:
     assert isinstance(tensor, DTensor)
     out: RowShardedDTensor = RowShardedDTensor(  # type: ignore[no-untyped-call]
         tensor._local_tensor, tensor._spec, requires_grad=tensor.requires_grad
     )
     out.dp_row_ranges = ranges
+    if stride != 1:
+        out.tp_partition_stride = stride
     return out
+
+
+def _view_of(tensor: torch.Tensor, source: RowShardedDTensor) -> RowShardedDTensor:
+    """``tensor``, a view of ``source``'s values, as ``source`` is (with its load callback)."""
+    out = _rewrap(tensor, source.dp_row_ranges, source.tp_partition_stride)
+    if source.on_checkpoint_load is not None:
+        out.on_checkpoint_load = source.on_checkpoint_load
+    return out
+
+
+def _same_layout(out: DTensor, source: DTensor) -> bool:
+    """Whether ``out`` is laid out as ``source``: same mesh, placements, shape and local shape."""
+    return (
+        out.shape == source.shape
+        and out.placements == source.placements
+        and out.device_mesh == source.device_mesh
+        and out._local_tensor.shape == source._local_tensor.shape
+    )
 
 
 def _all_gather_rows(

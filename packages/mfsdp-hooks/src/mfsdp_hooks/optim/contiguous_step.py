@@ -92,11 +92,16 @@ def _split_state(
 
 
 def _tensor_entries(entries: list[dict[str, Any]]) -> dict[str, list[torch.Tensor]] | None:
-    """Per key, every entry's tensor; None unless all entries hold the same tensor keys."""
-    keys = set(entries[0])
-    by_key: dict[str, list[torch.Tensor]] = {key: [] for key in keys}
+    """Per key, every entry's tensor; None unless all entries hold the same tensor keys.
+
+    Keys keep the first entry's order, the order torch's step created them in, which is the
+    same on every rank. A full state dict gathers state key by key in this order, so an
+    order that differed between ranks (a set's: strings hash per process) would pair one
+    rank's ``exp_avg`` with another's ``exp_avg_sq``.
+    """
+    by_key: dict[str, list[torch.Tensor]] = {key: [] for key in entries[0]}
     for entry in entries:
-        if set(entry) != keys:
+        if entry.keys() != by_key.keys():
             return None
         for key, value in entry.items():
             if not isinstance(value, torch.Tensor):
@@ -118,6 +123,8 @@ class _Run:
     """Elementwise state over the whole run, by key; None before the run's first step."""
     scalars: dict[str, torch.Tensor] = field(default_factory=dict)
     """State shared by the whole run (the step counter), by key."""
+    order: tuple[str, ...] = ()
+    """Every state key, in the order torch created them (``step``, ``exp_avg``, ...)."""
     chunk_states: list[dict[str, Any]] = field(default_factory=list)
     installed: list[dict[str, Any]] | None = None
     """What ``optimizer.state[p]`` held when the run last installed it, per parameter."""
@@ -184,7 +191,7 @@ class _Run:
             if flat is None or flat.numel() != self.numel:
                 flat = torch.cat([value.reshape(-1) for value in values])
             flats[key] = flat
-        self._hold(flats, scalars)
+        self._hold(flats, scalars, tuple(by_key or ()))
         self.install(state)
         return True
 
@@ -199,7 +206,7 @@ class _Run:
                 "pass contiguous_step=False for this optimizer"
             )
         elementwise, scalars = split
-        keys = list(elementwise)
+        keys, order = list(elementwise), tuple(by_key or ())
         del by_key, split, elementwise
         flats: dict[str, torch.Tensor] = {}
         for key in keys:
@@ -211,19 +218,29 @@ class _Run:
             for entry, (start, end) in zip(created, self.chunk_bounds, strict=True):
                 flat[start:end].copy_(entry.pop(key))
             flats[key] = flat
-        self._hold(flats, scalars)
+        self._hold(flats, scalars, order)
         self.install(state)
 
-    def _hold(self, flats: dict[str, torch.Tensor], scalars: dict[str, torch.Tensor]) -> None:
-        self.flats, self.scalars = flats, scalars
+    def _ordered(self, views: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """A state entry of ``views`` (one per elementwise key) and the shared scalars, in
+        torch's key order."""
+        return {key: views[key] if key in views else self.scalars[key] for key in self.order}
+
+    def _hold(
+        self,
+        flats: dict[str, torch.Tensor],
+        scalars: dict[str, torch.Tensor],
+        order: tuple[str, ...],
+    ) -> None:
+        self.flats, self.scalars, self.order = flats, scalars, order
         # Chunk 0 holds the shared scalars themselves: torch's in-place update of its step
         # counter is then what every parameter of the run sees. The other chunks hold copies,
         # refreshed before each step.
         self.chunk_states = []
         for index, (start, end) in enumerate(self.chunk_bounds):
-            entry: dict[str, Any] = {key: flat[start:end] for key, flat in flats.items()}
-            for key, scalar in scalars.items():
-                entry[key] = scalar if index == 0 else scalar.clone()
+            entry = self._ordered({key: flat[start:end] for key, flat in flats.items()})
+            if index:
+                entry.update((key, scalar.clone()) for key, scalar in scalars.items())
             self.chunk_states.append(entry)
 
     def refresh_chunk_scalars(self) -> None:
@@ -237,10 +254,8 @@ class _Run:
         installed: list[dict[str, Any]] = []
         with torch.no_grad():
             for param, offset in zip(self.params, self.offsets, strict=True):
-                entry: dict[str, Any] = {
-                    key: _view_like(flat, param, offset) for key, flat in self.flats.items()
-                }
-                entry.update(self.scalars)
+                views = {key: _view_like(flat, param, offset) for key, flat in self.flats.items()}
+                entry = self._ordered(views)
                 state[param] = entry
                 installed.append(dict(entry))
         self.installed = installed

@@ -25,6 +25,10 @@ import torch
 
 from mfsdp_hooks.optim.contiguous_step import ContiguousStepper, supports_contiguous_step
 from mfsdp_hooks.runtime import timeline
+from mfsdp_hooks.runtime.elementwise_optimizers import (
+    USER_CLASS_ATTR,
+    refuse_sharded_non_elementwise,
+)
 from mfsdp_hooks.weights.lookup import locate
 from mfsdp_hooks.weights.param_group import GroupRoot, ParameterGroup
 
@@ -179,7 +183,7 @@ def _check_reads_decoupled_grads(optimizer: torch.optim.Optimizer) -> None:
 def _fsdp_optimizer_class(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
     found = _FSDP_OPTIMIZER_CLASSES.get(cls)
     if found is None:
-        found = type(f"FSDP{cls.__name__}", (FSDPOptimizer, cls), {})
+        found = type(f"FSDP{cls.__name__}", (FSDPOptimizer, cls), {USER_CLASS_ATTR: cls})
         _FSDP_OPTIMIZER_CLASSES[cls] = found
     return found
 
@@ -197,7 +201,9 @@ def attach_optimizer(
     ``step_chunk_numel`` elements (default: 2**18 on CPU, whole runs elsewhere); the result
     is bit for bit that of torch's per-parameter step. Fused groups, a step given a closure,
     and runs whose gradients or state are not laid out that way take torch's own path.
-    Attach before creating LR schedulers (they wrap ``step`` on the instance).
+    Attach before creating LR schedulers (they wrap ``step`` on the instance). An optimizer
+    that would step shards of parameters without an element-wise update (Muon, LBFGS) is
+    refused (:mod:`mfsdp_hooks.runtime.elementwise_optimizers`).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -218,6 +224,7 @@ def attach_optimizer(
             "building the optimizer, before creating schedulers"
         )
     _check_reads_decoupled_grads(optimizer)
+    refuse_sharded_non_elementwise(optimizer)
     stepper = _stepper_for(optimizer, contiguous_step, step_chunk_numel)
     for group in optimizer_groups(optimizer):
         group.freshness.attach_stepper()

@@ -95,7 +95,15 @@ class FSDPRoot:
     @staticmethod
     def lazy_init(first: FSDPUnit) -> FSDPRoot:
         """The first unit to run forward is the root, as in FSDP2."""
-        guard_optimizers_on_replaced_params()
+        # Before the root exists: a refused optimizer leaves no root, so the next forward
+        # checks again.
+        starting = [
+            group
+            for module in first.module.modules()
+            if (unit := unit_of(module)) is not None
+            for group in unit.groups
+        ]
+        guard_optimizers_on_replaced_params(starting)
         return FSDPRoot(first)
 
     @property

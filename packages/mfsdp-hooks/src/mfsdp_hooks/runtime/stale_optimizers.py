@@ -8,16 +8,22 @@ Optimizers handed to us (``megatron_fsdp.fully_shard(model, optimizer)``,
 when the root starts its first forward, and gets a step pre-hook (torch's public, per-
 optimizer hook: nothing process-wide) that raises naming the parameters if it still holds
 replaced ones when stepped. It removes itself after the first step that passes.
+
+The same scan refuses, at once and on every rank, an optimizer that would step shards of the
+starting root's parameters without an element-wise update (``elementwise_optimizers``).
 """
 
 from __future__ import annotations
 
 import gc
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from mfsdp_hooks.runtime.elementwise_optimizers import refuse_sharded_non_elementwise
 from mfsdp_hooks.weights.lookup import replaced_by_unit
+from mfsdp_hooks.weights.param_group import ParameterGroup
 
 __all__ = ["guard_optimizers_on_replaced_params", "replaced_params_of"]
 
@@ -56,10 +62,24 @@ def _guard(optimizer: torch.optim.Optimizer) -> None:
     optimizer.__dict__[_GUARDED_ATTR] = True
 
 
-def guard_optimizers_on_replaced_params() -> None:
-    """Find the live optimizers that hold replaced parameters and guard their step."""
+def guard_optimizers_on_replaced_params(starting: Sequence[ParameterGroup] = ()) -> None:
+    """Find the live optimizers that hold replaced parameters and guard their step; refuse
+    one that is not element-wise over shards of ``starting`` (the groups of the root whose
+    first forward this is: a refused optimizer of another model, still alive, stays quiet).
+
+    Called in the first forward, which may be under ``torch.compile``: the scan of the
+    collector's objects is a runtime look at the process, never traced into a graph (the
+    objects change while dynamo iterates them)."""
+    scan = torch.compiler.disable(  # type: ignore[no-untyped-call]
+        _guard_live_optimizers, reason="a scan of gc's objects"
+    )
+    scan(starting)
+
+
+def _guard_live_optimizers(starting: Sequence[ParameterGroup]) -> None:
     for obj in gc.get_objects():
         if not issubclass(type(obj), torch.optim.Optimizer):
             continue
+        refuse_sharded_non_elementwise(obj, within=starting)
         if _GUARDED_ATTR not in obj.__dict__ and replaced_params_of(obj):
             _guard(obj)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten
 from mfsdp_collectives import CommStreams, PostForwardGroup
 from mfsdp_hooks.config.comm_hooks import CommHooks
 from mfsdp_hooks.config.unit_options import UnitOptions
+from mfsdp_hooks.dtensor.load_rows import take_own_rows
 from mfsdp_hooks.dtensor.tensor_parallel import grad_local
 from mfsdp_hooks.grads.grad_sync import SyncFlags
 from mfsdp_hooks.runtime import timeline
@@ -55,20 +56,51 @@ def units_under(modules: Iterable[nn.Module]) -> list[FSDPUnit]:
     return list(found.values())
 
 
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def untraced(hook: _Hook) -> _Hook:
+    """``hook`` run as written under ``torch.compile``, as FSDP2's hooks are: it gathers,
+    swaps parameters and issues collectives, work no graph may hold or reorder. Dynamo
+    breaks the graph around it and compiles the module's forward between the hooks."""
+    disabled: _Hook = torch.compiler.disable(  # type: ignore[no-untyped-call]
+        hook, recursive=True, reason="FSDP unit hooks"
+    )
+    return disabled
+
+
 def _hook_members(unit: FSDPUnit) -> list[Any]:
     """The unit's forward hooks on each member module, and the marks others read."""
     handles = []
     for member in unit.forwards.members:
         member.__dict__[UNIT_ATTR] = unit
-        # What torch's fully_shard sets on the modules it manages and Hugging Face's
-        # generate() reads to keep ranks in step (synced_gpus) when they stop apart.
+        # What torch's fully_shard sets on the modules it manages: Hugging Face's generate()
+        # reads the first to keep ranks in step (synced_gpus) when they stop apart; dynamo
+        # reads both to trace the modules with their parameters as graph inputs (we swap
+        # sharded and gathered ones in as FSDP2 does). The first alone is FSDP1 without
+        # use_orig_params to dynamo, which then compiles nothing of the module.
         for managed in member.modules():
             managed.__dict__["_is_fsdp_managed_module"] = True
+            managed.__dict__["_fsdp_use_orig_params"] = True
         handles += [
-            member.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True),
-            member.register_forward_hook(unit.post_forward, always_call=False),
+            member.register_forward_pre_hook(
+                untraced(unit.pre_forward), prepend=True, with_kwargs=True
+            ),
+            member.register_forward_hook(untraced(unit.post_forward), always_call=False),
+            # Full tensors and torch-sharded DTensors (set_model_state_dict) become our rows.
+            member.register_load_state_dict_pre_hook(take_own_rows),  # type: ignore[no-untyped-call]
+            member.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
+                functools.partial(_after_load, unit)
+            ),
         ]
     return handles
+
+
+def _after_load(unit: FSDPUnit, module: nn.Module, incompatible: Any) -> None:
+    """``load_state_dict`` wrote the optimizer-facing weights in place (torch's ``copy_``):
+    the compute weights are rebuilt from them at the next unshard, under every strategy."""
+    for group in unit.groups:
+        group.mark_weights_dirty()
 
 
 def _refuse_autograd_in_cast_region(unit: FSDPUnit, region: ComputeRegion) -> None:
@@ -185,8 +217,7 @@ class FSDPUnit:
         # This iteration's forward routed the unit's inputs through an input-grad trigger
         # (input_grad_trigger.py): its backward then ends at the same point on every rank.
         self._inputs_trigger_armed = False
-        # FSDP2's per-unit setters (set_requires_gradient_sync, set_requires_all_reduce).
-        self.sync_flags = SyncFlags()
+        self.sync_flags = SyncFlags()  # FSDP2's set_requires_gradient_sync/_all_reduce
         self.comm_hooks = CommHooks()  # FSDP2's comm hooks (given out by set_comm_hooks)
         self._took_part = False  # its forward ran (with grad) since its backward ended
         # mixed_precision_context (set by compute_region), and whether its casts are in use
@@ -195,7 +226,6 @@ class FSDPUnit:
         _refuse_params_of_other_units(self.name, slots)
         self.groups, self._group_slots = build_groups(self.name, slots, options)
         trainable = sum(g.layout.data_numel for g in self.groups if g.requires_grad)
-        self._holds_frozen = any(not g.requires_grad for g in self.groups)
         self._prefetch = BackwardPrefetch(trainable)
         _register_grad_hooks(self.groups, self._on_grad_ready)
         self._swap(use_unsharded=False)
@@ -360,15 +390,13 @@ class FSDPUnit:
         complete = self.root.grad_sync.accumulate(reducer, index, grad)
         param.grad = None
         self._prefetch.on_grad(grad.numel())
-        waiting = [g for g in self.groups if g.reducer and not g.reducer.all_received]
         # Every gradient here: the backward may end now. Only where an input-grad trigger
         # would end it anyway right after, with nothing issued in between, so a rank whose
-        # data skipped a parameter (no "every gradient" moment) issues the same collectives
-        # in the same order; units without one end at the root's final callback. A unit
-        # with frozen weights never ends here: a frozen weight gets no gradient to say that
-        # autograd is done with it (LoRA's base weight is still read for the input gradient
-        # after the adapters' gradients landed), so only the trigger may free it.
-        if complete and not waiting and self._inputs_trigger_armed and not self._holds_frozen:
+        # data skipped a parameter issues the same collectives in the same order; units
+        # without one end at the root's final callback. Frozen weights (no reducer) wait for
+        # the trigger: no gradient says autograd is done with them (LoRA's base weight).
+        waiting = [g for g in self.groups if g.reducer is None or not g.reducer.all_received]
+        if complete and not waiting and self._inputs_trigger_armed:
             self._end_own_backward()
 
     def _end_own_backward(self) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor
 from mfsdp_hooks.weights.param_group import ParameterGroup
 
 _GROUP_ATTR = "_mfsdp_group"
@@ -19,6 +20,7 @@ _DIST_ATTR = "_mfsdp_dist_param"
 _MODEL_ATTR = "_mfsdp_model_ref"
 _OWNER_ATTR = "_mfsdp_owner"
 _MATERIALIZED_ATTR = "_mfsdp_materialized_as"
+_META_ATTR = "_mfsdp_materialized_from"
 
 
 @dataclass(frozen=True)
@@ -40,21 +42,33 @@ def register_group_params(group: ParameterGroup) -> None:
     ):
         setattr(dist_param, _GROUP_ATTR, group)
         setattr(dist_param, _INDEX_ATTR, index)
+        if isinstance(dist_param, RowShardedDTensor):  # dcp.load writes it in place
+            dist_param.on_checkpoint_load = group.mark_weights_dirty
         setattr(unsharded, _DIST_ATTR, dist_param)
 
 
 def register_replaced(original: nn.Parameter, dist_param: nn.Parameter, owner: str) -> None:
     """Tag a user's original parameter with its sharded replacement and the unit that owns
     it: an optimizer built before sharding is re-pointed through the tag, and a module
-    outside the unit that still holds the original (a tied weight) is refused by it."""
-    setattr(original, _DIST_ATTR, dist_param)
-    setattr(original, _OWNER_ATTR, owner)
+    outside the unit that still holds the original (a tied weight) is refused by it.
+
+    An original meta init made takes its tags to its meta parameter too, which then lets go
+    of it: an optimizer built on the meta model holds the meta parameters, and through them
+    it would keep every materialised full tensor (the whole model) alive."""
+    meta = getattr(original, _META_ATTR, None)
+    for tagged in (original, meta) if isinstance(meta, torch.Tensor) else (original,):
+        setattr(tagged, _DIST_ATTR, dist_param)
+        setattr(tagged, _OWNER_ATTR, owner)
+    if isinstance(meta, torch.Tensor) and getattr(meta, _MATERIALIZED_ATTR, None) is original:
+        delattr(meta, _MATERIALIZED_ATTR)
 
 
 def register_materialized(meta: torch.Tensor, real: torch.Tensor) -> None:
     """Tag a meta-device parameter with the real one meta init made for it, so an optimizer
-    built on the meta model is re-pointed (through it) at the sharded replacement."""
+    built on the meta model is re-pointed (through it) at the sharded replacement; once
+    ``real`` is replaced, ``register_replaced`` moves the tags onto ``meta`` itself."""
     setattr(meta, _MATERIALIZED_ATTR, real)
+    setattr(real, _META_ATTR, meta)  # a meta tensor holds no memory
 
 
 def _materialized(param: torch.Tensor) -> torch.Tensor:

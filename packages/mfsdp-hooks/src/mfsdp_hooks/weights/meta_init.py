@@ -10,7 +10,9 @@ Module order is construction order for ordinary models, so with the same
 ``torch.manual_seed`` the result equals the model built directly on the device, tied weights
 included: a module whose parameter was tied to one initialised earlier (a head tied to the
 embedding) runs its ``reset_parameters`` on a scratch copy that is then dropped, exactly as
-construction initialised the head's own weight before the tie replaced it.
+construction initialised the head's own weight before the tie replaced it. A tie to a weight
+whose unit is sharded already is refused, as it is for a model built on the device; nothing
+here keeps a materialised weight once its unit has replaced it.
 
 Tensor-parallel parameters (DTensors on a TP mesh, e.g. from ``parallelize_module`` on a
 meta model) are initialised whole: ``reset_parameters()`` runs on a plain tensor of the
@@ -23,13 +25,14 @@ diverge on; the cost is one unit's full TP weights for a moment, as without TP.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from mfsdp_hooks.weights.lookup import register_materialized
+from mfsdp_hooks.weights.lookup import register_materialized, replaced_by_unit
 
 __all__ = [
     "MetaMaterializer",
@@ -95,20 +98,32 @@ class MetaMaterializer:
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
-        # id(meta tensor) -> (the meta tensor, kept so its id stays unique; its replacement)
-        self._made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(meta tensor) -> (the meta tensor, kept so its id stays unique; its replacement).
+        # Weak: once its unit is sharded, a materialised parameter is replaced and must be
+        # freed, or wrapping ends up holding the whole model at full size.
+        self._made: dict[int, tuple[torch.Tensor, weakref.ref[torch.Tensor]]] = {}
 
-    def _replacement(self, old: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def _replacement(
+        self, old: torch.Tensor, module: nn.Module, name: str
+    ) -> tuple[torch.Tensor, bool]:
         """The real tensor for ``old`` (for a DTensor, its whole global value, to initialise
         then slice), and whether it was made earlier (a tie)."""
+        owner = replaced_by_unit(old)
+        if owner is not None:  # tied to a weight a unit sharded already: it cannot be shared
+            raise ValueError(
+                f"parameter {name!r} of {type(module).__name__} is shared with the FSDP unit "
+                f"{owner}: tied parameters must live in one unit; make their common parent "
+                "module the unit instead of each user"
+            )
         made = self._made.get(id(old))
-        if made is not None:
-            return made[1], True
+        tied = made[1]() if made is not None else None
+        if tied is not None:
+            return tied, True
         new = torch.empty(old.shape, dtype=old.dtype, device=self._device)
         if isinstance(old, nn.Parameter):
             new = nn.Parameter(new, requires_grad=old.requires_grad)
             register_materialized(old, new)
-        self._made[id(old)] = (old, new)
+        self._made[id(old)] = (old, weakref.ref(new))
         return new, False
 
     def _keep_local_slice(self, old: DTensor, whole: torch.Tensor) -> torch.Tensor:
@@ -119,7 +134,7 @@ class MetaMaterializer:
         if isinstance(old, nn.Parameter):
             piece = nn.Parameter(piece, requires_grad=old.requires_grad)
             register_materialized(old, piece)
-        self._made[id(old)] = (old, piece)
+        self._made[id(old)] = (old, weakref.ref(piece))
         return piece
 
     def materialize_all(self, modules: Iterable[nn.Module]) -> None:
@@ -137,7 +152,7 @@ class MetaMaterializer:
             for name, old in table.items():
                 if old is None or old.device.type != "meta":
                     continue
-                new, earlier = self._replacement(old)
+                new, earlier = self._replacement(old, module, name)
                 if isinstance(old, DTensor) and not earlier:
                     distributed[name] = old
                 if earlier:  # initialised with its first owner: this module's init is scratch

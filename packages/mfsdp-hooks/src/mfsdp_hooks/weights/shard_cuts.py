@@ -105,7 +105,10 @@ class ShardCuts:
         placements = [Shard(0) if sharded else Replicate(), *spec.placements]
         dp_tp = self._dp_tp_meshes[id(spec.mesh)]
         tensor = sharded_dtensor(local, dp_tp, spec.global_shape, placements)
-        return row_sharded(tensor, self.row_ranges(index, dp_tp)) if sharded else tensor
+        if not sharded:
+            return tensor
+        ranges = self.row_ranges(index, dp_tp)
+        return row_sharded(tensor, ranges, tp_partition_stride=spec.partition_stride)
 
     def row_ranges(self, index: int, mesh: DeviceMesh) -> tuple[tuple[int, int], ...]:
         """The rows of parameter ``index`` held at each coordinate of ``mesh``'s dim 0 (the

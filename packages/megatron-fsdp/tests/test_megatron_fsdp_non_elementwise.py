@@ -1,0 +1,190 @@
+"""An optimizer whose update is not element-wise (torch's Muon) is refused over shards.
+
+On a shard Muon orthogonalises the wrong matrix and trains something else without a word
+(FSDP2 as well). Every entry point refuses it on every rank when the engine first meets the
+optimizer (handed over: at once; built on the sharded model's parameters: at the first
+forward), while element-wise optimizers keep training, even with the refused optimizer still
+alive; with nothing sharded (``zero_dp_strategy=0``) Muon is exact and trains as one process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, cast
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import megatron_fsdp
+import mfsdp_hooks
+from megatron_fsdp import DistributedDataParallelConfig, FSDPDistributedIndex, MegatronFSDP
+from megatron_fsdp.mcore import FullyShardedDataParallel
+from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks.testing import (
+    Block,
+    local_slice,
+    make_batches,
+    make_model,
+    train_data_parallel,
+    train_single_process,
+)
+
+# CI keeps one entry point per way the engine meets the optimizer: handed over (seed),
+# found at the first forward (per_module, mcore); the full run adds the rest.
+_FULL_ONLY = pytest.mark.skipif(
+    os.environ.get("MFSDP_FULL_MATRIX") != "1", reason="MFSDP_FULL_MATRIX=1 only"
+)
+ENTRY_POINTS = [
+    "seed",
+    "per_module",
+    "mcore",
+    *(
+        pytest.param(entry, marks=_FULL_ONLY)
+        for entry in ("fully_shard_optimizer", "per_module_attach", "class")
+    ),
+]
+LR = 1e-2
+
+
+@dataclass
+class _TransformerConfig:
+    """The ``TransformerConfig`` fields Megatron-Core's adapter reads."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    num_moe_experts: int | None = None
+    expert_tensor_parallel_size: int | None = None
+    calculate_per_token_loss: bool = False
+    init_model_with_meta_device: bool = False
+
+
+def _muon(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=LR)
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+
+def _wrapped(entry: str, world: int) -> nn.Module:
+    """The model sharded through ``entry`` (the optimizer is the caller's business)."""
+    model = make_model()
+    if entry in ("per_module", "per_module_attach"):
+        for block in model.blocks:
+            mfsdp_hooks.fully_shard(block)
+        sharded: nn.Module = mfsdp_hooks.fully_shard(model)
+        return sharded
+    if entry == "class":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        index = FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard")
+        return MegatronFSDP(model, index, fsdp_unit_modules=[Block])
+    if entry == "mcore":
+        config = DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params")
+        return FullyShardedDataParallel(_TransformerConfig(), config, model, [Block])
+    return megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=[Block])
+
+
+def _train(
+    entry: str, rank: int, world: int, build: Any, steps: int
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Shard through ``entry``, hand the optimizer over where the entry point takes it, and
+    train ``steps`` steps (0: one forward only)."""
+    wrapped: nn.Module
+    if entry == "seed":
+        model = make_model()
+        wrapped, optimizer = megatron_fsdp.fully_shard(
+            model, build(model), fsdp_unit_modules=[Block]
+        )
+    else:
+        wrapped = _wrapped(entry, world)
+        optimizer = build(wrapped)
+        if entry == "fully_shard_optimizer":
+            megatron_fsdp.fully_shard_optimizer(optimizer)
+        elif entry == "per_module_attach":
+            mfsdp_hooks.attach_optimizer(optimizer)
+    batches = make_batches(max(steps, 1))
+    if steps:
+        train_data_parallel(wrapped, optimizer, batches, rank, world)
+    else:
+        wrapped(local_slice(batches[0][0], rank, world))
+    return wrapped, optimizer
+
+
+def _refused_then_sgd_trains(rank: int, world: int, entry: str) -> str:
+    muon: list[torch.optim.Optimizer] = []  # kept alive while another model trains
+
+    def build_muon(model: nn.Module) -> torch.optim.Optimizer:
+        muon.append(_muon(model))
+        return muon[-1]
+
+    try:
+        _train(entry, rank, world, build_muon, steps=0)
+    except ValueError as error:
+        message = str(error)
+    else:
+        return "accepted"
+    assert muon, "the refusal came before the optimizer was built"
+    _train(entry, rank, world, _sgd, steps=2)
+    return message
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_muon_is_refused_over_shards_and_sgd_trains(entry: str) -> None:
+    messages = run_distributed(_refused_then_sgd_trains, 2, entry, timeout=120)
+    assert messages[0] == messages[1], "every rank refuses alike"
+    message = messages[0]
+    assert "torch.optim.Muon" in message, message
+    assert "orthogonalises" in message and "zero_dp_strategy=0" in message, message
+    assert "declare_elementwise_optimizer(Muon)" in message, message
+
+
+def _muon_no_shard(rank: int, world: int) -> float:
+    batches = make_batches(3)
+    reference = make_model()
+    train_single_process(reference, _muon(reference), batches)
+    model = make_model()
+    wrapped, optimizer = megatron_fsdp.fully_shard(
+        model, _muon(model), fsdp_unit_modules=[Block], zero_dp_strategy=0
+    )
+    train_data_parallel(wrapped, optimizer, batches, rank, world)
+    mine = {n: cast(DTensor, p).full_tensor() for n, p in wrapped.module.named_parameters()}
+    return max(
+        float((mine[name] - param).abs().max())
+        for name, param in reference.named_parameters()
+        if name in mine
+    )
+
+
+def test_muon_trains_as_one_process_with_nothing_sharded() -> None:
+    # Equal today (0.0); the bound leaves room for one bfloat16 rounding of Muon's update
+    # (a gradient averaged over ranks may differ from one process's in its last bit).
+    assert max(run_distributed(_muon_no_shard, 2, timeout=120)) < 1e-4
+
+
+class _MyElementwise(torch.optim.SGD):
+    """A subclass may change ``step`` arbitrarily: refused until declared."""
+
+
+def _declared(rank: int, world: int) -> list[str]:
+    outcomes = []
+    for _ in range(2):
+        try:
+            _train("seed", rank, world, lambda m: _MyElementwise(m.parameters(), lr=LR), steps=1)
+            outcomes.append("accepted")
+        except ValueError as error:
+            outcomes.append(str(error))
+        megatron_fsdp.declare_elementwise_optimizer(_MyElementwise)
+    return outcomes
+
+
+def test_a_subclass_is_refused_until_declared_elementwise() -> None:
+    refused, declared = run_distributed(_declared, 2)[0]
+    assert "_MyElementwise" in refused, refused
+    assert "nothing says its update is element-wise" in refused, refused
+    assert declared == "accepted"

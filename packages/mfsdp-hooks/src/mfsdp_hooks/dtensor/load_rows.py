@@ -1,0 +1,71 @@
+"""``load_state_dict`` of full tensors and torch-sharded DTensors into row-sharded parameters.
+
+``load_state_dict`` ends in ``param.copy_(value)``, a local copy: right only when ``value``
+is laid out as the parameter, a :class:`~.row_sharded.RowShardedDTensor` of the flat
+layout's row ranges. What users and torch's helpers hand in instead:
+
+* full tensors (``torch.load`` of a full checkpoint, or ``set_model_state_dict(...,
+  full_state_dict=True)``... which first turns them into the next kind);
+* DTensors laid out as their placements say: ``distribute_tensor(full, mesh, param.placements)``
+  (torch's ``_distribute_state_dict``) cuts by ``torch.chunk``, not by our rows.
+
+The pre-hook below, on every module of a unit, replaces each such value by this rank's rows
+laid out as the parameter (a torch-sharded DTensor is gathered first: one collective per
+tensor, in ``named_parameters`` order on every rank), so ``copy_`` is exact as with FSDP2.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from mfsdp_hooks.dtensor.dtensor_views import dtensor_like
+from mfsdp_hooks.dtensor.row_placement import RowShard
+from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor
+
+__all__ = ["own_rows", "take_own_rows"]
+
+
+def own_rows(value: torch.Tensor, param: RowShardedDTensor, key: str) -> torch.Tensor:
+    """``value`` (a full tensor, or a DTensor in any layout torch knows) as this rank's rows
+    of ``param``, laid out as ``param``; ``param``'s own layout is returned unchanged.
+    Collective over ``value``'s mesh when it is a sharded plain DTensor."""
+    if isinstance(value, RowShardedDTensor) and value.dp_row_ranges == param.dp_row_ranges:
+        return value
+    if tuple(value.shape) != tuple(param.shape):
+        return value  # torch reports the size mismatch itself, naming the key
+    placements = param.placements
+    if not isinstance(placements[0], RowShard):
+        raise ValueError(
+            f"load_state_dict: {key!r} is a full or torch-sharded tensor, and this parameter's "
+            f"rows (placements {param._spec.placements} with a strided or doubly sharded "
+            "dim) have no slice of a full tensor: load it through torch.distributed.checkpoint "
+            "after mfsdp_checkpoint.enable_dcp(model, optimizer)"
+        )
+    full = value.full_tensor() if isinstance(value, DTensor) else value
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, placements
+    )
+    slices = tuple(slice(o, o + s) for s, o in zip(shape, offset, strict=True))
+    mine = param._local_tensor
+    rows = full.detach()[slices].to(device=mine.device, dtype=mine.dtype, copy=True)
+    return dtensor_like(rows, param)
+
+
+def take_own_rows(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    *_: Any,
+) -> None:
+    """A ``load_state_dict`` pre-hook: each value for one of ``module``'s row-sharded
+    parameters becomes this rank's rows laid out as that parameter (:func:`own_rows`)."""
+    for name, param in module.named_parameters(remove_duplicate=False):
+        key = prefix + name
+        value = state_dict.get(key)
+        if isinstance(param, RowShardedDTensor) and isinstance(value, torch.Tensor):
+            state_dict[key] = own_rows(value, param, key)

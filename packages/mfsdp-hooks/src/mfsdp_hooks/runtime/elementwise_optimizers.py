@@ -1,0 +1,162 @@
+"""Which optimizers may step sharded parameters: those whose update is element-wise.
+
+Under ZeRO-1/2/3 an optimizer steps each rank's rows of a parameter, not the parameter. That
+equals the rows of the whole parameter's step only when each element's update reads that
+element's weight, gradient and state alone (and per-parameter scalars such as the step
+count): Adam, SGD, RMSprop... Muon orthogonalises each whole gradient matrix, LBFGS takes
+dot products over all parameters, Adafactor factors its second moments over rows and
+columns: on shards each computes something else and says nothing (torch FSDP2 as well).
+
+Such an optimizer is refused on every rank when the engine first meets it, before any
+collective: ``attach_optimizer`` (the seed API's ``fully_shard`` and
+``fully_shard_optimizer``), or else the first forward's scan for live optimizers
+(``stale_optimizers``), which covers an optimizer built on a sharded model's parameters and
+never handed to us (per-module ``fully_shard``, the wrapper class, Megatron-Core's adapter).
+
+The decision is an allow-list, not a list of known offenders: a refusal names the fix, where
+an optimizer nobody vouched for could train wrong without a word. Exact classes only: a
+subclass may override ``step`` with anything (both of ours in tests do). A user whose
+optimizer is element-wise says so once, ``declare_elementwise_optimizer(MyOptimizer)``.
+Where nothing the optimizer steps is sharded (``no_shard``, or a shard group of one rank)
+every optimizer sees whole parameters and is exact, and none is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import TypeVar
+
+import torch
+
+from mfsdp_hooks.config.strategy import ShardingStrategy
+from mfsdp_hooks.weights.lookup import locate
+from mfsdp_hooks.weights.param_group import ParameterGroup
+
+__all__ = [
+    "USER_CLASS_ATTR",
+    "declare_elementwise_optimizer",
+    "is_elementwise_optimizer",
+    "refuse_sharded_non_elementwise",
+]
+
+TORCH_ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.SGD,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.ASGD,
+    torch.optim.Rprop,
+    torch.optim.Adadelta,
+)
+"""torch's optimizers whose update of an element reads only that element (and scalars)."""
+
+# Fused element-wise optimizers Megatron-Core builds, named so nothing need import them.
+_KNOWN_ELEMENTWISE = {
+    ("transformer_engine", "FusedAdam"),
+    ("transformer_engine", "FusedSGD"),
+    ("apex", "FusedAdam"),
+    ("apex", "FusedSGD"),
+}
+
+_WHY_NOT = {
+    "Muon": "it orthogonalises each whole gradient matrix",
+    "LBFGS": "it takes dot products over all parameters",
+    "Adafactor": "it factors second moments over whole rows and columns",
+}
+
+USER_CLASS_ATTR = "_mfsdp_user_class"
+"""Set on a class ``attach_optimizer`` derives from the user's: the user's class."""
+
+_declared: dict[type[torch.optim.Optimizer], None] = {}  # an ordered set: membership only
+
+
+_OptimizerClass = TypeVar("_OptimizerClass", bound=type[torch.optim.Optimizer])
+
+
+def declare_elementwise_optimizer(cls: _OptimizerClass) -> _OptimizerClass:
+    """Declare that ``cls`` (exactly; not its subclasses) updates each element of a
+    parameter from that element's weight, gradient and state alone, so that stepping a
+    shard of a parameter computes that shard of its step on the whole: sharded training
+    then accepts it. Returns ``cls`` (usable as a class decorator). Declaring an optimizer
+    that reads whole tensors (norms, matrix products) makes sharded training silently wrong.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(
+            f"declare_elementwise_optimizer takes a torch.optim.Optimizer subclass, got {cls!r}"
+        )
+    _declared[cls] = None
+    return cls
+
+
+def _user_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
+    cls = type(optimizer)
+    user: type[torch.optim.Optimizer] = cls.__dict__.get(USER_CLASS_ATTR, cls)
+    return user
+
+
+def is_elementwise_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s class is one whose step on shards is exact."""
+    cls = _user_class(optimizer)
+    package = cls.__module__.split(".")[0]
+    return (
+        cls in TORCH_ELEMENTWISE
+        or cls in _declared
+        or (package, cls.__name__) in _KNOWN_ELEMENTWISE
+    )
+
+
+def _steps_shards(group: ParameterGroup) -> bool:
+    """Whether an optimizer of ``group``'s parameters sees pieces of them on some rank (the
+    same answer on every rank: it reads the strategy and the topology only)."""
+    if group.strategy == ShardingStrategy.NO_SHARD:
+        return False
+    return group.topology.shard_size > 1 or group.topology.shards_optimizer_across_outer
+
+
+def refuse_sharded_non_elementwise(
+    optimizer: torch.optim.Optimizer, within: Collection[ParameterGroup] | None = None
+) -> None:
+    """Raise if ``optimizer`` steps shards of parameters of ours (of ``within``'s groups
+    only, when given) and is not known to be element-wise."""
+    if is_elementwise_optimizer(optimizer):
+        return
+    allowed = None if within is None else {id(group) for group in within}
+    sharded = [
+        location.group.full_names[location.index]
+        for group in optimizer.param_groups
+        for param in group["params"]
+        if (location := locate(param)) is not None
+        and (allowed is None or id(location.group) in allowed)
+        and _steps_shards(location.group)
+    ]
+    if not sharded:
+        return
+    cls = _user_class(optimizer)
+    why = _WHY_NOT.get(cls.__name__)
+    more = f" and {len(sharded) - 1} more" if len(sharded) > 1 else ""
+    if why is None:
+        problem = (
+            "nothing says its update is element-wise; one that reads whole tensors (as "
+            "Muon, LBFGS and Adafactor do) computes something else on shards, and training "
+            "silently diverges"
+        )
+    else:
+        problem = (
+            f"its update is not element-wise ({why}): on shards it computes something else "
+            f"than on whole parameters, and training would silently diverge. An exact "
+            f"sharded {cls.__name__} is not supported yet"
+        )
+    raise ValueError(
+        f"optimizer: {cls.__module__}.{cls.__qualname__} would step each rank's shard of "
+        f"sharded parameters ({sharded[0]!r}{more}), but {problem}. Shard nothing it steps "
+        "(zero_dp_strategy=0; sharding_strategy=0 for mfsdp_hooks.fully_shard; "
+        "data_parallel_sharding_strategy='no_shard' for Megatron-Core), or use an "
+        f"element-wise optimizer (torch's {', '.join(c.__name__ for c in TORCH_ELEMENTWISE)}). "
+        f"If each element's update in {cls.__name__} reads only that element's weight, "
+        "gradient and state, declare it once: "
+        f"megatron_fsdp.declare_elementwise_optimizer({cls.__name__}) (mfsdp_hooks has it too)"
+    )
