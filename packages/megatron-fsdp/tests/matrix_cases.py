@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import ecosystem_cases
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -91,6 +92,7 @@ COLS = (
     "fine_grained",
     "reshard_int",
     "comm_hooks",
+    *ecosystem_cases.COLS,
 )
 
 STEPS = 10
@@ -322,6 +324,8 @@ def original_model(col: str, layout: Layout, seed: int = 0) -> nn.Module:
     if col == "meta_init":
         with torch.device("meta"):
             return ToyModel()
+    if col in ecosystem_cases.MODEL_COLS:
+        return ecosystem_cases.model(col, seed)
     return make_model(seed, checkpoint="non_reentrant" if col == "recompute" else None)
 
 
@@ -438,6 +442,7 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR)
 
 
+@megatron_fsdp.declare_elementwise_optimizer
 class DecoupledAdamW(torch.optim.AdamW):
     """AdamW that reads ``decoupled_grad`` and never ``.grad``, as Transformer Engine's
     ``FusedAdam(use_decoupled_grad=True)`` does (and clears it in ``zero_grad``)."""
@@ -469,7 +474,7 @@ def _optimizer(col: str, params: Any) -> torch.optim.Optimizer:
     """The cell's optimizer on the wrapped model's parameters."""
     if col == "decoupled_grad":
         return DecoupledAdamW(params, lr=LR)
-    return _adamw(params)
+    return ecosystem_cases.optimizer(col, params) or _adamw(params)
 
 
 def _refuses_grad_reader(wrapped: nn.Module) -> None:
@@ -780,7 +785,17 @@ def cell_worker(rank: int, world: int, row: str, col: str, ckpt: str) -> dict[st
             save_checkpoint(ckpt, built.state_model, built.optimizer)
             built = build(row, col, layout, seed=123)  # another init: the load must win
             load_checkpoint(ckpt, built.state_model, built.optimizer)
-        losses.append(train_step(built, row, col, step, layout))
+        if col in ecosystem_cases.ROUND_TRIPS and step == SAVE_AFTER:
+            load = ecosystem_cases.round_trip(col, built.state_model, built.optimizer, ckpt)
+            built = build(row, col, layout, seed=123)
+            load(built.state_model, built.optimizer)
+        try:
+            losses.append(train_step(built, row, col, step, layout))
+        except Exception as error:  # an optimizer built after wrapping is refused here
+            if step > 0 or col not in ecosystem_cases.REFUSED_AT_FIRST_FORWARD:
+                raise
+            dist.barrier()
+            return {"refused": (type(error), str(error))}
         if col == "train_eval":
             evals.append(eval_loss(built, col, layout))
     _check_tied_and_frozen(built, col, trained=True)
@@ -814,6 +829,8 @@ def _reference_model(row: str, col: str) -> nn.Module:
         from mfsdp_te.float8_testing import float8_model
 
         return float8_model()
+    if col in ecosystem_cases.MODEL_COLS:
+        return ecosystem_cases.model(col, 0)
     model = make_model(0, checkpoint="non_reentrant" if col == "recompute" else None)
     if col == "meta_init" and row == "per_module":
         _per_module_init_order(model)
@@ -846,7 +863,9 @@ def reference_run(row: str, col: str) -> dict[str, Any]:
         # bf16: fp32 main weights step; each share runs forward and backward on a bf16
         # copy, its gradient taken to fp32 before the mean over shares (reduce_dtype).
         compute = copy.deepcopy(master).bfloat16() if col == "bf16" else master
-        optimizer = _adamw(master.parameters())
+        optimizer = ecosystem_cases.optimizer(col, master.parameters()) or _adamw(
+            master.parameters()
+        )
         micro, shares = micro_batches(col), shares_in_reference(col)
         losses, evals = [], []
         for step in range(STEPS):

@@ -270,3 +270,38 @@ def test_load_best_model_at_end_brings_back_the_best_checkpoint(
     )[0]
     assert at_5 > at_10  # it learned: step 5 is "best" only by this metric
     assert after == pytest.approx(at_5, rel=1e-6)
+
+
+def _lora(model: Any) -> Any:
+    """peft LoRA on the attention projections: every decoder layer (a unit) then holds
+    frozen base weights beside its trainable adapters."""
+    import peft
+
+    torch.manual_seed(1)  # the adapters draw alike in both runs
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    return peft.get_peft_model(model, config)
+
+
+def _lora_ddp_and_ours(rank: int, world: int, out: str, api: str) -> Any:
+    from megatron_fsdp.integrations.transformers import MegatronFSDPConfig, MegatronFSDPTrainer
+
+    plain = (False, False)
+    _, ddp_steps, ddp_eval = _train(transformers.Trainer, f"{out}/ddp", plain, model=_lora(llama()))
+    config = MegatronFSDPConfig(api=api, zero_dp_strategy=3)  # type: ignore[arg-type]
+    trainer, steps, eval_loss = _train(
+        MegatronFSDPTrainer, f"{out}/ours", plain, model=_lora(llama()), megatron_fsdp=config
+    )
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    return ddp_steps, ddp_eval, steps, eval_loss, trainable
+
+
+@pytest.mark.parametrize("api", ["seed", "per_module"])
+def test_lora_trains_at_zero3_as_trainers_ddp(api: str, tmp_path: Path) -> None:
+    """Issue 48: the frozen base weights were freed once the adapters' gradients landed,
+    while autograd still read them for the input gradient (backward raised)."""
+    results = run_distributed(_lora_ddp_and_ours, 2, str(tmp_path), api, timeout=240)
+    ddp_steps, ddp_eval, steps, eval_loss, trainable = results[0]
+    assert 0 < trainable < sum(p.numel() for p in llama().parameters()) // 10
+    assert len(steps) == len(ddp_steps) == STEPS
+    torch.testing.assert_close(torch.tensor(steps), torch.tensor(ddp_steps), rtol=1e-5, atol=0)
+    assert eval_loss == pytest.approx(ddp_eval, rel=1e-5)

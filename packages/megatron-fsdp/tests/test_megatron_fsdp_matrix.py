@@ -16,7 +16,7 @@ its own (float8 scales activations per tensor).
 
 CI (plain ``pytest``) runs ``CI_CELLS``, a cross-section with every row and every column;
 ``MFSDP_FULL_MATRIX=1`` runs all of them (``nox -s tests_full``). On 2 CPU cores (gloo,
-torch 2.13): the cross-section takes about 45 s, the full matrix of 105 cells about 2 min
+torch 2.13): the cross-section takes about 1 min, the full matrix of 180 cells about 4 min
 (most cells 0.5-2 s, float8 ones 4-5 s, the first one 6 s more for the rank forkserver).
 """
 
@@ -45,6 +45,15 @@ FULL = os.environ.get("MFSDP_FULL_MATRIX") == "1"
 
 PARITY = "parity"
 _REFUSED_OFFLOAD = ("refused", TypeError, "offload_policy")
+_REFUSED_SEEDS = ("refused", ValueError, "check_replicas=False")
+_REFUSED_MUON = ("refused", ValueError, "Muon")
+# Weights and optimizer state are right after set_*_state_dict(broadcast_from_rank0=True);
+# the next steps drift (3e-4 by step 6): the contiguous step does not take up the state torch
+# copies into its live tensors in place (exact with contiguous_step=False).
+_XFAIL_FULL_SD_CONTIGUOUS = ("xfail", "contiguous step misses state set in place by torch")
+# torch names the chunk's parameters module.module.X, MCoreFSDPModel.state_dict() module.X:
+# the broadcast tensors are dropped as unexpected keys.
+_XFAIL_FULL_SD_MCORE = ("xfail", "mcore: set_model_state_dict keys one module. level deeper")
 
 # (row, col) -> "parity" | ("refused", exception type, substring of the message naming the
 # argument) | ("xfail", reason). Every cell of ROWS x COLS is listed.
@@ -184,6 +193,58 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("mcore", "fine_grained"): PARITY,
     ("mcore", "reshard_int"): PARITY,
     ("mcore", "comm_hooks"): PARITY,
+    # ---- the ecosystem columns (ecosystem_cases): peft, torch's state-dict helpers and
+    # plain DCP, the optimizers torch ships, ranks seeded apart
+    ("seed", "lora"): PARITY,
+    ("model_optimizer", "lora"): PARITY,
+    ("class", "lora"): PARITY,
+    ("per_module", "lora"): PARITY,
+    ("mcore", "lora"): PARITY,
+    ("seed", "seeded_apart"): _REFUSED_SEEDS,
+    ("model_optimizer", "seeded_apart"): _REFUSED_SEEDS,
+    ("class", "seeded_apart"): _REFUSED_SEEDS,
+    ("per_module", "seeded_apart"): _REFUSED_SEEDS,
+    ("mcore", "seeded_apart"): _REFUSED_SEEDS,
+    ("seed", "torch_sd_full"): _XFAIL_FULL_SD_CONTIGUOUS,
+    ("model_optimizer", "torch_sd_full"): _XFAIL_FULL_SD_CONTIGUOUS,
+    ("class", "torch_sd_full"): _XFAIL_FULL_SD_CONTIGUOUS,
+    ("per_module", "torch_sd_full"): PARITY,
+    ("mcore", "torch_sd_full"): _XFAIL_FULL_SD_MCORE,
+    ("seed", "torch_sd_sharded"): PARITY,
+    ("model_optimizer", "torch_sd_sharded"): PARITY,
+    ("class", "torch_sd_sharded"): PARITY,
+    ("per_module", "torch_sd_sharded"): PARITY,
+    ("mcore", "torch_sd_sharded"): PARITY,
+    ("seed", "dcp_plain"): PARITY,
+    ("model_optimizer", "dcp_plain"): PARITY,
+    ("class", "dcp_plain"): PARITY,
+    ("per_module", "dcp_plain"): PARITY,
+    ("mcore", "dcp_plain"): PARITY,
+    ("seed", "adam"): PARITY,
+    ("model_optimizer", "adam"): PARITY,
+    ("class", "adam"): PARITY,
+    ("per_module", "adam"): PARITY,
+    ("mcore", "adam"): PARITY,
+    ("seed", "sgd_momentum"): PARITY,
+    ("model_optimizer", "sgd_momentum"): PARITY,
+    ("class", "sgd_momentum"): PARITY,
+    ("per_module", "sgd_momentum"): PARITY,
+    ("mcore", "sgd_momentum"): PARITY,
+    ("seed", "adagrad"): PARITY,
+    ("model_optimizer", "adagrad"): PARITY,
+    ("class", "adagrad"): PARITY,
+    ("per_module", "adagrad"): PARITY,
+    ("mcore", "adagrad"): PARITY,
+    ("seed", "rmsprop"): PARITY,
+    ("model_optimizer", "rmsprop"): PARITY,
+    ("class", "rmsprop"): PARITY,
+    ("per_module", "rmsprop"): PARITY,
+    ("mcore", "rmsprop"): PARITY,
+    ("seed", "muon"): _REFUSED_MUON,
+    ("model_optimizer", "muon"): _REFUSED_MUON,
+    ("class", "muon"): _REFUSED_MUON,
+    ("per_module", "muon"): _REFUSED_MUON,
+    ("mcore", "muon"): _REFUSED_MUON,
 }
 
 # The plain-pytest cross-section: every row and every column at least once, 2 ranks where
@@ -220,6 +281,17 @@ CI_CELLS: tuple[tuple[str, str], ...] = (
     ("mcore", "hsdp"),
     ("mcore", "reshard_int"),
     ("model_optimizer", "comm_hooks"),
+    # the ecosystem columns (ecosystem_cases)
+    ("per_module", "lora"),  # was an engine bug (a frozen base weight freed too early)
+    ("mcore", "seeded_apart"),
+    ("per_module", "torch_sd_full"),
+    ("per_module", "torch_sd_sharded"),
+    ("per_module", "dcp_plain"),
+    ("class", "adam"),
+    ("mcore", "sgd_momentum"),
+    ("model_optimizer", "adagrad"),
+    ("seed", "rmsprop"),
+    ("per_module", "muon"),
 )
 
 
