@@ -14,6 +14,8 @@ entry point against the same one-process run (``matrix_cases``):
   the rest of training is exact only if every value, moment and step count made the trip.
 * ``dcp_plain``: the same trip through plain ``dcp.save`` / ``dcp.load`` of
   ``model.state_dict()`` and the optimizer's state dict, as FSDP2 scripts write it.
+* ``compile_block`` / ``compile_model``: ``torch.compile`` of each unit block after wrapping,
+  or of the whole wrapped model; graphs must be compiled (counted) and training exact.
 * ``adam``, ``sgd_momentum``, ``adagrad``, ``rmsprop``: the element-wise optimizers torch
   ships (AdamW is every other column's); ``muon``: torch's Muon, whose step reads whole
   matrices, refused at wrap time or first step on every rank.
@@ -49,7 +51,8 @@ _OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     # Muon orthogonalises each 2-D weight's whole update: only the matrices take part.
     "muon": lambda p: torch.optim.Muon([q for q in p if q.ndim == 2], lr=LR),
 }
-COLS = (*MODEL_COLS, *ROUND_TRIPS, *_OPTIMIZERS)
+COMPILED = ("compile_block", "compile_model")
+COLS = (*MODEL_COLS, *ROUND_TRIPS, *_OPTIMIZERS, *COMPILED)
 # Entry points whose optimizer is built on the sharded model and never handed to the engine
 # (per_module, mcore) meet it at the first forward: the refusal comes there.
 REFUSED_AT_FIRST_FORWARD = ("muon",)
@@ -65,6 +68,37 @@ def model(col: str, seed: int) -> nn.Module:
     config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["fc1", "fc2"])
     torch.manual_seed(seed + 1)  # the adapters' init draws alike in every process
     return peft.get_peft_model(base, config)
+
+
+class GraphCounter:
+    """A ``torch.compile`` backend that counts the graphs dynamo hands it that compute a
+    layer (a ``linear``: graphs of the engine's own hook calls do not count) and runs them as
+    traced (``eager``: what the compiler is given is the point, not how fast it runs)."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        targets = [getattr(node.target, "__name__", "") for node in gm.graph.nodes]
+        self.graphs += "linear" in targets
+        return gm.forward
+
+
+def compiled(
+    col: str, model: nn.Module, unit: type[nn.Module]
+) -> tuple[nn.Module, GraphCounter | None]:
+    """``compile_block``: each unit block compiled in place (``block.compile()``);
+    ``compile_model``: the model the user calls, compiled whole. Returns what to call and
+    the backend that counts the graphs (None for other columns)."""
+    if col not in COMPILED:
+        return model, None
+    counter = GraphCounter()
+    if col == "compile_block":
+        for block in [m for m in model.modules() if isinstance(m, unit)]:
+            block.compile(backend=counter)
+        return model, counter
+    whole: nn.Module = torch.compile(model, backend=counter)  # type: ignore[assignment]
+    return whole, counter
 
 
 def optimizer(col: str, params: Any) -> torch.optim.Optimizer | None:

@@ -778,6 +778,8 @@ def cell_worker(rank: int, world: int, row: str, col: str, ckpt: str) -> dict[st
         built.model.to(torch.device("cpu", 0))
         built.model.float()
     comms = _install_comm_hooks(built) if col == "comm_hooks" else []
+    called, compiler = ecosystem_cases.compiled(col, built.model, _unit_class(col))
+    built = dataclasses.replace(built, model=called)
     _check_tied_and_frozen(built, col, trained=False)
     losses, evals = [], []
     for step in range(STEPS):
@@ -798,6 +800,7 @@ def cell_worker(rank: int, world: int, row: str, col: str, ckpt: str) -> dict[st
             return {"refused": (type(error), str(error))}
         if col == "train_eval":
             evals.append(eval_loss(built, col, layout))
+    assert compiler is None or compiler.graphs > 0, f"{col}: torch.compile compiled nothing"
     _check_tied_and_frozen(built, col, trained=True)
     _check_post_forward_groups(built, col)
     _check_comm_hooks(comms)
