@@ -47,10 +47,6 @@ PARITY = "parity"
 _REFUSED_OFFLOAD = ("refused", TypeError, "offload_policy")
 _REFUSED_SEEDS = ("refused", ValueError, "check_replicas=False")
 _REFUSED_MUON = ("refused", ValueError, "Muon")
-# Weights and optimizer state are right after set_*_state_dict(broadcast_from_rank0=True);
-# the next steps drift (3e-4 by step 6): the contiguous step does not take up the state torch
-# copies into its live tensors in place (exact with contiguous_step=False).
-_XFAIL_FULL_SD_CONTIGUOUS = ("xfail", "contiguous step misses state set in place by torch")
 # torch names the chunk's parameters module.module.X, MCoreFSDPModel.state_dict() module.X:
 # the broadcast tensors are dropped as unexpected keys.
 _XFAIL_FULL_SD_MCORE = ("xfail", "mcore: set_model_state_dict keys one module. level deeper")
@@ -205,9 +201,9 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("class", "seeded_apart"): _REFUSED_SEEDS,
     ("per_module", "seeded_apart"): _REFUSED_SEEDS,
     ("mcore", "seeded_apart"): _REFUSED_SEEDS,
-    ("seed", "torch_sd_full"): _XFAIL_FULL_SD_CONTIGUOUS,
-    ("model_optimizer", "torch_sd_full"): _XFAIL_FULL_SD_CONTIGUOUS,
-    ("class", "torch_sd_full"): _XFAIL_FULL_SD_CONTIGUOUS,
+    ("seed", "torch_sd_full"): PARITY,
+    ("model_optimizer", "torch_sd_full"): PARITY,
+    ("class", "torch_sd_full"): PARITY,
     ("per_module", "torch_sd_full"): PARITY,
     ("mcore", "torch_sd_full"): _XFAIL_FULL_SD_MCORE,
     ("seed", "torch_sd_sharded"): PARITY,

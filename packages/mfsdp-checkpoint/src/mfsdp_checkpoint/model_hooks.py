@@ -25,9 +25,14 @@ from torch.utils.hooks import RemovableHandle
 
 from mfsdp_checkpoint.chunks import annotate, chunk_of
 from mfsdp_checkpoint.param_index import ParamIndex, ParamRef
-from mfsdp_hooks import FSDPUnit, ParameterGroup, dtensor_like, local_tensor
-from mfsdp_hooks.dtensor.load_rows import own_rows
-from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor
+from mfsdp_hooks import (
+    FSDPUnit,
+    ParameterGroup,
+    RowShardedDTensor,
+    dtensor_like,
+    local_tensor,
+    own_rows,
+)
 
 _HOOKS_ATTR = "_mfsdp_checkpoint_hooks"
 

@@ -25,8 +25,7 @@ from torch.utils.hooks import RemovableHandle
 from mfsdp_checkpoint.chunks import annotate
 from mfsdp_checkpoint.optim_placeholders import PlaceholderLedger, make_placeholders
 from mfsdp_checkpoint.param_index import ParamIndex, ParamRef
-from mfsdp_hooks import RowShardedDTensor, dist_param_of, dtensor_like, local_tensor
-from mfsdp_hooks.dtensor.load_rows import own_rows
+from mfsdp_hooks import RowShardedDTensor, dist_param_of, dtensor_like, local_tensor, own_rows
 
 _HOOKS_ATTR = "_mfsdp_checkpoint_hooks"
 

@@ -30,6 +30,7 @@ from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.strategy import ShardingStrategy, parse_strategy
 from mfsdp_hooks.config.unit_options import UnitOptions
 from mfsdp_hooks.dtensor.dtensor_views import dtensor_like, local_tensor
+from mfsdp_hooks.dtensor.load_rows import own_rows
 from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor, row_sharded
 from mfsdp_hooks.dtensor.tensor_parallel import TPSpec, tp_full_tensor
 from mfsdp_hooks.optim.optimizer import FSDPOptimizer, attach_optimizer, optimizer_groups
@@ -65,6 +66,7 @@ __all__ = [
     "ParamClassCodec",
     "RowShardedDTensor",
     "row_sharded",
+    "own_rows",
     "is_megatron_expert",
     "TPSpec",
     "tp_full_tensor",

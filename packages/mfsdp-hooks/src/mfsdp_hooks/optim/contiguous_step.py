@@ -24,9 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from mfsdp_hooks.dtensor.dtensor_views import dtensor_like, local_tensor
+from mfsdp_hooks.dtensor.dtensor_views import local_tensor
+from mfsdp_hooks.optim.run_state import (
+    counters_per_parameter,
+    flat_over,
+    split_state,
+    tensor_entries,
+    view_like,
+)
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adam,
@@ -41,73 +47,6 @@ CPU_CHUNK_NUMEL = 1 << 18
 
 def supports_contiguous_step(optimizer: torch.optim.Optimizer) -> bool:
     return type(optimizer) in ELEMENTWISE_OPTIMIZERS
-
-
-def _flat_over(locals_: list[torch.Tensor]) -> torch.Tensor | None:
-    """One 1-D view over tensors that tile one storage back to back, else None."""
-    nonempty = [t for t in locals_ if t.numel()]
-    if not nonempty:
-        return None
-    first = nonempty[0]
-    storage = first.untyped_storage().data_ptr()
-    cursor = first.storage_offset()
-    for tensor in nonempty:
-        if (
-            tensor.dtype != first.dtype
-            or tensor.device != first.device
-            or not tensor.is_contiguous()
-            or tensor.untyped_storage().data_ptr() != storage
-            or tensor.storage_offset() != cursor
-        ):
-            return None
-        cursor += tensor.numel()
-    return first.as_strided((cursor - first.storage_offset(),), (1,), first.storage_offset())
-
-
-def _view_like(flat: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tensor:
-    """``flat[offset:]`` viewed as ``param``'s local piece, wrapped like ``param``."""
-    local = local_tensor(param)
-    if local.numel():
-        piece = flat[offset : offset + local.numel()].view(local.shape)
-    else:  # a view at the storage's end confuses deepcopy's storage memo; nothing to share
-        piece = flat.new_empty(local.shape)
-    return dtensor_like(piece, param) if isinstance(param, DTensor) else piece
-
-
-def _split_state(
-    values_by_key: dict[str, list[torch.Tensor]], shapes: list[torch.Size]
-) -> tuple[dict[str, list[torch.Tensor]], dict[str, torch.Tensor]] | None:
-    """Sort state entries into elementwise ones (shaped like their tensor) and shared
-    scalars (one equal value everywhere); None when an entry is neither."""
-    elementwise: dict[str, list[torch.Tensor]] = {}
-    scalars: dict[str, torch.Tensor] = {}
-    for key, values in values_by_key.items():
-        if all(value.shape == shape for value, shape in zip(values, shapes, strict=True)):
-            elementwise[key] = values
-        elif all(value.numel() == 1 and torch.equal(value, values[0]) for value in values):
-            scalars[key] = values[0]
-        else:
-            return None
-    return elementwise, scalars
-
-
-def _tensor_entries(entries: list[dict[str, Any]]) -> dict[str, list[torch.Tensor]] | None:
-    """Per key, every entry's tensor; None unless all entries hold the same tensor keys.
-
-    Keys keep the first entry's order, the order torch's step created them in, which is the
-    same on every rank. A full state dict gathers state key by key in this order, so an
-    order that differed between ranks (a set's: strings hash per process) would pair one
-    rank's ``exp_avg`` with another's ``exp_avg_sq``.
-    """
-    by_key: dict[str, list[torch.Tensor]] = {key: [] for key in entries[0]}
-    for entry in entries:
-        if entry.keys() != by_key.keys():
-            return None
-        for key, value in entry.items():
-            if not isinstance(value, torch.Tensor):
-                return None
-            by_key[key].append(local_tensor(value))
-    return by_key
 
 
 @dataclass
@@ -138,7 +77,7 @@ class _Run:
 
     def weights_in_place(self) -> bool:
         """Whether the parameters still tile the buffer the run was planned on."""
-        flat = _flat_over([local_tensor(param) for param in self.params])
+        flat = flat_over([local_tensor(param) for param in self.params])
         return (
             flat is not None
             and flat.data_ptr() == self.weights.data_ptr()
@@ -152,7 +91,7 @@ class _Run:
             if grad is None:
                 return None
             grads.append(local_tensor(grad))
-        flat = _flat_over(grads)
+        flat = flat_over(grads)
         if flat is None or flat.numel() != self.numel or flat.dtype != self.weights.dtype:
             return None
         return flat
@@ -179,27 +118,30 @@ class _Run:
             self.flats, self.scalars, self.installed = None, {}, None
             self.chunk_states = [{} for _ in self.chunks]
             return True
-        by_key = _tensor_entries(entries)
+        by_key = tensor_entries(entries)
         shapes = [local_tensor(param).shape for param in self.params]
-        split = None if by_key is None else _split_state(by_key, shapes)
+        split = None if by_key is None else split_state(by_key, shapes)
         if split is None:
             return False
         elementwise, scalars = split
         flats: dict[str, torch.Tensor] = {}
         for key, values in elementwise.items():
-            flat = _flat_over(values)
+            flat = flat_over(values)
             if flat is None or flat.numel() != self.numel:
                 flat = torch.cat([value.reshape(-1) for value in values])
             flats[key] = flat
-        self._hold(flats, scalars, tuple(by_key or ()))
+        # The run's counter is its own: a loaded one may also be held by parameters of other
+        # runs (a state dict pickled from runs cut elsewhere), each of which would count it.
+        owned = {key: scalar.clone() for key, scalar in scalars.items()}
+        self._hold(flats, owned, tuple(by_key or ()))
         self.install(state)
         return True
 
     def adopt_created(self, state: dict[torch.Tensor, Any]) -> None:
         """Take over, and install per parameter, the state torch created at the first step."""
         created = [state.get(chunk) or {} for chunk in self.chunks]
-        by_key = _tensor_entries(created)
-        split = None if by_key is None else _split_state(by_key, [c.shape for c in self.chunks])
+        by_key = tensor_entries(created)
+        split = None if by_key is None else split_state(by_key, [c.shape for c in self.chunks])
         if split is None:  # the weights were already stepped: losing this state is not an option
             raise RuntimeError(
                 f"contiguous_step: {sorted(created[0])} is not elementwise state; "
@@ -254,7 +196,7 @@ class _Run:
         installed: list[dict[str, Any]] = []
         with torch.no_grad():
             for param, offset in zip(self.params, self.offsets, strict=True):
-                views = {key: _view_like(flat, param, offset) for key, flat in self.flats.items()}
+                views = {key: view_like(flat, param, offset) for key, flat in self.flats.items()}
                 entry = self._ordered(views)
                 state[param] = entry
                 installed.append(dict(entry))
@@ -285,7 +227,7 @@ def _plan_runs(
 
     def close() -> None:
         nonlocal last
-        flat = _flat_over([local_tensor(p) for p in members])
+        flat = flat_over([local_tensor(p) for p in members])
         if flat is not None:
             offsets, cursor = [], 0
             for param in members:
@@ -304,7 +246,7 @@ def _plan_runs(
             close()
             continue
         if local.numel():
-            if last is not None and _flat_over([last, local]) is None:
+            if last is not None and flat_over([last, local]) is None:
                 close()
             last = local
         members.append(param)
@@ -342,6 +284,15 @@ class ContiguousStepper:
         self.chunk_numel = chunk_numel
         self._plans: list[_GroupPlan] = []
         self.active = False
+        # Every load, whatever objects it leaves in ``optimizer.state``, makes each run take
+        # up the loaded state afresh at its next step.
+        optimizer.register_load_state_dict_post_hook(self._after_load)
+        optimizer.register_state_dict_post_hook(counters_per_parameter)
+
+    def _after_load(self, optimizer: torch.optim.Optimizer) -> None:
+        for plan in self._plans:
+            for run in plan.runs:
+                run.installed = None
 
     def _chunk_numel_for(self, params: list[torch.Tensor]) -> int:
         if self.chunk_numel is not None:
