@@ -188,3 +188,27 @@ def test_a_subclass_is_refused_until_declared_elementwise() -> None:
     assert "_MyElementwise" in refused, refused
     assert "nothing says its update is element-wise" in refused, refused
     assert declared == "accepted"
+
+
+class _Wrapper(torch.optim.Optimizer):
+    """accelerate's ``AcceleratedOptimizer`` in miniature (transformers' Trainer builds one):
+    an optimizer that shares its param groups with the one it steps through."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def step(self, closure: Any = None) -> Any:
+        return self.optimizer.step(closure)
+
+
+def test_a_wrapper_is_judged_by_the_optimizer_it_steps_through() -> None:
+    from mfsdp_hooks.runtime.elementwise_optimizers import is_elementwise_optimizer
+
+    model = make_model()
+    assert is_elementwise_optimizer(_Wrapper(_sgd(model)))
+    assert not is_elementwise_optimizer(_Wrapper(_muon(model)))
+    assert not is_elementwise_optimizer(_muon(model))

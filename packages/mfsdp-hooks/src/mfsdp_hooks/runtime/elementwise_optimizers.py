@@ -98,8 +98,22 @@ def _user_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]
     return user
 
 
+def _wrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """The optimizer ``optimizer`` delegates its step to, when it is a wrapper that shares its
+    param groups with it (accelerate's ``AcceleratedOptimizer``, which transformers'
+    ``Trainer`` builds): the inner one's update is what runs."""
+    inner = getattr(optimizer, "optimizer", None)
+    if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+        return None
+    return inner if inner.param_groups is optimizer.param_groups else None
+
+
 def is_elementwise_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer``'s class is one whose step on shards is exact."""
+    """Whether ``optimizer``'s class is one whose step on shards is exact (a wrapper's: that
+    of the optimizer it wraps)."""
+    inner = _wrapped(optimizer)
+    if inner is not None:
+        return is_elementwise_optimizer(inner)
     cls = _user_class(optimizer)
     package = cls.__module__.split(".")[0]
     return (
