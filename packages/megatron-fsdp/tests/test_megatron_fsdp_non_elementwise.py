@@ -206,7 +206,7 @@ class _Wrapper(torch.optim.Optimizer):
 
 
 def test_a_wrapper_is_judged_by_the_optimizer_it_steps_through() -> None:
-    from mfsdp_hooks.runtime.elementwise_optimizers import is_elementwise_optimizer
+    from mfsdp_hooks import is_elementwise_optimizer
 
     model = make_model()
     assert is_elementwise_optimizer(_Wrapper(_sgd(model)))

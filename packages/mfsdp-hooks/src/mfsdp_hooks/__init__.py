@@ -34,7 +34,10 @@ from mfsdp_hooks.dtensor.load_rows import own_rows
 from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor, row_sharded
 from mfsdp_hooks.dtensor.tensor_parallel import TPSpec, tp_full_tensor
 from mfsdp_hooks.optim.optimizer import FSDPOptimizer, attach_optimizer, optimizer_groups
-from mfsdp_hooks.runtime.elementwise_optimizers import declare_elementwise_optimizer
+from mfsdp_hooks.runtime.elementwise_optimizers import (
+    declare_elementwise_optimizer,
+    is_elementwise_optimizer,
+)
 from mfsdp_hooks.runtime.timeline import TimelineRecorder, record_timeline
 from mfsdp_hooks.runtime.timeline_events import (
     HOST_CATEGORIES,
@@ -90,6 +93,7 @@ __all__ = [
     "IdentityCodec",
     "attach_optimizer",
     "declare_elementwise_optimizer",
+    "is_elementwise_optimizer",
     "dist_param_of",
     "dtensor_like",
     "fsdp_units",
