@@ -51,7 +51,7 @@ from megatron_fsdp import (
     fully_shard_model,
     fully_shard_optimizer,
 )
-from megatron_fsdp.mcore import FullyShardedDataParallel
+from megatron_fsdp.mcore import FullyShardedDataParallel, MCoreFSDPModel
 from mfsdp_checkpoint import gather_full_state_dict, load_checkpoint, save_checkpoint
 from mfsdp_collectives import FSDPTopology
 from mfsdp_collectives.counting_comms import (
@@ -583,6 +583,13 @@ def _per_module(module: nn.Module, col: str, layout: Layout, unit: type[nn.Modul
     mfsdp_hooks.fully_shard(module, **options)
 
 
+def _torch_sd_model(built: Built) -> nn.Module:
+    """What torch's state-dict helpers take: a Megatron-Core chunk's ``module`` (the chunk's
+    own state_dict() keys are one level short of its parameter paths; see ``mcore``)."""
+    model = built.state_model
+    return model.module if isinstance(model, MCoreFSDPModel) else model
+
+
 def _mcore(module: nn.Module, col: str, layout: Layout, units: list[type[nn.Module]]) -> Any:
     config = TransformerConfigStandIn(
         tensor_model_parallel_size=2 if family(col) == "tp" else 1,
@@ -788,9 +795,9 @@ def cell_worker(rank: int, world: int, row: str, col: str, ckpt: str) -> dict[st
             built = build(row, col, layout, seed=123)  # another init: the load must win
             load_checkpoint(ckpt, built.state_model, built.optimizer)
         if col in ecosystem_cases.ROUND_TRIPS and step == SAVE_AFTER:
-            load = ecosystem_cases.round_trip(col, built.state_model, built.optimizer, ckpt)
+            load = ecosystem_cases.round_trip(col, _torch_sd_model(built), built.optimizer, ckpt)
             built = build(row, col, layout, seed=123)
-            load(built.state_model, built.optimizer)
+            load(_torch_sd_model(built), built.optimizer)
         try:
             losses.append(train_step(built, row, col, step, layout))
         except Exception as error:  # an optimizer built after wrapping is refused here

@@ -47,9 +47,6 @@ PARITY = "parity"
 _REFUSED_OFFLOAD = ("refused", TypeError, "offload_policy")
 _REFUSED_SEEDS = ("refused", ValueError, "check_replicas=False")
 _REFUSED_MUON = ("refused", ValueError, "Muon")
-# torch names the chunk's parameters module.module.X, MCoreFSDPModel.state_dict() module.X:
-# the broadcast tensors are dropped as unexpected keys.
-_XFAIL_FULL_SD_MCORE = ("xfail", "mcore: set_model_state_dict keys one module. level deeper")
 
 # (row, col) -> "parity" | ("refused", exception type, substring of the message naming the
 # argument) | ("xfail", reason). Every cell of ROWS x COLS is listed.
@@ -205,7 +202,7 @@ EXPECTED: dict[tuple[str, str], Any] = {
     ("model_optimizer", "torch_sd_full"): PARITY,
     ("class", "torch_sd_full"): PARITY,
     ("per_module", "torch_sd_full"): PARITY,
-    ("mcore", "torch_sd_full"): _XFAIL_FULL_SD_MCORE,
+    ("mcore", "torch_sd_full"): PARITY,
     ("seed", "torch_sd_sharded"): PARITY,
     ("model_optimizer", "torch_sd_sharded"): PARITY,
     ("class", "torch_sd_sharded"): PARITY,

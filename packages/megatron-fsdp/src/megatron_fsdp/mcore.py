@@ -183,6 +183,16 @@ class MCoreFSDPModel(nn.Module):
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
         """Keys with the ``module.`` prefix, or all without it (Megatron-Core adds it)."""
+        if strict and not state_dict:
+            # What torch's set_model_state_dict(broadcast_from_rank0=True) hands a receiving
+            # rank: it matches rank 0's keys (ours, module.X) against parameter paths
+            # (module.module.X) and keeps nothing. Said here rather than as a key list.
+            raise RuntimeError(
+                "load_state_dict: the state dict is empty. From torch's set_model_state_dict "
+                "on a Megatron-Core chunk, pass chunk.module (the MegatronFSDP it wraps): the "
+                "chunk's state_dict() keeps Megatron-Core's keys (module.*), one level fewer "
+                "than its parameter paths, which torch's broadcast matches against"
+            )
         prefixed = [k.startswith("module.") for k in state_dict]
         if prefixed and not any(prefixed):
             state_dict = {f"module.{k}": v for k, v in state_dict.items()}
