@@ -11,6 +11,7 @@ those of an uninterrupted one.
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import fully_shard
+from mfsdp_hooks import RowShardedDTensor, fully_shard
+from mfsdp_hooks.dtensor import load_rows
 from mfsdp_hooks.testing import plain_dcp
 
 SAVE_AT, MORE = plain_dcp.SAVE_AT, 2
@@ -68,3 +70,27 @@ def _worker(rank: int, world: int, broadcast: bool) -> None:
 @pytest.mark.parametrize("broadcast", [True, False], ids=["from_rank0", "on_every_rank"])
 def test_full_state_dict_loads_our_rows(broadcast: bool) -> None:
     run_distributed(_worker, 2, broadcast, timeout=120)
+
+
+def _convert_once_worker(rank: int, world: int) -> int:
+    model, _ = _wrap(1)
+    full = plain_dcp._model(0).state_dict()
+    real, calls = load_rows.own_rows, 0
+
+    def counted(value: torch.Tensor, param: RowShardedDTensor, key: str) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return real(value, param, key)
+
+    with mock.patch.object(load_rows, "own_rows", counted):
+        model.load_state_dict(full)
+    for name, value in plain_dcp._full_weights(model).items():
+        plain_dcp._assert_close(value, full[name], f"{name} after load_state_dict")
+    return calls
+
+
+def test_load_state_dict_converts_each_value_once() -> None:
+    """Units nest (each block in the root's module): each unit's pre-hook converts only its
+    own parameters' values, not those of the units below it again."""
+    calls = run_distributed(_convert_once_worker, 2, timeout=60)
+    assert calls == [len(plain_dcp._model(0).state_dict())] * 2, calls

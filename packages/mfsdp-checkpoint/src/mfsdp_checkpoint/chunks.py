@@ -18,15 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.tensor import DTensor
 
-from mfsdp_hooks import ParameterGroup, ShardingStrategy, local_tensor
+from mfsdp_hooks import ParameterGroup, ShardingStrategy, local_tensor, row_write_items
 
 _WRITE_ATTR = "__create_write_items__"
 _CHUNKS_ATTR = "__create_chunk_list__"
@@ -145,19 +141,11 @@ class _WriteItems:
         self.chunk = chunk
 
     def __call__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        local = local_tensor(obj)
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, storage.offsets),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=storage,
-                    properties=TensorProperties.create_from_tensor(local),
-                    size=self.chunk.global_shape,
-                ),
-            )
-            for storage, _, _ in self.chunk.pieces()
-        ]
+        # ``obj``, not a bound tensor: a staged copy shares this object (copy_dcp_protocol).
+        # Only DTensors are annotated, each of shape ``chunk.global_shape`` (annotate,
+        # split_rows), so layer 3's items (sized by ``obj.shape``) are this chunk's.
+        assert isinstance(obj, DTensor), "only DTensors carry mfsdp_checkpoint's DCP methods"
+        return row_write_items(fqn, obj, [storage for storage, _, _ in self.chunk.pieces()])
 
 
 class _TensorShard:

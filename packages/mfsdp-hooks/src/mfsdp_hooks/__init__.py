@@ -29,6 +29,7 @@ from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.strategy import ShardingStrategy, parse_strategy
 from mfsdp_hooks.config.unit_options import UnitOptions
+from mfsdp_hooks.dtensor.dcp_protocol import row_write_items
 from mfsdp_hooks.dtensor.dtensor_views import dtensor_like, local_tensor
 from mfsdp_hooks.dtensor.load_rows import own_rows
 from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor, row_sharded
@@ -69,6 +70,7 @@ __all__ = [
     "ParamClassCodec",
     "RowShardedDTensor",
     "row_sharded",
+    "row_write_items",
     "own_rows",
     "is_megatron_expert",
     "TPSpec",

@@ -9,13 +9,16 @@ layout's row ranges. What users and torch's helpers hand in instead:
 * DTensors laid out as their placements say: ``distribute_tensor(full, mesh, param.placements)``
   (torch's ``_distribute_state_dict``) cuts by ``torch.chunk``, not by our rows.
 
-The pre-hook below, on every module of a unit, replaces each such value by this rank's rows
-laid out as the parameter (a torch-sharded DTensor is gathered first: one collective per
-tensor, in ``named_parameters`` order on every rank), so ``copy_`` is exact as with FSDP2.
+Each unit's pre-hook (on its member modules, over the parameters that unit owns, so a
+nested unit's values are converted once, by their own unit) replaces each such value by
+this rank's rows laid out as the parameter (a torch-sharded DTensor is gathered first: one
+collective per tensor, in module traversal order, the same on every rank), so ``copy_`` is
+exact as with FSDP2.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -57,15 +60,12 @@ def own_rows(value: torch.Tensor, param: RowShardedDTensor, key: str) -> torch.T
 
 
 def take_own_rows(
-    module: nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    *_: Any,
+    state_dict: dict[str, Any], named_params: Iterable[tuple[str, nn.Parameter]]
 ) -> None:
-    """A ``load_state_dict`` pre-hook: each value for one of ``module``'s row-sharded
-    parameters becomes this rank's rows laid out as that parameter (:func:`own_rows`)."""
-    for name, param in module.named_parameters(remove_duplicate=False):
-        key = prefix + name
+    """The work of a unit's ``load_state_dict`` pre-hook: each value in ``state_dict`` for
+    one of ``named_params`` (keyed as in ``state_dict``) that is row-sharded becomes this
+    rank's rows laid out as that parameter (:func:`own_rows`)."""
+    for key, param in named_params:
         value = state_dict.get(key)
         if isinstance(param, RowShardedDTensor) and isinstance(value, torch.Tensor):
             state_dict[key] = own_rows(value, param, key)

@@ -107,6 +107,10 @@ class RowShardedDTensor(DTensor):
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         chunks = self.__create_chunks()
+        # A side effect in a query, on purpose: a plain ``dcp.load`` copies into the local
+        # tensor in place and calls no load_state_dict hook, and DCP tells the tensor nothing
+        # else that is load-only (``__get_tensor_shard__`` is asked on save too; the planner,
+        # whose ``commit_tensor`` ends each read, is the user's). Only a load asks for chunks.
         if self.on_checkpoint_load is not None:
             self.on_checkpoint_load()
         return chunks

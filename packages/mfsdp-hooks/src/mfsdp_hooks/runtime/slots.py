@@ -31,6 +31,7 @@ __all__ = [
     "describe_parameters",
     "is_wrapped",
     "parameter_lines",
+    "unit_named_parameters",
 ]
 
 UNIT_ATTR = "_mfsdp_unit_state"
@@ -67,6 +68,23 @@ def collect_slots(module: nn.Module, ignored: frozenset[int] = frozenset()) -> S
             visit(child, f"{prefix}{child_name}.")
 
     visit(module, "")
+    return found
+
+
+def unit_named_parameters(member: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter]]:
+    """``(prefix + name, parameter)`` for each slot under ``member`` (a unit's module or
+    member) that its unit owns, tied ones in each slot: the sub-trees of other units are
+    skipped, as ``collect_slots`` skipped them when the unit was built."""
+    unit = member.__dict__.get(UNIT_ATTR)
+    found: list[tuple[str, nn.Parameter]] = []
+
+    def visit(mod: nn.Module, path: str) -> None:
+        found.extend((path + attr, p) for attr, p in mod._parameters.items() if p is not None)
+        for child_name, child in mod._modules.items():
+            if child is not None and child.__dict__.get(UNIT_ATTR, unit) is unit:
+                visit(child, f"{path}{child_name}.")
+
+    visit(member, prefix)
     return found
 
 

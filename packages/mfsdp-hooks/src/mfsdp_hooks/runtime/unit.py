@@ -30,7 +30,7 @@ from mfsdp_hooks.runtime.input_grad_trigger import route_inputs_through_trigger
 from mfsdp_hooks.runtime.member_forwards import MemberForwards
 from mfsdp_hooks.runtime.observe import describe_unit, log_event
 from mfsdp_hooks.runtime.root_protocol import UnitRoot
-from mfsdp_hooks.runtime.slots import UNIT_ATTR, SlotMap, install_params
+from mfsdp_hooks.runtime.slots import UNIT_ATTR, SlotMap, install_params, unit_named_parameters
 from mfsdp_hooks.runtime.training_state import TrainingState, in_backward_pass
 from mfsdp_hooks.runtime.unit_groups import build_groups
 from mfsdp_hooks.weights.lookup import register_group_params, replaced_by_unit
@@ -88,12 +88,18 @@ def _hook_members(unit: FSDPUnit) -> list[Any]:
             ),
             member.register_forward_hook(untraced(unit.post_forward), always_call=False),
             # Full tensors and torch-sharded DTensors (set_model_state_dict) become our rows.
-            member.register_load_state_dict_pre_hook(take_own_rows),  # type: ignore[no-untyped-call]
+            member.register_load_state_dict_pre_hook(_take_own_rows),  # type: ignore[no-untyped-call]
             member.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
                 functools.partial(_after_load, unit)
             ),
         ]
     return handles
+
+
+def _take_own_rows(member: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Convert only the values of the unit's own parameters: a nested unit's hook (torch runs
+    every module's) converts its own."""
+    take_own_rows(state_dict, unit_named_parameters(member, prefix))
 
 
 def _after_load(unit: FSDPUnit, module: nn.Module, incompatible: Any) -> None:
