@@ -17,7 +17,7 @@ import os
 
 import pytest
 import torch
-from matrix_cases import mcore_chunk, mcore_step
+from mcore_stand_ins import mcore_chunk, mcore_step
 from torch.distributed.device_mesh import init_device_mesh
 
 import mfsdp_hooks

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 pytest.importorskip("torchao.float8", reason="torchao is not installed (nox installs it)")
 
-from matrix_cases import MCoreDDPConfigStandIn, TransformerConfigStandIn
+from mcore_stand_ins import MCoreDDPConfigStandIn, TransformerConfigStandIn
 
 from megatron_fsdp import DistributedDataParallelConfig, FSDPDistributedIndex, MegatronFSDP
 from megatron_fsdp.mcore import FullyShardedDataParallel

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from matrix_cases import mcore_chunk, mcore_step
+from mcore_stand_ins import mcore_chunk, mcore_step
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 

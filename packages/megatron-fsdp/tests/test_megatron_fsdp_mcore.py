@@ -1,7 +1,7 @@
 """``megatron_fsdp.mcore.FullyShardedDataParallel`` driven as Megatron-Core's training loop
 drives a model chunk, without a megatron-core dependency.
 
-The configs below stand in for Megatron-Core's ``TransformerConfig`` and
+The configs from ``mcore_stand_ins`` stand in for Megatron-Core's ``TransformerConfig`` and
 ``DistributedDataParallelConfig`` (dataclasses with their field names and defaults, including
 fields ours does not have); the loop follows ``megatron/training/training.py`` and
 ``finalize_model_grads``: ``zero_grad_buffer``, micro-batches under ``no_sync`` with the last
@@ -14,12 +14,12 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from mcore_stand_ins import MCoreDDPConfigStandIn, TransformerConfigStandIn
 from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp import FSDPDistributedIndex, MegatronFSDP
@@ -38,36 +38,6 @@ from mfsdp_hooks.testing import (
 
 STEPS = 10
 MICRO_BATCHES = 3
-
-
-@dataclass
-class TransformerConfigStandIn:
-    """The ``TransformerConfig`` fields the adapter reads, with Megatron-Core's defaults."""
-
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    num_moe_experts: int | None = None
-    expert_tensor_parallel_size: int | None = None
-    calculate_per_token_loss: bool = False
-    init_model_with_meta_device: bool = False
-
-
-@dataclass
-class MCoreDDPConfigStandIn:
-    """Megatron-Core's ``DistributedDataParallelConfig``: shared fields and its own."""
-
-    data_parallel_sharding_strategy: str = "no_shard"
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    use_distributed_optimizer: bool = False
-    use_megatron_fsdp: bool = False
-    grad_reduce_in_fp32: bool = False
-    num_buckets: int | None = None
-    align_param_gather: bool = False
-    megatron_fsdp_version: int = 1
-    num_distributed_optimizer_instances: int = 1
 
 
 def _mcore_loop_worker(rank: int, world: int, strategy: str) -> list[float]:

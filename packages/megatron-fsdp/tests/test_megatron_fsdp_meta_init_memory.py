@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from test_megatron_fsdp_mcore import MCoreDDPConfigStandIn, TransformerConfigStandIn
+from mcore_stand_ins import MCoreDDPConfigStandIn, TransformerConfigStandIn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 

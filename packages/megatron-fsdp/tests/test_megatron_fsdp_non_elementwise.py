@@ -10,11 +10,11 @@ alive; with nothing sharded (``zero_dp_strategy=0``) Muon is exact and trains as
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, cast
 
 import pytest
 import torch
+from mcore_stand_ins import TransformerConfigStandIn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -50,20 +50,6 @@ ENTRY_POINTS = [
 LR = 1e-2
 
 
-@dataclass
-class _TransformerConfig:
-    """The ``TransformerConfig`` fields Megatron-Core's adapter reads."""
-
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    num_moe_experts: int | None = None
-    expert_tensor_parallel_size: int | None = None
-    calculate_per_token_loss: bool = False
-    init_model_with_meta_device: bool = False
-
-
 def _muon(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=LR)
 
@@ -86,7 +72,7 @@ def _wrapped(entry: str, world: int) -> nn.Module:
         return MegatronFSDP(model, index, fsdp_unit_modules=[Block])
     if entry == "mcore":
         config = DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params")
-        return FullyShardedDataParallel(_TransformerConfig(), config, model, [Block])
+        return FullyShardedDataParallel(TransformerConfigStandIn(), config, model, [Block])
     return megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=[Block])
 
 

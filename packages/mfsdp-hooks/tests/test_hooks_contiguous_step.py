@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor
 
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import MegatronFSDP, MixedPrecisionPolicy, attach_optimizer, fully_shard
-from mfsdp_hooks.optim.contiguous_step import ContiguousStepper
+from mfsdp_hooks.optim.contiguous_step import CONTIGUOUS_STEP_OPTIMIZERS, ContiguousStepper
+from mfsdp_hooks.runtime.elementwise_optimizers import TORCH_ELEMENTWISE
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
@@ -201,6 +202,12 @@ def _dropped_grad_worker(rank: int, world: int) -> None:
 
 def test_contiguous_step_with_a_dropped_gradient() -> None:
     run_distributed(_dropped_grad_worker, 2, timeout=120)
+
+
+def test_contiguous_step_optimizers_are_allowed_to_step_shards() -> None:
+    # The flat-view step is only reached for optimizers the engine lets step shards at all.
+    outside = set(CONTIGUOUS_STEP_OPTIMIZERS) - set(TORCH_ELEMENTWISE)
+    assert not outside, f"{sorted(c.__name__ for c in outside)} missing from TORCH_ELEMENTWISE"
 
 
 def test_contiguous_step_rejects_bad_arguments() -> None:

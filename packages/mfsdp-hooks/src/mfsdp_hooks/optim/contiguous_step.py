@@ -34,19 +34,24 @@ from mfsdp_hooks.optim.run_state import (
     view_like,
 )
 
-ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+CONTIGUOUS_STEP_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adam,
     torch.optim.AdamW,
     torch.optim.SGD,
 )
-"""Exact types whose update of an element reads only that element's weight, grad and state."""
+"""Exact types whose step on a flat view is tested bit-identical to their per-parameter step.
+
+A subset of ``runtime.elementwise_optimizers.TORCH_ELEMENTWISE``, the optimizers allowed to
+step sharded parameters at all (a test keeps the two from drifting apart); the others on
+that list take torch's per-parameter loop.
+"""
 
 CPU_CHUNK_NUMEL = 1 << 18
 """Elements per chunk on CPU: 1 MiB of fp32, so each of the optimizer's passes hits cache."""
 
 
 def supports_contiguous_step(optimizer: torch.optim.Optimizer) -> bool:
-    return type(optimizer) in ELEMENTWISE_OPTIMIZERS
+    return type(optimizer) in CONTIGUOUS_STEP_OPTIMIZERS
 
 
 @dataclass
@@ -270,7 +275,7 @@ class ContiguousStepper:
         chunk_numel: int | None = None,
     ) -> None:
         if not supports_contiguous_step(optimizer):
-            names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+            names = ", ".join(cls.__name__ for cls in CONTIGUOUS_STEP_OPTIMIZERS)
             raise TypeError(
                 f"contiguous_step: {type(optimizer).__name__} is not one of the elementwise "
                 f"optimizers it supports ({names}); pass contiguous_step=False"
@@ -370,7 +375,7 @@ class ContiguousStepper:
 
 __all__ = [
     "CPU_CHUNK_NUMEL",
-    "ELEMENTWISE_OPTIMIZERS",
+    "CONTIGUOUS_STEP_OPTIMIZERS",
     "ContiguousStepper",
     "supports_contiguous_step",
 ]
