@@ -133,6 +133,8 @@ def round_trip(
     out = StateDictOptions(full_state_dict=full, cpu_offload=full)
     model_sd = get_model_state_dict(state_model, options=out)
     optim_sd = get_optimizer_state_dict(state_model, optim, options=out)
+    positional = [k for k in optim_sd.get("state", {}) if not isinstance(k, str)]
+    assert not positional, f"optimizer state keyed by {positional[:3]}, not by name as FSDP2's"
 
     def load(fresh: nn.Module, fresh_optim: torch.optim.Optimizer) -> None:
         # Full and offloaded: only rank 0 holds it, and sends it to the others (torchtitan's

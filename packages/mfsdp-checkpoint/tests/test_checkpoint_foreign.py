@@ -267,8 +267,9 @@ def _megatron_lm_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> d
     names with no ``step``, every parameter's group fields (and the step) in
     ``param_to_group_meta``, no ``param_groups``; ``checkpoint_version``/``iteration``/``args``
     beside them."""
-    mc.enable_dcp(model, optimizer)
-    ours = optimizer.state_dict()
+    hooks = mc.enable_dcp(model, optimizer).optimizer_hooks
+    assert hooks is not None
+    ours = hooks.named_state_dict()
     (group,) = ours["param_groups"]
     fields = {k: v for k, v in group.items() if k != "params"}
     steps = {int(entry["step"]) for entry in ours["state"].values()}

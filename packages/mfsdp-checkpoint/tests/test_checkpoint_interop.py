@@ -64,10 +64,12 @@ def test_dcp_to_torch_save_gives_the_unsharded_model(tmp_path: Path) -> None:
     names = {id(p): n for n, p in reference.named_parameters()}
     optim = plain["optimizer"]
     trainable = [n for n, p in reference.named_parameters() if p.requires_grad]
-    assert sorted(optim["state"]) == sorted(f"module.{n}" for n in trainable)
-    assert optim["param_groups"][0]["params"] == [f"module.{n}" for n in trainable]
+    # torch's positional keys (as NVIDIA Megatron-FSDP's): the optimizer's parameter order
+    assert optim["param_groups"][0]["params"] == list(range(len(trainable)))
+    assert sorted(int(k) for k in optim["state"]) == list(range(len(trainable)))
+    by_name = {trainable[int(k)]: v for k, v in optim["state"].items()}
     for param, state in ref_optimizer.state.items():
-        saved = optim["state"]["module." + names[id(param)]]
+        saved = by_name[names[id(param)]]
         assert float(saved["step"]) == SAVE_AT
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(saved[key], state[key], rtol=1e-5, atol=1e-7)
@@ -99,8 +101,9 @@ def test_full_tensor_of_every_state_dict_value_is_the_one_process_value(strategy
         full = unpack(blob)
         model_state = {k.removeprefix("module."): v for k, v in full["model"].items()}
         assert_states_equal(model_state, dict(reference.state_dict()), "full_tensor", rtol=1e-5)
+        trainable = [n for n, p in reference.named_parameters() if p.requires_grad]
         for param, state in ref_optimizer.state.items():
-            saved = full["optimizer"]["module." + names[id(param)]]
+            saved = full["optimizer"][trainable.index(names[id(param)])]  # keyed by position
             for key in ("exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(saved[key], state[key], rtol=1e-5, atol=1e-7)
 
@@ -133,13 +136,20 @@ def _fsdp2_world(rank: int, world: int, path: str) -> dict[str, Any]:
 
 
 def _load_fsdp2_world(rank: int, world: int, path: str) -> tuple[list[float], bytes]:
+    """FSDP2's own resume code, run on ours (enable_dcp for the fresh optimizer's
+    placeholders)."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
     model = shard(make_model(seed=77), 3, api="per_module")
     optimizer = make_optimizer(model)
     mc.enable_dcp(model, optimizer)
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    state = {"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
     full = pack(mc.gather_full_state_dict(model))
     batches = make_batches(SAVE_AT + MORE)
     return train(model, optimizer, batches[SAVE_AT:], rank, world), full

@@ -171,7 +171,7 @@ def test_resume_same_world_is_exact_and_reshards_across_strategies(
         (two["path"], 3, "seed"),
         (two["path"], 2, "seed"),
         (two["path"], 0, "helpers"),
-        (four["path"], 3, "seed"),
+        (four["path"], 3, "helpers"),  # save_checkpoint names the state: load_checkpoint
         (two["path"], 3, "split"),
     ]
     results = run_distributed(_load_world, 2, loads, timeout=180)[0]

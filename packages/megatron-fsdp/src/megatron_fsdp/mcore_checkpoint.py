@@ -109,8 +109,9 @@ class _ChunkState:
         return wrappers + self.names[int(index)].to_global(path)
 
     def _optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        enable_dcp(nn.ModuleList(self.chunks), optimizer)
-        state = optimizer.state_dict()
+        hooks = enable_dcp(nn.ModuleList(self.chunks), optimizer).optimizer_hooks
+        assert hooks is not None  # enable_dcp was given the optimizer
+        state = hooks.named_state_dict()
         own = {self._global_name(n): n for g in state["param_groups"] for n in g["params"]}
         self.own_names.append(own)
         whole = {n: g for g, n in own.items()}

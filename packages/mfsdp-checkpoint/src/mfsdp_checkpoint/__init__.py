@@ -1,9 +1,10 @@
 """mfsdp_checkpoint: distributed checkpoints of sharded models (layer 4 of megatron-fsdp).
 
 * ``enable_dcp(model, optimizer)``: ``state_dict()`` of the sharded model and optimizer hold
-  DTensors of the original shapes with their true (uneven) row ranges, optimizer state keyed by
-  parameter name, so ``torch.distributed.checkpoint.save/load`` work directly, across world
-  sizes and sharding strategies, and with torch FSDP2 checkpoints.
+  DTensors of the original shapes with their true (uneven) row ranges (the optimizer's in
+  torch's positional format, which torch's ``get_optimizer_state_dict`` keys by name), so
+  ``torch.distributed.checkpoint.save/load`` work directly, across world sizes and sharding
+  strategies, and with torch FSDP2 checkpoints.
 * ``save``/``load`` (any DCP state dict) and ``save_checkpoint``/``load_checkpoint`` (model +
   optimizer): atomic directories with a completion marker and checksums; clear errors raised on
   every rank. ``async_save``/``async_save_checkpoint``: the same checkpoints written in the

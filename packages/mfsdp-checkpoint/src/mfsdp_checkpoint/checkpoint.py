@@ -29,10 +29,10 @@ def checkpoint_state(
 ) -> dict[str, Any]:
     """The DCP state dict of a checkpoint: sections ``model`` (with ``weights``),
     ``optimizer``, ``extra``."""
-    enable_dcp(model, optimizer)
+    hooks = enable_dcp(model, optimizer).optimizer_hooks
     state: dict[str, Any] = {"model": model.state_dict()} if weights else {}
-    if optimizer is not None:
-        state["optimizer"] = optimizer.state_dict()
+    if hooks is not None:
+        state["optimizer"] = hooks.named_state_dict()
     if extra is not None:
         state["extra"] = dict(extra)
     return state

@@ -11,7 +11,8 @@ snippet works as written, across world sizes and sharding strategies::
     optimizer.load_state_dict(state["optimizer"])
 
 The same snippet is exact without it too (``mfsdp_hooks``' row-sharded DTensors give DCP their
-row ranges themselves); ``enable_dcp`` adds optimizer state keyed by name, placeholders for an
+row ranges themselves); ``enable_dcp`` adds optimizer state keyed by name for
+``save_checkpoint`` (``OptimizerCheckpointHooks.named_state_dict``), placeholders for an
 optimizer that never stepped, and Megatron-Core strided TP partitions, which it alone can save.
 """
 
@@ -49,7 +50,9 @@ def enable_dcp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
     optimizer's hooks. The per-parameter DCP metadata is computed here, once, from the engine's
     layout (no communication), and reused by every later ``state_dict()``.
 
-    Optimizer state dicts are keyed by parameter names relative to ``model`` (pass the
+    ``optimizer.state_dict()`` keeps torch's positional keys (torch's
+    ``get_optimizer_state_dict`` names them); ``optimizer_hooks.named_state_dict()`` of the
+    returned handle keys the state by parameter names relative to ``model`` (pass the
     ``MegatronFSDP`` wrapper and names start with ``module.``; pass ``wrapper.module`` for the
     names of the unwrapped model, e.g. to exchange checkpoints with torch FSDP2).
     """

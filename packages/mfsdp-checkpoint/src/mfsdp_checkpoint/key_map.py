@@ -153,7 +153,10 @@ def plan_key_map(
                     str(p[1]): tuple(flat[k].shape)
                     for k, p in paths.items()
                     if len(p) == 2 and p[0] == "model" and isinstance(flat[k], torch.Tensor)
-                },
+                }
+                # Loading the optimizer alone (weights=False): the checkpoint's model section
+                # tells the shapes that tell two parameter orders apart.
+                or _saved_param_shapes(metadata, naming, ours),
             )
             position, derivation = derive_positions(evidence)
         else:
@@ -254,6 +257,18 @@ def _writer_groups(metadata: Metadata, source: Path) -> list[list[Any]]:
     }
     values = read_objects(source, [keys[g] for g in sorted(keys)])
     return [list(values[keys[g]]) for g in sorted(keys)]
+
+
+def _saved_param_shapes(
+    metadata: Metadata, naming: CheckpointNaming, ours: str
+) -> dict[str, tuple[int, ...]]:
+    """The shape of each model tensor the checkpoint holds, by our name."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key, path in paths_of(metadata).items():
+        entry = metadata.state_dict_metadata[key]
+        if len(path) == 2 and path[0] == "model" and isinstance(entry, TensorStorageMetadata):
+            shapes[_ours_from(str(path[1]), naming, ours)] = tuple(entry.size)
+    return shapes
 
 
 def _positional_state_shapes(metadata: Metadata) -> dict[int, list[tuple[int, ...]]]:

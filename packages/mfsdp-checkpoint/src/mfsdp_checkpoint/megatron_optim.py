@@ -12,8 +12,9 @@ per-parameter tensor in ``state`` (torch's Adam) or a group field in ``param_to_
 ``module.`` levels (adapter, ``MegatronFSDP``, ``Float16Module`` under bf16/fp16) before the
 model's own path, where the model section has one.
 
-Ours is torch's layout keyed by name (``enable_dcp``). :func:`to_group_meta` turns ours into
-Megatron's (writing ``step`` in both places, so either kind of optimizer resumes from it);
+Ours is torch's layout keyed by name (``enable_dcp``'s ``named_state_dict``).
+:func:`to_group_meta` turns ours into Megatron's (writing ``step`` in both places, so either
+kind of optimizer resumes from it);
 :func:`plan_group_meta_load` says how ours loads from Megatron's: state matched by the name
 without its leading ``module.`` levels (:func:`bare`), group fields taken from
 ``param_to_group_meta`` after the load, ``step`` from there when ``state`` has none.
@@ -56,8 +57,8 @@ def _step_of(entry: Mapping[str, Any]) -> int | None:
 
 
 def to_group_meta(optimizer_state: Mapping[str, Any]) -> dict[str, Any]:
-    """Our name-keyed ``optimizer.state_dict()`` as Megatron's ``fsdp_dtensor`` section. The
-    state's values are not copied."""
+    """Our name-keyed optimizer state dict (``named_state_dict``) as Megatron's
+    ``fsdp_dtensor`` section. The state's values are not copied."""
     state = optimizer_state["state"]
     meta: dict[str, Any] = {}
     for group in optimizer_state["param_groups"]:

@@ -1,16 +1,20 @@
-"""``optimizer.state_dict()`` keyed by parameter name, with DCP-ready sharded state.
+"""``optimizer.state_dict()`` with DCP-ready sharded state, and its by-name form.
 
-torch keys optimizer state by integer position, which silently pairs state with the wrong
-parameter as soon as the parameter list differs (another wrapper, a frozen layer, a reordered
-group). With these hooks the state dict is keyed by fully qualified parameter name, exactly the
-format of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``::
+``optimizer.state_dict()`` keeps torch's format (state keyed by position), as NVIDIA
+Megatron-FSDP's and FSDP2's do: torch's ``get_optimizer_state_dict`` relies on it to key the
+state by fully qualified name. What the hooks add: sharded state tensors carry the same DCP row
+metadata as their parameter, and an optimizer that never stepped offers placeholders for
+``dcp.load`` to fill. ``OptimizerCheckpointHooks.named_state_dict()`` is the same state keyed by
+parameter name, the format ``save_checkpoint`` writes (torch's ``get_optimizer_state_dict``
+format too)::
 
     {"state": {"blocks.0.fc1.weight": {"step": t, "exp_avg": DTensor, ...}, ...},
      "param_groups": [{"lr": ..., ..., "params": ["blocks.0.fc1.weight", ...]}, ...]}
 
-so checkpoints move between world sizes, sharding strategies and torch FSDP2. Sharded state
-tensors carry the same DCP row metadata as their parameter. ``load_state_dict`` accepts this
-format (translating names back to positions) and torch's integer format unchanged.
+Positions silently pair state with the wrong parameter as soon as the parameter list differs
+(another wrapper, a frozen layer, a reordered group); names move between world sizes, sharding
+strategies and torch FSDP2. ``load_state_dict`` accepts both formats (names translated back to
+positions, each checked against the optimizer's groups).
 """
 
 from __future__ import annotations
@@ -120,6 +124,8 @@ class OptimizerCheckpointHooks:
     def after_state_dict(
         self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
     ) -> dict[str, Any]:
+        """torch's positional state dict, its tensors DCP-annotated, placeholders where a
+        trainable parameter has no state yet."""
         params = self.params()
         positional = state_dict["state"]
         missing = [p for i, p in enumerate(params) if p.requires_grad and not positional.get(i)]
@@ -127,7 +133,7 @@ class OptimizerCheckpointHooks:
             zip((id(p) for p in missing), make_placeholders(optimizer, missing), strict=True)
         )
         self.ledger.clear()
-        state: dict[str, Any] = {}
+        state: dict[int, Any] = {}
         for position, param in enumerate(params):
             name = self._name(param)
             entry = positional.get(position)
@@ -136,12 +142,20 @@ class OptimizerCheckpointHooks:
                 if not entry:
                     continue
                 self.ledger.record(name, entry)
-            state[name] = self._annotated(entry, self.index.ref_of(param), name)
-        groups = [
-            {**group, "params": [self._name(params[i]) for i in group["params"]]}
-            for group in state_dict["param_groups"]
-        ]
-        return {"state": state, "param_groups": groups}
+            state[position] = self._annotated(entry, self.index.ref_of(param), name)
+        return {"state": state, "param_groups": state_dict["param_groups"]}
+
+    def named_state_dict(self) -> dict[str, Any]:
+        """``optimizer.state_dict()`` keyed by parameter name (state and groups' params)."""
+        positional = self.optimizer.state_dict()
+        params = self.params()
+        return {
+            "state": {self._name(params[i]): e for i, e in positional["state"].items()},
+            "param_groups": [
+                {**group, "params": [self._name(params[i]) for i in group["params"]]}
+                for group in positional["param_groups"]
+            ],
+        }
 
     def before_load(
         self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
@@ -151,7 +165,18 @@ class OptimizerCheckpointHooks:
             # torch's positional format. torch's set_optimizer_state_dict flattens and
             # unflattens it on the way ("state.0.exp_avg"), which turns positions into
             # strings: without their int back torch would keep that state unmatched, unused.
-            positional = {_position(k): v for k, v in state_dict.get("state", {}).items()}
+            params = self.params()
+            positional: dict[Any, Any] = {}
+            for key, entry in state_dict.get("state", {}).items():
+                position = _position(key)
+                if (
+                    isinstance(position, int)
+                    and position < len(params)
+                    and self.ledger.never_loaded(self._name(params[position]), entry)
+                ):
+                    continue  # a placeholder nothing was loaded into: the parameter stays fresh
+                positional[position] = entry
+            self.ledger.clear()
             return {**state_dict, "state": self._own_rows(positional)}
         params = self.params()
         position = {self._name(p): i for i, p in enumerate(params)}

@@ -236,7 +236,7 @@ class MegatronFSDPTrainer(transformers.Trainer):
 
     def _sharded_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer under accelerate's ``AcceleratedOptimizer`` (its public
-        ``.optimizer``), whose ``state_dict`` is name-keyed and DCP-ready."""
+        ``.optimizer``), whose ``state_dict`` is DCP-ready."""
         optimizer = self.optimizer
         inner = getattr(optimizer, "optimizer", optimizer)
         assert isinstance(inner, torch.optim.Optimizer)
