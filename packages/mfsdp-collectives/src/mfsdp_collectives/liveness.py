@@ -157,13 +157,27 @@ def peer_died_error(ranks: list[int], during: str) -> PeerDiedError:
     )
 
 
+def _watchable(ranks: Iterable[int]) -> bool:
+    """Whether any of ``ranks`` (global) is known to be another process ``dead_ranks`` can see."""
+    me = os.getpid()
+    with _lock:
+        found = [_known[r] for r in ranks if r in _known]
+    return any(i.host == _THIS_HOST and i.pid != me and i.start_ticks >= 0 for i in found)
+
+
 def call_watching_peers(call: Callable[[], T], ranks: Iterable[int], during: str) -> T:
     """``call()`` on a helper thread while this one watches the processes of ``ranks``
     (global): a rendezvous such as creating a group waits for every member and has no error
     of its own for one that died, only the store's timeout (30 minutes by default). Raises
     ``PeerDiedError`` as soon as a member is gone; the helper, a daemon thread, is left
-    blocked. This thread waits meanwhile, so no other c10d call of it runs beside ``call``."""
+    blocked. This thread waits meanwhile, so no other c10d call of it runs beside ``call``.
+
+    With no member known to be another process of this host there is nothing to watch, and
+    ``call()`` runs on this thread: c10d's state may be per thread (torch's threaded process
+    group, where threads are the ranks), and a helper thread would find no default group."""
     members = list(ranks)
+    if not _watchable(members):
+        return call()
     outcome: list[T] = []
     failure: list[BaseException] = []
 

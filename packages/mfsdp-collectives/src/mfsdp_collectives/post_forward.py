@@ -7,13 +7,16 @@ them, so the backward all-gather stays inside those ranks instead of crossing th
 group. The cost is ``P / size`` elements per rank held from forward to backward.
 
 Only the members of a subgroup create it (``use_local_synchronization``), so wrapping stays
-collective over the shard group alone; a subgroup is created once per process and shared by
-every unit over the same shard group.
+collective over the shard group alone; a subgroup is created once per shard group and shared by
+every unit over it. The cache is keyed by the shard group object, not by global ranks: under
+torch's threaded process group the threads of one process are the ranks, each with its own
+groups over the same ranks.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -26,7 +29,8 @@ from mfsdp_collectives.shm import SharedMemoryTransport
 __all__ = ["PostForwardGroup", "check_post_forward_size", "post_forward_group"]
 
 _lock = threading.Lock()
-_subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_subgroups: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, ...], dist.ProcessGroup]]
+_subgroups = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,7 @@ def post_forward_group(
     first = me // size * size
     members = tuple(ranks[first : first + size])
     with _lock:
-        group = _subgroups.get(members)
+        group = _subgroups.get(shard_group, {}).get(members)
     if group is None:
         group = call_watching_peers(
             lambda: dist.new_group(list(members), use_local_synchronization=True),
@@ -78,6 +82,6 @@ def post_forward_group(
         assert group is not None, "a member of the subgroup got no group"
         register_group_name(group, "post_forward[" + ",".join(map(str, members)) + "]")
         with _lock:
-            _subgroups[members] = group
+            _subgroups.setdefault(shard_group, {})[members] = group
     transport = enable_host_transport(group, host_transport)
     return PostForwardGroup(shard_group, group, size, me - first, transport)

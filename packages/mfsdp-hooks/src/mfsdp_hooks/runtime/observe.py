@@ -1,10 +1,11 @@
 """What a user can see of the units: their repr, a wrap-time summary and per-unit events.
 
 * ``describe_unit`` is ``FSDPUnit.__repr__``: name, parameters, bytes per rank, state.
-* ``log_units`` (logger ``mfsdp_hooks.observe``, INFO, global rank 0 only) writes one line
-  per unit when the root is built, as NVIDIA megatron-fsdp's ``_log_parameter_groups``
-  does: its groups, their dtypes and sizes, the sharding strategy and the bytes each rank
-  holds. Enough to see at a glance that ``fsdp_unit_modules`` matched what was meant.
+* ``log_units`` (logger ``mfsdp_hooks.observe``, INFO, on the first rank of the root's mesh
+  only) writes one line per unit when the root is built, as NVIDIA megatron-fsdp's
+  ``_log_parameter_groups`` does: its groups, their dtypes and sizes, the sharding strategy
+  and the bytes each rank holds. Enough to see at a glance that ``fsdp_unit_modules``
+  matched what was meant.
 * ``unit_label`` names a unit in the DEBUG events the unit logs through ``log_event`` (same
   logger) at pre/post forward and backward, as FSDP2's ``TORCH_LOGS=+fsdp``.
 
@@ -142,14 +143,24 @@ def _unit_line(unit: FSDPUnit) -> str:
     )
 
 
+def _first_of_mesh(units: Sequence[FSDPUnit]) -> bool:
+    """Whether this rank is the first of the root's mesh (``units[0]`` is the root: rank 0
+    of its shard, outer and TP groups). Not global rank 0: a model sharded over part of the
+    world is logged by one of its own ranks, and global rank 0 may hold another model."""
+    if not units:
+        return True
+    topology = units[0].options.topology
+    tp = topology.tp_group
+    tp_rank = 0 if tp is None else dist.get_rank(tp)
+    return topology.shard_rank == 0 and topology.outer_rank == 0 and tp_rank == 0
+
+
 def log_units(root_name: str, units: Sequence[FSDPUnit], paths: Sequence[str]) -> None:
-    """Record each unit's path (``unit_label``) and log the model's units at INFO on global
-    rank 0: one line per unit, then the total per rank."""
+    """Record each unit's path (``unit_label``) and log the model's units at INFO on the
+    first rank of the mesh they are sharded over: one line per unit, then the total per rank."""
     for unit, path in zip(units, paths, strict=True):
         _PATHS[unit] = path.removesuffix(".")
-    if not _log.isEnabledFor(logging.INFO):
-        return
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if not _log.isEnabledFor(logging.INFO) or not _first_of_mesh(units):
         return
     for unit in units:
         _log.info("%s", _unit_line(unit))

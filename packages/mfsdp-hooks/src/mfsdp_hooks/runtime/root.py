@@ -46,7 +46,7 @@ class FSDPRoot:
                     group.attach_root(self, self._unit_path[id(unit)])
         self._refuse_ignored_root_options()
         paths = [self._unit_path[id(unit)] for unit in self.units]
-        log_units(root_unit.name, self.units, paths)  # INFO on rank 0; names DEBUG events
+        log_units(root_unit.name, self.units, paths)  # INFO on mesh rank 0; names DEBUG events
         self.streams = CommStreams(self.options.topology.device)
         self.order = ExecutionOrder(
             root_unit,
