@@ -306,8 +306,11 @@ class _Tied(nn.Module):
 def _tied_siblings_worker(rank: int, world: int) -> None:
     model = _Tied()
     mfsdp_hooks.fully_shard(model.a)
-    with pytest.raises(ValueError, match=r"'weight' of Linear is shared with the FSDP unit Linear"):
+    with pytest.raises(
+        ValueError, match=r"'weight' of Linear is shared with the FSDP unit Linear"
+    ) as e:
         mfsdp_hooks.fully_shard(model.b)
+    assert "already managed by another" in str(e.value)  # the words FSDP2's ValueError has
 
 
 def test_tied_weight_in_two_sibling_units_is_refused() -> None:

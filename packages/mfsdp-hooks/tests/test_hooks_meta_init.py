@@ -156,6 +156,7 @@ def test_a_meta_weight_tied_across_two_units_is_refused() -> None:
     for messages in run_distributed(_tied_meta_siblings_worker, 2, timeout=60):
         for message in messages:
             assert "'weight' of Linear is shared with the FSDP unit Linear" in message, message
+            assert "already managed by another" in message, message  # FSDP2's words
 
 
 def _peak_worker(rank: int, world: int) -> tuple[int, int, int]:

@@ -33,7 +33,11 @@ from mfsdp_hooks.runtime.root_protocol import UnitRoot
 from mfsdp_hooks.runtime.slots import UNIT_ATTR, SlotMap, install_params, unit_named_parameters
 from mfsdp_hooks.runtime.training_state import TrainingState, in_backward_pass
 from mfsdp_hooks.runtime.unit_groups import build_groups
-from mfsdp_hooks.weights.lookup import register_group_params, replaced_by_unit
+from mfsdp_hooks.weights.lookup import (
+    register_group_params,
+    replaced_by_unit,
+    tied_to_other_unit,
+)
 from mfsdp_hooks.weights.param_group import ParameterGroup, Waitable
 
 # Per-unit pre/post forward and backward events at DEBUG (as FSDP2's TORCH_LOGS=+fsdp); with
@@ -151,11 +155,7 @@ def _refuse_params_of_other_units(unit: str, slots: SlotMap) -> None:
     for param, name, _ in slots.values():
         owner = replaced_by_unit(param)
         if owner is not None:
-            raise ValueError(
-                f"parameter {name!r} of {unit} is shared with the FSDP unit {owner}: tied "
-                "parameters must live in one unit; fully_shard their common parent module "
-                "instead of each user"
-            )
+            raise tied_to_other_unit(name, unit, owner)
 
 
 def register_pre_backward(output: Any, hook: Callable[[torch.Tensor], None]) -> None:

@@ -82,6 +82,18 @@ def replaced_by_unit(param: torch.Tensor) -> str | None:
     return owner if isinstance(owner, str) else None
 
 
+def tied_to_other_unit(name: str, user: str, owner: str) -> ValueError:
+    """The refusal of parameter ``name`` of ``user`` that the unit ``owner`` already shards (a
+    tie across units). FSDP2 raises a ValueError with "already managed by another" for it:
+    code and tests that match those words keep working with ours."""
+    return ValueError(
+        f"parameter {name!r} of {user} is shared with the FSDP unit {owner}: it is already "
+        "managed by another FSDP unit, and tied parameters must live in one unit; "
+        "fully_shard their common parent module, or the modules together in one call "
+        "(fully_shard([a, b])), instead of each user"
+    )
+
+
 def dist_param_of(param: torch.Tensor) -> nn.Parameter | None:
     """The distributed parameter behind ``param``: itself, its unsharded compute twin, the
     original it replaced, or a meta parameter materialised into such an original."""

@@ -32,7 +32,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from mfsdp_hooks.weights.lookup import register_materialized, replaced_by_unit
+from mfsdp_hooks.weights.lookup import (
+    register_materialized,
+    replaced_by_unit,
+    tied_to_other_unit,
+)
 
 __all__ = [
     "MetaMaterializer",
@@ -110,11 +114,7 @@ class MetaMaterializer:
         then slice), and whether it was made earlier (a tie)."""
         owner = replaced_by_unit(old)
         if owner is not None:  # tied to a weight a unit sharded already: it cannot be shared
-            raise ValueError(
-                f"parameter {name!r} of {type(module).__name__} is shared with the FSDP unit "
-                f"{owner}: tied parameters must live in one unit; make their common parent "
-                "module the unit instead of each user"
-            )
+            raise tied_to_other_unit(name, type(module).__name__, owner)
         made = self._made.get(id(old))
         tied = made[1]() if made is not None else None
         if tied is not None:
