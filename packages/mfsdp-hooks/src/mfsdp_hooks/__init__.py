@@ -1,7 +1,12 @@
 """mfsdp_hooks: the FSDP unit lifecycle, mixed precision and optimizer integration."""
 
 from mfsdp_hooks.api.comm_quantization import quantize_communication
-from mfsdp_hooks.api.describe import GroupSummary, ShardingSummary, describe
+from mfsdp_hooks.api.describe import (
+    MODEL_STATE_CATEGORIES,
+    GroupSummary,
+    ShardingSummary,
+    describe,
+)
 from mfsdp_hooks.api.forward_methods import register_fsdp_forward_method
 from mfsdp_hooks.api.fully_shard import (
     FSDPModule,
@@ -39,6 +44,7 @@ from mfsdp_hooks.runtime.elementwise_optimizers import (
     declare_elementwise_optimizer,
     is_elementwise_optimizer,
 )
+from mfsdp_hooks.runtime.observe import format_bytes
 from mfsdp_hooks.runtime.timeline import TimelineRecorder, record_timeline
 from mfsdp_hooks.runtime.timeline_events import (
     HOST_CATEGORIES,
@@ -64,6 +70,8 @@ __all__ = [
     "GroupSummary",
     "ShardingSummary",
     "describe",
+    "MODEL_STATE_CATEGORIES",
+    "format_bytes",
     "CodecContext",
     "ExpertSharding",
     "GroupCodec",

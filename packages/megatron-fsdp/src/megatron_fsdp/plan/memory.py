@@ -49,8 +49,8 @@ from megatron_fsdp.plan.model_states import (
     PlannedUnit,
     StateBytes,
     Topology,
-    format_bytes,
     owned_parameters,
+    plan_bytes,
     plan_model_states,
     topology_of,
 )
@@ -67,16 +67,14 @@ from mfsdp_hooks import (
 __all__ = ["MEMORY_CATEGORIES", "MemoryPlan", "PhaseBytes", "plan_memory"]
 
 MEMORY_CATEGORIES = (
-    "compute_weights",
-    "main_weights",
-    "optimizer_state",
-    "gradients",
-    "gathered_weights",
-    "codec_buffers",
-    "unreduced_gradients",
+    *MODEL_STATE_CATEGORIES,
+    GATHERED,
+    CODEC,
+    UNREDUCED,
     "optimizer_temporaries",
     "activations",
 )
+"""The model states held between steps, then what lives only within a step."""
 
 CPU_STEP_CHUNK = 1 << 18
 """Elements per chunk of the contiguous optimizer step on a CPU (``mfsdp_hooks``)."""
@@ -150,11 +148,11 @@ class MemoryPlan:
         lines = [
             f"memory per rank at world size {s.world_size}, ZeRO-{s.strategy} "
             f"(largest: rank {s.largest_rank})",
-            f"  peak {format_bytes(self.peak_bytes)} in {self.peak_phase}:",
+            f"  peak {plan_bytes(self.peak_bytes)} in {self.peak_phase}:",
         ]
         for name, nbytes in self.categories.items():
-            lines.append(f"    {name:<22} {format_bytes(nbytes)}")
-        lines.append(f"  between steps {format_bytes(self.between_steps_bytes)}")
+            lines.append(f"    {name:<22} {plan_bytes(nbytes)}")
+        lines.append(f"  between steps {plan_bytes(self.between_steps_bytes)}")
         return "\n".join(lines)
 
 

@@ -38,9 +38,11 @@ from megatron_fsdp.hybrid import parse_outer_strategy
 from mfsdp_buffers import BucketKey, FlatLayout, build_buckets
 from mfsdp_hooks import (
     DEFAULT_ALIGNMENT,
+    MODEL_STATE_CATEGORIES,
     MixedPrecisionPolicy,
     ParamClassCodec,
     UnitSpec,
+    format_bytes,
     is_megatron_expert,
     local_tensor,
     parse_strategy,
@@ -56,13 +58,11 @@ __all__ = [
     "Topology",
     "plan_model_states",
     "owned_parameters",
-    "format_bytes",
+    "plan_bytes",
     "planned_units",
     "state_bytes_of",
     "topology_of",
 ]
-
-MODEL_STATE_CATEGORIES = ("compute_weights", "main_weights", "gradients", "optimizer_state")
 
 ExpertPredicate = Callable[[str, nn.Parameter], bool]
 """``(parameter name within its unit, parameter) -> is it an expert's``."""
@@ -102,8 +102,8 @@ class ModelStatesPlan:
             f"(largest: rank {self.largest_rank})"
         ]
         for name in MODEL_STATE_CATEGORIES:
-            lines.append(f"  {name:<16} {format_bytes(self.categories[name])}")
-        lines.append(f"  {'total':<16} {format_bytes(self.between_steps_bytes)}")
+            lines.append(f"  {name:<16} {plan_bytes(self.categories[name])}")
+        lines.append(f"  {'total':<16} {plan_bytes(self.between_steps_bytes)}")
         return "\n".join(lines)
 
 
@@ -403,11 +403,6 @@ def _collect(
         _collect(child, is_unit, seen, out, top=False)
 
 
-def format_bytes(nbytes: int) -> str:
-    """``1.377 GiB (1,478,364,160 B)``: a size read at a glance, and exactly."""
-    size = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(size) < 1024:
-            return f"{nbytes:,} B" if unit == "B" else f"{size:,.3f} {unit} ({nbytes:,} B)"
-        size /= 1024
-    return f"{size:,.3f} TiB ({nbytes:,} B)"
+def plan_bytes(nbytes: int) -> str:
+    """``1.377 GiB (1,478,364,160 B)``: a planned size read at a glance, and exactly."""
+    return format_bytes(nbytes, 3, exact=True)

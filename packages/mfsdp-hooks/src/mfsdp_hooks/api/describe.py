@@ -28,22 +28,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mfsdp_buffers import DataParallelBuffer
 from mfsdp_hooks.dtensor.dtensor_views import local_tensor
+from mfsdp_hooks.runtime.observe import format_bytes, group_bytes_per_rank, held_bytes
 from mfsdp_hooks.runtime.unit import units_under
 from mfsdp_hooks.weights.param_group import ParameterGroup
 
-__all__ = ["CATEGORIES", "GroupSummary", "ShardingSummary", "describe"]
+__all__ = ["CATEGORIES", "MODEL_STATE_CATEGORIES", "GroupSummary", "ShardingSummary", "describe"]
 
-CATEGORIES = (
-    "compute_weights",
-    "main_weights",
-    "gradients",
-    "optimizer_state",
-    "gathered_weights",
-)
-BETWEEN_STEPS = CATEGORIES[:4]
-"""The categories held from one step to the next (``gathered_weights`` is transient)."""
+MODEL_STATE_CATEGORIES = ("compute_weights", "main_weights", "gradients", "optimizer_state")
+"""The categories held from one step to the next (``megatron_fsdp.plan`` plans the same)."""
+CATEGORIES = (*MODEL_STATE_CATEGORIES, "gathered_weights")
+"""What ``describe`` reports: the model states and the transient ``gathered_weights``."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +64,7 @@ class GroupSummary:
 
     @property
     def between_steps_bytes(self) -> int:
-        return sum(self.bytes[c] for c in BETWEEN_STEPS)
+        return sum(self.bytes[c] for c in MODEL_STATE_CATEGORIES)
 
 
 @dataclass(frozen=True)
@@ -96,16 +91,17 @@ class ShardingSummary:
         for g in self.groups:
             wire = f"{_dtype(g.gather_dtype)}/{_dtype(g.reduce_dtype)}"
             cells = [g.unit or "(root)", str(len(g.params)), f"{g.numel:,}", g.strategy, g.mesh]
-            rows.append(cells + [wire] + [_size(g.bytes[c]) for c in CATEGORIES])
+            rows.append(cells + [wire] + [format_bytes(g.bytes[c], 2) for c in CATEGORIES])
         totals = self.totals()
         numel = sum(g.numel for g in self.groups)
         rows.append(
-            ["total", "", f"{numel:,}", "", "", ""] + [_size(totals[c]) for c in CATEGORIES]
+            ["total", "", f"{numel:,}", "", "", ""]
+            + [format_bytes(totals[c], 2) for c in CATEGORIES]
         )
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = [
             f"megatron-fsdp on rank {self.rank} of {self.world_size}: "
-            f"{_size(self.between_steps_bytes)} held between steps"
+            f"{format_bytes(self.between_steps_bytes, 2)} held between steps"
         ]
         for index, row in enumerate(rows):
             padded = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
@@ -143,11 +139,10 @@ def _summarise(
 ) -> GroupSummary:
     layout = group.model.layout
     gathered = layout.padded_numel * group.compute_dtype.itemsize if group.model.sharded else 0
-    grads = group.grads
     sizes = {
-        "compute_weights": _held(group.model),
-        "main_weights": _held(group.main) if group.main is not None else 0,
-        "gradients": grads.numel * grads.dtype.itemsize if grads is not None else 0,
+        "compute_weights": held_bytes(group.model),
+        "main_weights": held_bytes(group.main),
+        "gradients": group_bytes_per_rank(group)[1],
         "optimizer_state": _optimizer_bytes(group, optimizer),
         "gathered_weights": gathered,
     }
@@ -164,14 +159,6 @@ def _summarise(
         reduce_dtype=group.reduce_dtype if group.requires_grad else None,
         bytes=sizes,
     )
-
-
-def _held(buffer: DataParallelBuffer) -> int:
-    """Bytes a buffer keeps between steps on this rank."""
-    if not buffer.has_persistent_shard:
-        return 0
-    numel = buffer.layout.shard_numel if buffer.sharded else buffer.layout.padded_numel
-    return numel * buffer.dtype.itemsize
 
 
 def _optimizer_bytes(group: ParameterGroup, optimizer: torch.optim.Optimizer | None) -> int:
@@ -199,10 +186,3 @@ def _mesh(group: ParameterGroup) -> str:
 
 def _dtype(dtype: torch.dtype | None) -> str:
     return "-" if dtype is None else str(dtype).removeprefix("torch.")
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} B"

@@ -8,6 +8,8 @@
   matched what was meant.
 * ``unit_label`` names a unit in the DEBUG events the unit logs through ``log_event`` (same
   logger) at pre/post forward and backward, as FSDP2's ``TORCH_LOGS=+fsdp``.
+* ``held_bytes`` and ``format_bytes`` are the one count and the one spelling of bytes that
+  ``describe`` and the plans (``megatron_fsdp.plan``) share.
 
 The units' paths under their root are known once the root is built; before, a unit is
 named by its class.
@@ -40,8 +42,10 @@ class FSDPUnit(Protocol):
 
 __all__ = [
     "describe_unit",
+    "format_bytes",
     "log_event",
     "group_bytes_per_rank",
+    "held_bytes",
     "log_units",
     "unit_bytes_per_rank",
     "unit_label",
@@ -53,8 +57,9 @@ _log = logging.getLogger("mfsdp_hooks.observe")
 _PATHS: weakref.WeakKeyDictionary[FSDPUnit, str] = weakref.WeakKeyDictionary()
 
 
-def _buffer_bytes(buffer: DataParallelBuffer | None) -> int:
-    """The bytes of ``buffer`` that persist on this rank (its shard, or all of it unsharded)."""
+def held_bytes(buffer: DataParallelBuffer | None) -> int:
+    """The bytes of ``buffer`` that persist on this rank between steps (its shard, or all of
+    it unsharded; none when it is rebuilt before each use)."""
     if buffer is None or not buffer.has_persistent_shard:
         return 0
     numel = buffer.layout.shard_numel if buffer.sharded else buffer.layout.padded_numel
@@ -68,7 +73,7 @@ def group_bytes_per_rank(group: ParameterGroup) -> tuple[int, int]:
     reduced gradient shard (allocated at the first backward). The unsharded weights and
     gradients a unit needs while it runs come on top, for that unit only.
     """
-    weights = _buffer_bytes(group.model) + _buffer_bytes(group.main)
+    weights = held_bytes(group.model) + held_bytes(group.main)
     grads = 0 if group.grads is None else group.grads.numel * group.grads.dtype.itemsize
     return weights, grads
 
@@ -102,16 +107,23 @@ def describe_unit(unit: FSDPUnit) -> str:
     )
 
 
-def _size(nbytes: int) -> str:
-    """``1.5 MiB``: sizes a person reads at a glance (exact bytes are in the repr)."""
-    if nbytes < 1024:
-        return f"{nbytes} B"
-    size = nbytes / 1024
-    for unit in ("KiB", "MiB"):
-        if size < 1024:
-            return f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"
+def format_bytes(nbytes: int, digits: int = 1, *, exact: bool = False) -> str:
+    """``1.5 MiB``: a size read at a glance, in binary units up to TiB, ``digits`` decimals.
+
+    ``exact`` adds the count to the byte for reports read as figures, thousands grouped:
+    ``1.377 GiB (1,478,364,160 B)``. The short form stays ungrouped: one token in a log line
+    or a table cell.
+    """
+    group = "," if exact else ""
+    if abs(nbytes) < 1024:
+        return f"{nbytes:{group}} B"
+    size, unit = nbytes / 1024, "KiB"
+    for larger in ("MiB", "GiB", "TiB"):
+        if abs(size) < 1024:
+            break
+        size, unit = size / 1024, larger
+    scaled = f"{size:{group}.{digits}f} {unit}"
+    return f"{scaled} ({nbytes:,} B)" if exact else scaled
 
 
 def _dtype(dtype: object) -> str:
@@ -138,8 +150,8 @@ def _unit_line(unit: FSDPUnit) -> str:
     groups = "; ".join(_describe_group(group) for group in unit.groups) or "no parameters"
     return (
         f"FSDP unit {unit_label(unit)}: {len(unit.groups)} group(s) [{groups}], "
-        f"{unit.options.strategy.name.lower()}, per rank {_size(weights)} weights + "
-        f"{_size(grads)} grads"
+        f"{unit.options.strategy.name.lower()}, per rank {format_bytes(weights)} weights + "
+        f"{format_bytes(grads)} grads"
     )
 
 
@@ -165,4 +177,4 @@ def log_units(root_name: str, units: Sequence[FSDPUnit], paths: Sequence[str]) -
     for unit in units:
         _log.info("%s", _unit_line(unit))
     total = sum(unit_bytes_per_rank(unit) for unit in units)
-    _log.info("FSDP model %s: %d unit(s), %s per rank", root_name, len(units), _size(total))
+    _log.info("FSDP model %s: %d unit(s), %s per rank", root_name, len(units), format_bytes(total))
