@@ -15,6 +15,7 @@ from matrix_columns import BF16, LR, STRATEGY_NAME, family, strategy, unit_class
 from matrix_layouts import Layout
 from mcore_stand_ins import MCoreDDPConfigStandIn, TransformerConfigStandIn
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -171,6 +172,10 @@ def build(row: str, col: str, layout: Layout, seed: int = 0) -> Built:
         return Built(wrapped, optimizer, wrapped, wrapped.module)
     if row == "per_module":
         _per_module(module, col, layout, units[0])
+        if col == "meta_init":  # FSDP2's contract: storage, then the user's weights
+            module.to_empty(device="cpu")
+            direct = make_model(seed).state_dict()
+            set_model_state_dict(module, direct, options=StateDictOptions(full_state_dict=True))
         return Built(module, _optimizer(col, module.parameters()), module, module)
     if row == "mcore":
         chunk = _mcore(module, col, layout, units)

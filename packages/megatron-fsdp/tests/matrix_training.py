@@ -138,28 +138,11 @@ def _reference_model(row: str, col: str) -> nn.Module:
     if col in ecosystem_cases.MODEL_COLS:
         return ecosystem_cases.model(col, 0)
     model = make_model(0, checkpoint="non_reentrant" if col == "recompute" else None)
-    if col == "meta_init" and row == "per_module":
-        _per_module_init_order(model)
     if col == "bf16" and row == "mcore":  # the bf16 model's weights are the main weights'
         with torch.no_grad():
             for param in model.parameters():
                 param.copy_(param.bfloat16().float())
     return model
-
-
-def _per_module_init_order(model: nn.Module) -> None:
-    """Per-module meta init initialises in the order the wraps ran: each block's modules,
-    then the root's own (embed, frozen, head on a scratch copy as its weight is tied,
-    value): the reference draws its weights in that order too."""
-    torch.manual_seed(0)
-    for block in model.blocks:  # type: ignore[union-attr]
-        for module in block.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-    model.embed.reset_parameters()  # type: ignore[operator]
-    model.frozen.reset_parameters()  # type: ignore[operator]
-    nn.Linear(model.head.in_features, model.head.out_features, bias=False)  # type: ignore[arg-type]
-    model.value.reset_parameters()  # type: ignore[operator]
 
 
 def reference_run(row: str, col: str) -> dict[str, Any]:

@@ -86,8 +86,9 @@ def _class(model: nn.Module) -> nn.Module:
 
 
 def _per_module(model: nn.Module) -> nn.Module:
-    # Each call initialises its own modules before sharding them (FSDP2 would keep them on
-    # meta for the user's to_empty()); the bound holds across the calls.
+    # Each call gives its own meta parameters (zeroed) storage and shards them, initialising
+    # nothing (FSDP2's contract: the user's to_empty() and init follow); the bound holds
+    # across the calls.
     for block in model.modules():
         if isinstance(block, _Block):
             mfsdp_hooks.fully_shard(block)

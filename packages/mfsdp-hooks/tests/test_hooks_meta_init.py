@@ -77,34 +77,6 @@ def test_meta_init_under_hsdp_gives_every_replica_the_direct_build() -> None:
     run_distributed(_meta_equals_direct_worker, 4, 3, 2, timeout=180)
 
 
-def _per_module_worker(rank: int, world: int) -> None:
-    torch.manual_seed(0)
-    model = _meta_model()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    assert not any(p.is_meta for p in model.parameters())
-    state = full_state(model)
-    # The same initialisations in the order the wraps ran them: each block's modules, then
-    # the root's own (embed, frozen, head on a scratch copy as its weight is tied, value).
-    reference = make_model()
-    torch.manual_seed(0)
-    for block in reference.blocks:
-        for module in block.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()  # type: ignore[operator]
-    reference.embed.reset_parameters()
-    reference.frozen.reset_parameters()
-    nn.Linear(reference.head.in_features, reference.head.out_features, bias=False)  # scratch
-    reference.value.reset_parameters()
-    for name, value in reference.state_dict().items():
-        assert torch.equal(state[name], value), name
-
-
-def test_per_module_fully_shard_initialises_a_meta_unit_in_module_order() -> None:
-    run_distributed(_per_module_worker, 2, timeout=120)
-
-
 class _NoReset(nn.Module):
     def __init__(self) -> None:
         super().__init__()

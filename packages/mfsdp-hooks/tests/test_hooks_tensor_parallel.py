@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from hooks_models import assert_close_rel
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -40,7 +41,8 @@ def _parity_worker(
 ) -> list[float]:
     """``accumulate``: each step is two micro-batches, the first under ``no_sync``. ``hsdp``:
     a (dp_outer=2, dp_shard=1, tp=2) mesh, FSDP over the 2-D (dp_outer, dp_shard) one.
-    ``meta``: the model is built on the meta device and initialised by ``fully_shard``."""
+    ``meta``: the model is built on the meta device, sharded, given storage by ``to_empty``
+    and loaded with the one-process weights by torch's ``set_model_state_dict``."""
     if hsdp:
         mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_outer", "dp_shard", "tp"))
         dp_mesh, dp_rank = mesh["dp_outer", "dp_shard"], mesh["dp_outer"].get_local_rank()
@@ -54,6 +56,10 @@ def _parity_worker(
     for block in model.blocks:
         fully_shard(block, mesh=dp_mesh, sharding_strategy=strategy)
     fully_shard(model, mesh=dp_mesh, sharding_strategy=strategy)
+    if meta:  # FSDP2's contract: storage, then the user's weights (torch's loader)
+        model.to_empty(device="cpu")
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, reference.state_dict(), options=full)
     for name, param in model.named_parameters():
         assert_close_rel(param.full_tensor(), reference.get_parameter(name), 0.0, name)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
@@ -189,9 +195,9 @@ def test_tp_parameters_the_engine_cannot_shard_are_refused_on_every_rank(
 
 
 @pytest.mark.parametrize("kind", ["mlp", "sp"])
-def test_meta_device_tp_model_initialises_as_the_one_process_model(kind: str) -> None:
-    # Built on meta, TP-parallelised, then sharded (which initialises): the one-process
-    # model's values, then its training.
+def test_meta_device_tp_model_loads_and_trains_as_the_one_process_model(kind: str) -> None:
+    # Built on meta, TP-parallelised, sharded, to_empty, loaded: the one-process model's
+    # values, then its training.
     for errors in run_distributed(_parity_worker, 4, kind, 3, False, False, True, timeout=240):
         assert max(errors) <= 1e-5, errors
 

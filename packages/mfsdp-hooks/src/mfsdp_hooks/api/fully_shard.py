@@ -35,6 +35,7 @@ from mfsdp_hooks.api.fsdp2_options import (
     check_shard_placements,
 )
 from mfsdp_hooks.api.fsdp_module import FSDPModule, UnshardHandle
+from mfsdp_hooks.api.module_conversion import await_storage
 from mfsdp_hooks.api.replica_values import (
     WEIGHTS,
     explain_weight_mismatch,
@@ -61,7 +62,7 @@ from mfsdp_hooks.runtime.slots import (
 )
 from mfsdp_hooks.runtime.unit import FSDPUnit, unit_of, units_under
 from mfsdp_hooks.weights.lookup import set_owning_model
-from mfsdp_hooks.weights.meta_init import MetaMaterializer, check_initialisable, modules_in_scope
+from mfsdp_hooks.weights.meta_init import MetaMaterializer, modules_in_scope
 
 
 def _check_module(members: Sequence[nn.Module], experts: object) -> None:
@@ -197,6 +198,19 @@ def _own_parameters(scope: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Pa
     ]
 
 
+def _meta_params_to_zeros(
+    scope: list[tuple[str, nn.Module]], topology: FSDPTopology, label: str
+) -> bool:
+    """FSDP2's contract for meta parameters: zeroed storage to shard, initialised by the user
+    after ``model.to_empty`` (weights/meta_init, api/module_conversion). Whether there were
+    any. Their TP parameters are checked first (refused, not materialised, if wrong)."""
+    params = _own_parameters(scope)
+    check_tp_parameters(params, topology, f"fully_shard({label})")
+    built_on_meta = any(p.device.type == "meta" for _, p in params)
+    MetaMaterializer(topology.device, initialise=False).materialize_all(sub for _, sub in scope)
+    return built_on_meta
+
+
 def _named(mesh: DeviceMesh) -> DeviceMesh:
     """FSDP2's canonical ``init_device_mesh("cpu", (world,))`` has no dim names: the same
     group, named (no collective). A 2-D mesh needs names, as FSDP2 requires for HSDP."""
@@ -321,16 +335,12 @@ def fully_shard(
     check_flag(check_replicas, "check_replicas")
     grad_allocator = make_grad_allocator(grad_buffer_allocator, max_inflight_reductions)
     check_host_transport(host_transport)  # before resolve_topology, which may communicate
-    # Meta modules of its own are initialised here in module order (checked before any collective).
     scope = modules_in_scope(target, skip=lambda m: unit_of(m) is not None)
-    check_initialisable(scope, f"fully_shard({label})")
     topology = resolve_topology(mesh, target)
     reshard, post_forward_size = _check_topology_options(
         topology, strategy, offload_policy, reshard_after_forward
     )
-    # Before initialising meta modules: their TP parameters are refused, not initialised.
-    check_tp_parameters(_own_parameters(scope), topology, f"fully_shard({label})")
-    MetaMaterializer(topology.device).materialize_all(sub for _, sub in scope)
+    built_on_meta = _meta_params_to_zeros(scope, topology, label)
     slots = collect_slots(target, _ignored_ids(ignored_params))
     codecs = tuple(param_codecs)
     shard_dims = _check_parameters(slots, target, codecs, shard_placement_fn, topology)
@@ -366,6 +376,8 @@ def fully_shard(
     )
     _agree_on_wrap(label, target, slots, options, host_transport, check_replicas)
     _make_unit(target, members, _with_transports(options, host_transport), slots)
+    if built_on_meta:
+        await_storage(target)
     return module
 
 

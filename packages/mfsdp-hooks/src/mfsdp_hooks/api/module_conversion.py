@@ -13,6 +13,19 @@ probed first on an empty tensor of each (dtype, device) the engine manages:
   an fp32 model, ``.to("cpu")``): the managed parameters are hidden from ``_apply`` (their
   slots read None for its duration), so buffers and unmanaged parameters still convert;
 * it changes either: refused before anything moves, naming what would change and the fix.
+
+[Note: meta parameters, FSDP2's contract] The per-module ``fully_shard`` of a module built on
+meta shards its parameters as zeros and initialises nothing (weights/meta_init); the unit then
+awaits storage (``FSDPUnit.awaiting_storage``), and its root refuses to run forward. States
+and transitions, all here:
+
+* ``await_storage`` (the wrap of a unit with meta parameters): awaiting;
+* a conversion that gives meta tensors storage on the unit's device (``model.to_empty(
+  device=...)``, probed on an empty meta tensor): storage given, the compute weights marked
+  for re-install, so what the user's init then writes into the shards (``init_weights()``) is
+  what the first forward gathers;
+* any other conversion while awaiting (``.to(device)``, ``.float()``: each fails on FSDP2's
+  meta parameters too) is refused, naming ``to_empty``.
 """
 
 from __future__ import annotations
@@ -23,9 +36,10 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from mfsdp_hooks.runtime.unit import FSDPUnit, units_under
 from mfsdp_hooks.weights.lookup import dist_param_of
 
-__all__ = ["managed_params_hidden"]
+__all__ = ["await_storage", "managed_params_hidden"]
 
 Conversion = Callable[[torch.Tensor], torch.Tensor]
 
@@ -56,10 +70,46 @@ def _check_keeps_dtype_and_device(
         )
 
 
+def await_storage(module: nn.Module) -> None:
+    """The unit of ``module`` was wrapped from meta parameters: no forward before
+    ``to_empty`` (see the note on meta parameters)."""
+    for unit in units_under([module]):
+        unit.awaiting_storage = True
+
+
+def _give_storage(units: list[FSDPUnit], fn: Conversion) -> None:
+    """``fn`` is a conversion of ``units``' meta parameters (the first, or the only one,
+    after the wrap): accept ``to_empty`` onto their device, refuse anything else."""
+    names = sorted({u.name for u in units})
+    for device in sorted({u.options.topology.device for u in units}, key=str):
+        try:
+            with torch.no_grad():
+                probe = fn(torch.empty(0, device="meta"))
+        except NotImplementedError as error:  # a copy out of meta: .to(device), .cpu(), ...
+            probe, cause = None, f" ({error})"
+        else:
+            cause = ""
+        if probe is None or probe.device != device:
+            raise NotImplementedError(
+                f"the FSDP units {names} were sharded from parameters on the meta device and "
+                f"have no values yet: this conversion{cause} cannot give them any. Call "
+                f"model.to_empty(device={str(device)!r}) and then initialise the weights "
+                "(e.g. model.init_weights() under torch.no_grad()), as with FSDP2"
+            )
+    for unit in units:
+        unit.awaiting_storage = False
+        for group in unit.groups:
+            group.freshness.mark_dirty()
+
+
 @contextlib.contextmanager
 def managed_params_hidden(module: nn.Module, fn: Conversion) -> Iterator[None]:
     """For the duration of ``module._apply(fn)``: refuse ``fn`` if it would change the
-    managed parameters' dtype or device, else hide them from it (see the module note)."""
+    managed parameters' dtype or device, else hide them from it (see the module note).
+    Units awaiting storage take ``to_empty`` as the storage they await."""
+    awaiting = [u for u in units_under(module.modules()) if u.awaiting_storage]
+    if awaiting:
+        _give_storage(awaiting, fn)
     slots = _managed_slots(module)
     _check_keeps_dtype_and_device(fn, {(p.dtype, p.device) for _, _, p in slots})
     for sub, name, _ in slots:

@@ -9,6 +9,9 @@ layout's row ranges. What users and torch's helpers hand in instead:
 * DTensors laid out as their placements say: ``distribute_tensor(full, mesh, param.placements)``
   (torch's ``_distribute_state_dict``) cuts by ``torch.chunk``, not by our rows.
 
+On a ``(dp, tp)`` mesh the rows are those of the TP-local tensor, which torch's own TP split
+of the full value gives (``ColwiseParallel`` cuts dim 0 over tp, then our rows over dp).
+
 Each unit's pre-hook (on its member modules, over the parameters that unit owns, so a
 nested unit's values are converted once, by their own unit) replaces each such value by
 this rank's rows laid out as the parameter (a torch-sharded DTensor is gathered first: one
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from mfsdp_hooks.dtensor.dtensor_views import dtensor_like
@@ -42,14 +45,9 @@ def own_rows(value: torch.Tensor, param: RowShardedDTensor, key: str) -> torch.T
     if tuple(value.shape) != tuple(param.shape):
         return value  # torch reports the size mismatch itself, naming the key
     placements = param.placements
-    if not isinstance(placements[0], RowShard):
-        raise ValueError(
-            f"load_state_dict: {key!r} is a full or torch-sharded tensor, and this parameter's "
-            f"rows (placements {param._spec.placements} with a strided or doubly sharded "
-            "dim) have no slice of a full tensor: load it through torch.distributed.checkpoint "
-            "after mfsdp_checkpoint.enable_dcp(model, optimizer)"
-        )
     full = value.full_tensor() if isinstance(value, DTensor) else value
+    if not isinstance(placements[0], RowShard):
+        return _rows_of_tp_local(full, param, key)
     shape, offset = compute_local_shape_and_global_offset(
         param.shape, param.device_mesh, placements
     )
@@ -57,6 +55,26 @@ def own_rows(value: torch.Tensor, param: RowShardedDTensor, key: str) -> torch.T
     mine = param._local_tensor
     rows = full.detach()[slices].to(device=mine.device, dtype=mine.dtype, copy=True)
     return dtensor_like(rows, param)
+
+
+def _rows_of_tp_local(full: torch.Tensor, param: RowShardedDTensor, key: str) -> torch.Tensor:
+    """This rank's rows of a parameter whose DP rows cut a dim its TP placement cuts too
+    (``ColwiseParallel`` under FSDP: FSDP2's ``_StridedShard``): torch's TP split of ``full``
+    (local, no communication), then the DP row range of that TP-local tensor."""
+    if param.tp_partition_stride != 1:
+        raise ValueError(
+            f"load_state_dict: {key!r} is a full or torch-sharded tensor, and this parameter's "
+            f"TP partition is strided ({param.tp_partition_stride} blocks per rank), which no "
+            "torch placement describes: load it through torch.distributed.checkpoint after "
+            "mfsdp_checkpoint.enable_dcp(model, optimizer)"
+        )
+    mesh, dim = param.device_mesh, param.dp_shard_dim
+    tp_placements = [Replicate(), *param._spec.placements[1:]]
+    tp_local = distribute_tensor(full.detach(), mesh, tp_placements, src_data_rank=None)
+    start, end = param.dp_row_ranges[mesh.get_local_rank(0)]
+    mine = param._local_tensor
+    rows = tp_local.to_local().narrow(dim, start, end - start)
+    return dtensor_like(rows.to(device=mine.device, dtype=mine.dtype, copy=True), param)
 
 
 def take_own_rows(

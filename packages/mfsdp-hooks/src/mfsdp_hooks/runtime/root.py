@@ -17,7 +17,7 @@ from mfsdp_hooks.grads.grad_sync import GradSync
 from mfsdp_hooks.runtime.execution_order import ExecutionOrder
 from mfsdp_hooks.runtime.observe import log_units
 from mfsdp_hooks.runtime.stale_optimizers import guard_optimizers_on_replaced_params
-from mfsdp_hooks.runtime.unit import FSDPUnit, unit_of
+from mfsdp_hooks.runtime.unit import FSDPUnit, unit_of, units_under
 from mfsdp_hooks.weights.param_group import ParameterGroup
 
 
@@ -97,12 +97,9 @@ class FSDPRoot:
         """The first unit to run forward is the root, as in FSDP2."""
         # Before the root exists: a refused optimizer leaves no root, so the next forward
         # checks again.
-        starting = [
-            group
-            for module in first.module.modules()
-            if (unit := unit_of(module)) is not None
-            for group in unit.groups
-        ]
+        units = units_under(first.module.modules())
+        _refuse_units_awaiting_storage(units)
+        starting = [group for unit in units for group in unit.groups]
         guard_optimizers_on_replaced_params(starting)
         return FSDPRoot(first)
 
@@ -224,6 +221,19 @@ class FSDPRoot:
                 f"NaN or Inf in the reduced gradient of {bad} (report_nan_in_param_grad=True): "
                 "no weight was updated; check the loss scale and the inputs of the step"
             )
+
+
+def _refuse_units_awaiting_storage(units: Sequence[FSDPUnit]) -> None:
+    """A forward before ``to_empty`` of units wrapped from meta parameters (they hold zeros,
+    not weights; FSDP2's would fail on meta tensors): refused on every rank alike."""
+    awaiting = [unit.name for unit in units if unit.awaiting_storage]
+    if awaiting:
+        raise RuntimeError(
+            f"forward of a model whose FSDP units {awaiting} were sharded from parameters on the "
+            "meta device and not given storage yet: call model.to_empty(device=...) and "
+            "initialise the weights (e.g. model.init_weights() under torch.no_grad()) first, "
+            "as with FSDP2"
+        )
 
 
 def root_of(module: nn.Module) -> FSDPRoot | None:

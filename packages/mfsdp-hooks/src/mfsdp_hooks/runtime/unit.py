@@ -211,8 +211,7 @@ class FSDPUnit:
         (``module`` is then a container of them outside the user's tree)."""
         self.module = module
         self.forwards = MemberForwards(members or (module,))
-        # Builds the root (which sets ``root`` on every unit of the tree) at the first forward.
-        self._make_root = make_root
+        self._make_root = make_root  # at the first forward; it sets every unit's ``root``
         self.options = options
         self.name = type(module).__name__
         self.state = TrainingState.IDLE
@@ -229,6 +228,7 @@ class FSDPUnit:
         # mixed_precision_context (set by compute_region), and whether its casts are in use
         self.region: ComputeRegion | None = None
         self._region_params_installed = False
+        self.awaiting_storage = False  # wrapped from meta, until to_empty (module_conversion)
         _refuse_params_of_other_units(self.name, slots)
         self.groups, self._group_slots = build_groups(self.name, slots, options)
         trainable = sum(g.layout.data_numel for g in self.groups if g.requires_grad)

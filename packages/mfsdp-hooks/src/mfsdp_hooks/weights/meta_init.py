@@ -21,6 +21,14 @@ TP rank then keeps its own slice (``distribute_tensor`` with no source rank, so 
 communication). TP-replicated parameters come out identical on every TP rank and TP-sharded
 ones equal the slices of the one-process model, whatever RNG state TP ranks would otherwise
 diverge on; the cost is one unit's full TP weights for a moment, as without TP.
+
+The per-module ``fully_shard`` keeps FSDP2's contract instead (``initialise=False``): it
+initialises nothing (FSDP2 never calls ``reset_parameters``; torchtitan's models have modules
+without one), it gives each meta *parameter* zeroed storage so the unit can be sharded (the
+shards hold zeros, the same on every rank, so the wrap's replica check agrees), and leaves
+buffers on meta for the user's ``model.to_empty(device=...)``; the user's own initialisation
+(``init_weights()``) then writes into the shards. ``api/module_conversion`` owns what happens
+between the wrap and ``to_empty``.
 """
 
 from __future__ import annotations
@@ -98,10 +106,12 @@ def check_initialisable(modules: Iterable[tuple[str, nn.Module]], what: str) -> 
 
 
 class MetaMaterializer:
-    """Gives meta modules real storage on ``device`` and runs their own initialisation."""
+    """Gives meta modules real storage on ``device`` and runs their own initialisation, or
+    (``initialise=False``, FSDP2's contract) zeroed storage for their parameters only."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, initialise: bool = True) -> None:
         self._device = device
+        self._initialise = initialise
         # id(meta tensor) -> (the meta tensor, kept so its id stays unique; its replacement).
         # Weak: once its unit is sharded, a materialised parameter is replaced and must be
         # freed, or wrapping ends up holding the whole model at full size.
@@ -120,6 +130,8 @@ class MetaMaterializer:
         if tied is not None:
             return tied, True
         new = torch.empty(old.shape, dtype=old.dtype, device=self._device)
+        if not self._initialise:  # the same on every rank: what the user's init overwrites
+            new.zero_()
         if isinstance(old, nn.Parameter):
             new = nn.Parameter(new, requires_grad=old.requires_grad)
             register_materialized(old, new)
@@ -144,6 +156,9 @@ class MetaMaterializer:
 
     def materialize(self, module: nn.Module) -> None:
         """Real storage for ``module``'s own meta tensors, then its ``reset_parameters()``."""
+        if not self._initialise:
+            self._zero_parameters(module)
+            return
         if not has_meta_state(module):
             return
         tied: dict[str, torch.Tensor] = {}
@@ -176,6 +191,17 @@ class MetaMaterializer:
         for name, shared in tied.items():
             table = module._parameters if name in module._parameters else module._buffers
             table[name] = shared  # type: ignore[assignment]
+
+    def _zero_parameters(self, module: nn.Module) -> None:
+        """Zeroed storage for ``module``'s own meta parameters (one per tied parameter; a TP
+        parameter keeps its DTensor form, this rank's slice); its buffers stay on meta."""
+        for name, old in module._parameters.items():
+            if old is None or old.device.type != "meta":
+                continue
+            new, earlier = self._replacement(old, module, name)
+            if isinstance(old, DTensor) and not earlier:
+                new = self._keep_local_slice(old, new)
+            module._parameters[name] = new  # type: ignore[assignment]
 
 
 def materialize_in_order(
