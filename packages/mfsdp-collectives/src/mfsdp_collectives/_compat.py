@@ -21,6 +21,7 @@ __all__ = [
     "all_reduce_async",
     "backend_name",
     "broadcast_from_group_rank",
+    "dispatch_mode_active",
     "reduce_scatter_single",
     "supports_avg",
 ]
@@ -90,6 +91,13 @@ def broadcast_from_group_rank(
     ``src`` is a global rank; ``group_src`` does the translation for us.
     """
     dist.broadcast(tensor, group=group, group_src=src_rank_in_group)
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` (``CommDebugMode``, ...) is active on this thread.
+    torch 2.13 has no public query for it: this is the one place that calls the private one
+    (a C call, cheap enough to make per collective)."""
+    return bool(torch._C._len_torch_dispatch_stack() > 0)
 
 
 def backend_name(group: dist.ProcessGroup) -> str:

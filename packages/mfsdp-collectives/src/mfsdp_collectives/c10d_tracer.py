@@ -9,8 +9,9 @@ ops issued on this thread only: on CPU autograd runs backward on the caller's th
 
 ``bytes`` is what this rank sends in, as for ``CommTracer``: the whole input of a
 reduce-scatter, this rank's shard of an all-gather, the tensor of an all-reduce. Our
-collectives that go through c10d are recorded here too; those carried by the shared-memory
-host transport are not c10d ops and are not.
+collectives are recorded here too: those that go through c10d, and those carried by the
+shared-memory host transport, which show themselves to dispatch modes as the c10d op they
+stand for (``mode_echo``).
 """
 
 from __future__ import annotations

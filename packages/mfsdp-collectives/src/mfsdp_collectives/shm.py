@@ -27,6 +27,8 @@ Each collective is a profiler range, ``mfsdp_shm:all_gather`` or
 ``mfsdp_shm:reduce_scatter`` with the group and the bytes in its name, opened on the
 issuing thread and closed when the worker finishes it, as c10d's ``gloo:*`` ranges are:
 ``torch.profiler`` traces show where the communication went.
+A dispatch mode active on the issuing thread (torch's ``CommDebugMode``) sees each as the
+c10d op it stands for (``mode_echo``).
 
 Setting a transport up (which groups qualify, the mailbox files) is ``host_transport``'s job.
 """
@@ -45,6 +47,7 @@ from mfsdp_buffers import FlatPieces
 
 from .collective_worker import BackgroundWork
 from .liveness import ProcessIdentity, peer_died_error
+from .mode_echo import echo_all_gather, echo_reduce_scatter
 from .naming import group_name
 from .shm_lane import CONTROL_BYTES, Lane, MailboxFile, PeerWatch
 
@@ -136,8 +139,10 @@ class SharedMemoryTransport:
                 "all_gather_many takes one output per shard and shards of one dtype, got "
                 f"{len(outputs)} outputs for shards of {[s.dtype for s in shards]}"
             )
-        nbytes = sum(s.numel() for s in shards) * shards[0].element_size()
+        numel = sum(s.numel() for s in shards)
+        echo_all_gather(self.group, self.size, numel, shards[0].dtype)
         lane = self._lanes[_GATHERS]
+        nbytes = numel * shards[0].element_size()
         return self._submit(
             lane, "all_gather", nbytes, lane.all_gather_many, list(outputs), list(shards)
         )
@@ -152,11 +157,13 @@ class SharedMemoryTransport:
         The pieces are added in rank order (fp32 for 16-bit dtypes), so the result is
         the same on every run and at least as accurate as gloo's.
         """
+        numel = inp.numel() if isinstance(inp, torch.Tensor) else inp.numel
+        echo_reduce_scatter(self.group, self.size, numel, inp.dtype, average=average)
         lane = self._lanes[_REDUCTIONS if self.concurrent_reductions else _GATHERS]
         return self._submit(
             lane,
             "reduce_scatter",
-            (inp.numel() if isinstance(inp, torch.Tensor) else inp.numel) * inp.dtype.itemsize,
+            numel * inp.dtype.itemsize,
             lane.reduce_scatter,
             output,
             inp,
