@@ -17,6 +17,11 @@ nested unit's values are converted once, by their own unit) replaces each such v
 this rank's rows laid out as the parameter (a torch-sharded DTensor is gathered first: one
 collective per tensor, in module traversal order, the same on every rank), so ``copy_`` is
 exact as with FSDP2.
+
+An optimizer's state gets the same treatment (:func:`own_optimizer_rows`): torch's
+``set_optimizer_state_dict(full_state_dict=True)`` without ``broadcast_from_rank0`` hands the
+optimizer ``distribute_tensor`` pieces (``torch.chunk``'s), and ``optimizer.load_state_dict``
+of a full state dict full tensors; a step on them would mix two layouts.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from mfsdp_hooks.dtensor.dtensor_views import dtensor_like
 from mfsdp_hooks.dtensor.row_placement import RowShard
 from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor
 
-__all__ = ["own_rows", "take_own_rows"]
+__all__ = ["own_optimizer_rows", "own_rows", "take_own_rows"]
 
 
 def own_rows(value: torch.Tensor, param: RowShardedDTensor, key: str) -> torch.Tensor:
@@ -87,3 +92,26 @@ def take_own_rows(
         value = state_dict.get(key)
         if isinstance(param, RowShardedDTensor) and isinstance(value, torch.Tensor):
             state_dict[key] = own_rows(value, param, key)
+
+
+def own_optimizer_rows(optimizer: torch.optim.Optimizer) -> None:
+    """Lay each state tensor of ``optimizer`` out as its row-sharded parameter where it is
+    not (a full tensor, or a DTensor cut otherwise). Collective (one
+    gather per sharded plain DTensor, in the optimizer's parameter order): every rank of the
+    parameters' meshes calls it, with the same optimizer."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if not isinstance(param, RowShardedDTensor) or not state:
+                continue
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and _laid_out_otherwise(value, param):
+                    state[key] = own_rows(value, param, f"optimizer state {key!r}")
+
+
+def _laid_out_otherwise(value: torch.Tensor, param: RowShardedDTensor) -> bool:
+    """Whether ``value`` is a tensor of ``param``'s shape not laid out as ``param``: decided on
+    what every rank sees alike (type, global shape, ranges), as it decides a collective."""
+    if value.dim() == 0 or tuple(value.shape) != tuple(param.shape):
+        return False  # a step count, or a factored state: not a copy of the parameter's shape
+    return not (isinstance(value, RowShardedDTensor) and value.dp_row_ranges == param.dp_row_ranges)

@@ -10,19 +10,27 @@ optimizer hook: nothing process-wide) that raises naming the parameters if it st
 replaced ones when stepped. It removes itself after the first step that passes.
 
 The same scan refuses, at once and on every rank, an optimizer that would step shards of the
-starting root's parameters without an element-wise update (``elementwise_optimizers``).
+starting root's parameters without an element-wise update (``elementwise_optimizers``), and
+lays out as its parameters the state a load gave an optimizer of them (torch's
+``set_optimizer_state_dict(full_state_dict=True)`` without ``broadcast_from_rank0`` leaves
+``torch.chunk`` pieces: ``load_rows.own_optimizer_rows``), now and after each later
+``load_state_dict`` of it (torch's public per-optimizer post-hook). This is collective: the
+optimizers are taken in the order of their parameters in the root (the same on every rank),
+not in the collector's order.
 """
 
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from mfsdp_hooks.dtensor.load_rows import own_optimizer_rows
 from mfsdp_hooks.runtime.elementwise_optimizers import refuse_sharded_non_elementwise
-from mfsdp_hooks.weights.lookup import replaced_by_unit
+from mfsdp_hooks.weights.lookup import locate, replaced_by_unit
 from mfsdp_hooks.weights.param_group import ParameterGroup
 
 __all__ = ["guard_optimizers_on_replaced_params", "replaced_params_of"]
@@ -77,9 +85,39 @@ def guard_optimizers_on_replaced_params(starting: Sequence[ParameterGroup] = ())
 
 
 def _guard_live_optimizers(starting: Sequence[ParameterGroup]) -> None:
+    found: list[tuple[list[tuple[int, int]], torch.optim.Optimizer]] = []
     for obj in gc.get_objects():
         if not issubclass(type(obj), torch.optim.Optimizer):
             continue
         refuse_sharded_non_elementwise(obj, within=starting)
         if _GUARDED_ATTR not in obj.__dict__ and replaced_params_of(obj):
             _guard(obj)
+        if positions := _positions_in(obj, starting):
+            found.append((positions, obj))
+    for _, optimizer in sorted(found, key=lambda item: item[0]):
+        _follow_loaded_state(optimizer)
+
+
+def _positions_in(
+    optimizer: torch.optim.Optimizer, starting: Sequence[ParameterGroup]
+) -> list[tuple[int, int]]:
+    """(group position in ``starting``, index) of each parameter of ``optimizer`` there: the
+    same on every rank, so the optimizers can be taken in an order that pairs collectives."""
+    order = {id(group): position for position, group in enumerate(starting)}
+    return [
+        (order[id(location.group)], location.index)
+        for group in optimizer.param_groups
+        for param in group["params"]
+        if (location := locate(param)) is not None and id(location.group) in order
+    ]
+
+
+_FOLLOWED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def _follow_loaded_state(optimizer: torch.optim.Optimizer) -> None:
+    """Lay out what a load gave ``optimizer`` as its parameters, now and after each load."""
+    own_optimizer_rows(optimizer)
+    if optimizer not in _FOLLOWED:  # a membership test only: never iterated
+        _FOLLOWED.add(optimizer)
+        optimizer.register_load_state_dict_post_hook(own_optimizer_rows)
