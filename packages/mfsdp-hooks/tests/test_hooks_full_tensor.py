@@ -149,3 +149,33 @@ def test_row_sharded_refuses_counts_that_do_not_match_the_local_rows() -> None:
         assert "dp_row_ranges gives it rows" in errors[0], errors
         assert "2 ranks" in errors[1] and "2 ranks" in errors[2], errors
         assert "do not tile" in errors[3], errors
+
+
+def _sgd_state_worker(rank: int, world: int) -> None:
+    reference, model = make_model(), make_model()
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block)
+    fully_shard(model)
+    tokens, targets = make_batches(1, 12)[0]
+    optimizers = []
+    for net, share in ((model, (rank, world)), (reference, (0, 1))):
+        trained = [p for p in net.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(trained, lr=1e-2, momentum=0.9, weight_decay=0.1)
+        loss_fn(net(local_slice(tokens, *share)), local_slice(targets, *share)).backward()
+        optimizer.step()
+        optimizers.append(optimizer)
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        buffer = optimizers[0].state[param]["momentum_buffer"]
+        want = optimizers[1].state[ref_params[name]]["momentum_buffer"]
+        assert isinstance(buffer, RowShardedDTensor), f"{name}: {type(buffer).__name__}"
+        assert_close_rel(buffer.full_tensor(), want, 1e-5, f"{name} momentum_buffer")
+
+
+def test_optimizer_state_made_by_an_op_on_a_parameter_keeps_its_rows() -> None:
+    """torch's SGD makes its momentum buffer from ``grad.add(param, alpha=weight_decay)``:
+    a plain DTensor before, which claimed torch.chunk's rows (full_tensor() and DCP put
+    other ranks' values in place)."""
+    run_distributed(_sgd_state_worker, 2, timeout=120)

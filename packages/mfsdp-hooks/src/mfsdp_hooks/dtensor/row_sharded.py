@@ -21,11 +21,17 @@ shards dim 0 (``ColwiseParallel``), dim 0 is cut over tp first and then over dp,
 what FSDP2 spells ``_StridedShard``; here ``Shard(0)`` plus the ranges say it.
 
 What keeps the type: ``.data``, ``detach()``, ``clone()`` (so ``nn.Parameter`` and
-``state_dict()`` values keep it), ``dtensor_like`` of one, and the functions that make a
-tensor laid out like their input (``_LAID_OUT_LIKE``: ``zeros_like``, ``full_like``, ...,
-``Tensor.to``), which is how torch's optimizers create their state: a bare optimizer's
-``exp_avg`` knows the rows as its parameter does. What does not: the result of any other
-op. Re-lay such a tensor out with ``dtensor_like(t.to_local(), param)`` before gathering it.
+``state_dict()`` values keep it), ``dtensor_like`` of one, and the result of any torch
+function whose first argument is one and that DTensor computed row by row: laid out as that
+argument (same mesh, placements, global and local shape), which DTensor's sharding rules
+give only where each output row comes from the same input row (``zeros_like``,
+``full_like``, ``Tensor.to``, pointwise ops). That is how torch's optimizers make their
+state: ``exp_avg = zeros_like(param)``, and SGD's momentum buffer, a clone of
+``grad.add(param, alpha=weight_decay)``; a bare optimizer's state knows the rows as its
+parameter does (a plain DTensor there would claim ``torch.chunk``'s rows: ``full_tensor()``,
+DCP and a load would put another rank's values in place). What does not keep it: results
+laid out otherwise, and ops whose first argument is not one; re-lay such a tensor out with
+``dtensor_like(t.to_local(), param)`` before gathering it.
 
 Checkpoints: DCP asks a DTensor where its piece goes (``__create_write_items__``,
 ``__create_chunk_list__``); this one answers from its ranges (:mod:`.dcp_protocol`), so
@@ -59,19 +65,6 @@ __all__ = ["RowShardedDTensor", "row_sharded"]
 
 _TENSOR_DATA: Any = torch.Tensor.data  # the C getset descriptor behind ``Tensor.data``
 _NO_TORCH_FUNCTION: Callable[..., Any] = torch._C._disabled_torch_function_impl
-# What makes a tensor laid out like its first argument: how optimizers create their state.
-_LAID_OUT_LIKE: frozenset[Callable[..., Any]] = frozenset(
-    {
-        torch.zeros_like,
-        torch.ones_like,
-        torch.empty_like,
-        torch.full_like,
-        torch.rand_like,
-        torch.randn_like,
-        torch.clone,
-        torch.Tensor.to,
-    }
-)
 
 
 class RowShardedDTensor(DTensor):
@@ -96,7 +89,7 @@ class RowShardedDTensor(DTensor):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = _NO_TORCH_FUNCTION(func, types, args, kwargs or {})
-        if func in _LAID_OUT_LIKE and type(out) is DTensor:
+        if type(out) is DTensor:  # a new tensor: keep the rows where it is laid out as args[0]
             source = args[0] if args else (kwargs or {}).get("input")
             if isinstance(source, RowShardedDTensor) and _same_layout(out, source):
                 return _rewrap(out, source.dp_row_ranges, source.tp_partition_stride)

@@ -120,4 +120,7 @@ def _follow_loaded_state(optimizer: torch.optim.Optimizer) -> None:
     own_optimizer_rows(optimizer)
     if optimizer not in _FOLLOWED:  # a membership test only: never iterated
         _FOLLOWED.add(optimizer)
-        optimizer.register_load_state_dict_post_hook(own_optimizer_rows)
+        try:
+            optimizer.register_load_state_dict_post_hook(own_optimizer_rows)
+        except AttributeError:  # a wrapper that never ran Optimizer.__init__ (accelerate's
+            pass  # AcceleratedOptimizer): its loads run the wrapped one's, found too
