@@ -245,13 +245,17 @@ def _attached_optimizer(rank: int, world: int) -> dict[str, Any]:
         ).backward()
         optimizer.step()
         optimizer.zero_grad()
-    late = torch.optim.AdamW(trainable(model), lr=1e-2)
-    torch.optim.lr_scheduler.StepLR(late, 2)
-    try:
-        attach_optimizer(late)
-        refused = ""
-    except ValueError as error:
-        refused = str(error)
+    scheduled = torch.optim.AdamW(trainable(model), lr=1e-2)
+    torch.optim.lr_scheduler.StepLR(scheduled, 2)  # wraps the class's step on the instance
+    replaced = torch.optim.AdamW(trainable(model), lr=1e-2)
+    replaced.step = lambda *_, **__: None  # type: ignore[method-assign]
+    refused = []
+    for late, contiguous_step in ((replaced, None), (scheduled, True)):
+        try:
+            attach_optimizer(late, contiguous_step=contiguous_step)
+            refused.append("")
+        except ValueError as error:
+            refused.append(str(error))
     return {
         "calls": calls,
         "class": type(optimizer).__name__,
@@ -261,8 +265,10 @@ def _attached_optimizer(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def test_an_attached_optimizer_runs_step_hooks_once_and_must_precede_schedulers() -> None:
+def test_an_attached_optimizer_runs_step_hooks_once_and_refuses_a_replaced_step() -> None:
     out = run_distributed(_attached_optimizer, 2, timeout=60)[0]
     assert out["calls"] == {"pre": 3, "post": 3}, out
     assert out["class"] == "FSDPAdamW" and out["same_class"], out
-    assert "before creating schedulers" in out["refused"], out
+    replaced, contiguous = out["refused"]
+    assert "call attach_optimizer / fully_shard_optimizer before replacing step" in replaced, out
+    assert contiguous.startswith("contiguous_step=True: the optimizer's step was wrapped"), out

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
+from mfsdp_hooks.api.ddp_refusal import RefusesDDP
 from mfsdp_hooks.api.describe import ShardingSummary, describe
 from mfsdp_hooks.api.fsdp2_comm_hooks import FSDP2CommHooks
 from mfsdp_hooks.api.fsdp2_refusals import FSDP2Refusals
@@ -46,7 +47,7 @@ class UnshardHandle(TorchUnshardHandle):
             self._unit = None
 
 
-class FSDPModule(FSDP2CommHooks, FSDP2Refusals, TorchFSDPModule):
+class FSDPModule(FSDP2CommHooks, FSDP2Refusals, RefusesDDP, TorchFSDPModule):
     """Methods every fully-sharded module gains (mixed into its class)."""
 
     def _mfsdp_unit(self) -> FSDPUnit:

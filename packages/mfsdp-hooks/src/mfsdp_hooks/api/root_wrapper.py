@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mfsdp_buffers import Allocator
 from mfsdp_collectives import FSDPTopology
+from mfsdp_hooks.api.ddp_refusal import RefusesDDP
 from mfsdp_hooks.api.fully_shard import FSDPModule, fsdp_units, fully_shard, resolve_topology
 from mfsdp_hooks.api.precision_region import mixed_precision_context, wrap_time_policy
 from mfsdp_hooks.config.codec import ParamClassCodec, ParamCodec
@@ -73,7 +74,7 @@ def resolve_unit_modules(specs: Sequence[UnitSpec] | None) -> tuple[type[nn.Modu
     return tuple(classes)
 
 
-class FSDPRootWrapper(nn.Module):
+class FSDPRootWrapper(RefusesDDP, nn.Module):
     """Wraps a model: every submodule matching ``fsdp_unit_modules`` and the model itself
     become FSDP units (children first). The original model stays at ``self.module``, and
     attributes the wrapper does not have are read from it (``wrapper.generate(...)``).

@@ -13,6 +13,10 @@ does for modules; one class per optimizer class, nothing patched on the instance
 ``step`` closes the window itself (weights are installed once, right after the step) and
 takes the seed's keyword arguments, and it steps Adam, AdamW and SGD over contiguous runs of
 the sharded buffers (:mod:`mfsdp_hooks.optim.contiguous_step`).
+
+An LR scheduler built before the optimizer is attached (the usual script order) has put a
+wrapper of the class's ``step`` on the instance, which the new class cannot reach; the same
+work then runs as the optimizer's own step hooks (``_StepHooks``).
 """
 
 from __future__ import annotations
@@ -77,9 +81,57 @@ def _stepper_for(
     return ContiguousStepper(optimizer, _is_fsdp_param, step_chunk_numel)
 
 
+def _install(groups: Iterable[ParameterGroup]) -> None:
+    for group in groups:
+        handle = group.install_weights()
+        if handle is not None:
+            handle.wait()
+
+
+class _StepHooks:
+    """``FSDPOptimizer.step``'s work as torch's public per-optimizer step hooks, for an
+    optimizer whose ``step`` was wrapped on the instance before it was attached.
+
+    Torch's LR scheduler does that when built: it stores on the instance a wrapper that
+    records the call (``scheduler.step()`` warns without it) and then calls the function the
+    class's ``step`` was at the time, so a class given later is never reached. That function
+    is torch's hook runner around the user class's step, so hooks registered here see every
+    step of the optimizer the scheduler holds, and the scheduler's wrapper stays as it is.
+    The flat contiguous step needs a context restored even when torch's step raises, which
+    a pre/post hook pair cannot give: these steps take torch's per-parameter path (bit for
+    bit the same result). Torch runs hooks in the order registered: a step pre-hook added
+    before attaching runs before the gradients are synced here."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._install_after = True
+        optimizer.register_step_pre_hook(self._before)
+        optimizer.register_step_post_hook(self._after)
+
+    def _before(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        kwargs = dict(kwargs)  # the seed's keywords are ours: torch's step takes neither
+        sync = kwargs.pop("sync_grad_before_optimizer_step", True)
+        self._install_after = kwargs.pop("install_optimized_model_weights", True)
+        groups = optimizer_groups(optimizer)
+        if sync:
+            for root in _roots(groups):
+                root.finish_grad_sync()
+        # Marked stepped before torch's step, which reads no freshness: a step that raises
+        # half-way still leaves the next forward to re-install the weights.
+        for group in groups:
+            group.freshness.close_step_window(stepped=True)
+        return args, kwargs
+
+    def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._install_after:
+            _install(optimizer_groups(optimizer))
+
+
 @dataclass(frozen=True)
 class _Attachment:
     stepper: ContiguousStepper | None
+    step_hooks: _StepHooks | None = None
 
 
 _ATTACHMENT = "_mfsdp_attachment"
@@ -94,6 +146,10 @@ class FSDPOptimizer(torch.optim.Optimizer):
         attachment = self.__dict__.get(_ATTACHMENT)
         return attachment.stepper if isinstance(attachment, _Attachment) else None
 
+    def _mfsdp_step_hooks(self) -> _StepHooks | None:
+        attachment = self.__dict__.get(_ATTACHMENT)
+        return attachment.step_hooks if isinstance(attachment, _Attachment) else None
+
     def step(
         self,
         *args: Any,
@@ -101,6 +157,10 @@ class FSDPOptimizer(torch.optim.Optimizer):
         install_optimized_model_weights: bool = True,
         **kwargs: Any,
     ) -> Any:
+        if self._mfsdp_step_hooks() is not None:  # the class step reached anyway: hooks do it
+            kwargs["sync_grad_before_optimizer_step"] = sync_grad_before_optimizer_step
+            kwargs["install_optimized_model_weights"] = install_optimized_model_weights
+            return super().step(*args, **kwargs)
         recorder = timeline.ACTIVE
         if recorder is None:
             return self._fsdp_step(
@@ -136,10 +196,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
             for group in current:
                 group.freshness.close_step_window(stepped=True)
         if install_optimized_model_weights:
-            for group in current:
-                handle = group.install_weights()
-                if handle is not None:
-                    handle.wait()
+            _install(current)
         return result
 
     def zero_grad(self, set_to_none: bool = True, *, zero_grad_buffer: bool = True) -> None:
@@ -188,6 +245,26 @@ def _fsdp_optimizer_class(cls: type[torch.optim.Optimizer]) -> type[torch.optim.
     return found
 
 
+def _step_wrapped_on_instance(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``step`` is a wrapper on the instance that calls the class's step, which runs
+    torch's step hooks (``functools.wraps`` says what it wraps: torch's LR schedulers' does);
+    any other replacement of ``step`` or ``zero_grad`` on the instance is refused."""
+    instance_step = optimizer.__dict__.get("step")
+    class_step = type(optimizer).step
+    runs_hooks = getattr(instance_step, "__wrapped__", None) is class_step and getattr(
+        class_step, "hooked", False
+    )
+    if "zero_grad" in optimizer.__dict__ or (instance_step is not None and not runs_hooks):
+        replaced = "zero_grad" if "zero_grad" in optimizer.__dict__ else "step"
+        raise ValueError(
+            f"optimizer: its {replaced} was replaced on the instance by something that does "
+            f"not call {type(optimizer).__name__}.{replaced} (torch's LR schedulers' wrapper "
+            "does, and is accepted); call attach_optimizer / fully_shard_optimizer before "
+            f"replacing {replaced}"
+        )
+    return instance_step is not None
+
+
 def attach_optimizer(
     optimizer: torch.optim.Optimizer,
     *,
@@ -201,7 +278,9 @@ def attach_optimizer(
     ``step_chunk_numel`` elements (default: 2**18 on CPU, whole runs elsewhere); the result
     is bit for bit that of torch's per-parameter step. Fused groups, a step given a closure,
     and runs whose gradients or state are not laid out that way take torch's own path.
-    Attach before creating LR schedulers (they wrap ``step`` on the instance). An optimizer
+    An LR scheduler may be built before or after: one built before wrapped ``step`` on the
+    instance, so the FSDP work runs as step hooks and the step takes torch's per-parameter
+    path (``contiguous_step=True`` is then refused). An optimizer
     that would step shards of parameters without an element-wise update (Muon, LBFGS) is
     refused (:mod:`mfsdp_hooks.runtime.elementwise_optimizers`).
     """
@@ -217,17 +296,20 @@ def attach_optimizer(
         )
     if isinstance(optimizer, FSDPOptimizer):
         return optimizer
-    if "step" in optimizer.__dict__ or "zero_grad" in optimizer.__dict__:
+    wrapped_step = _step_wrapped_on_instance(optimizer)
+    if wrapped_step and contiguous_step:
         raise ValueError(
-            "optimizer: its step or zero_grad was already wrapped on the instance (an LR "
-            "scheduler does this); call attach_optimizer / fully_shard_optimizer right after "
-            "building the optimizer, before creating schedulers"
+            "contiguous_step=True: the optimizer's step was wrapped on the instance (an LR "
+            "scheduler built before attach_optimizer / fully_shard_optimizer does this), and "
+            "the contiguous step runs only inside the class's step; build the scheduler after "
+            "attaching, or leave contiguous_step unset (torch's per-parameter step, same result)"
         )
     _check_reads_decoupled_grads(optimizer)
     refuse_sharded_non_elementwise(optimizer)
-    stepper = _stepper_for(optimizer, contiguous_step, step_chunk_numel)
+    stepper = None if wrapped_step else _stepper_for(optimizer, contiguous_step, step_chunk_numel)
     for group in optimizer_groups(optimizer):
         group.freshness.attach_stepper()
-    optimizer.__dict__[_ATTACHMENT] = _Attachment(stepper)
+    hooks = _StepHooks(optimizer) if wrapped_step else None
+    optimizer.__dict__[_ATTACHMENT] = _Attachment(stepper, hooks)
     optimizer.__class__ = _fsdp_optimizer_class(type(optimizer))
     return optimizer
