@@ -12,7 +12,10 @@ probed first on an empty tensor of each (dtype, device) the engine manages:
 * it keeps dtype and device (``.to(args.device)`` of ``transformers.Trainer``, ``.float()`` of
   an fp32 model, ``.to("cpu")``): the managed parameters are hidden from ``_apply`` (their
   slots read None for its duration), so buffers and unmanaged parameters still convert;
-* it changes either: refused before anything moves, naming what would change and the fix.
+* it changes the dtype only (``.double()``, ``.to(torch.bfloat16)``): the groups are rebuilt
+  in the new dtype first (``dtype_conversion``: the parameters keep their identity), then
+  hidden as above;
+* it changes the device: refused before anything moves, naming what would change and the fix.
 
 [Note: meta parameters, FSDP2's contract] The per-module ``fully_shard`` of a module built on
 meta shards its parameters as zeros and initialises nothing (weights/meta_init); the unit then
@@ -36,6 +39,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from mfsdp_hooks.api.dtype_conversion import convert_managed_dtypes
 from mfsdp_hooks.runtime.unit import FSDPUnit, units_under
 from mfsdp_hooks.weights.lookup import dist_param_of
 
@@ -53,20 +57,17 @@ def _managed_slots(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter
     ]
 
 
-def _check_keeps_dtype_and_device(
-    fn: Conversion, kinds: set[tuple[torch.dtype, torch.device]]
-) -> None:
+def _check_keeps_device(fn: Conversion, kinds: set[tuple[torch.dtype, torch.device]]) -> None:
     for dtype, device in sorted(kinds, key=str):
         with torch.no_grad():
             probe = fn(torch.empty(0, dtype=dtype, device=device))
-        if probe.dtype == dtype and probe.device == device:
+        if probe.device == device:
             continue
         raise NotImplementedError(
             f"converting a fully-sharded model's parameters from {dtype} on {device} to "
-            f"{probe.dtype} on {probe.device} (model.to/.half/.cuda/... after fully_shard) is "
-            "not supported: the sharded parameters live in flat buffers of a fixed dtype and "
-            "device. Convert the model before sharding it, or keep it as it is and choose the "
-            "compute dtype with mixed_precision_policy / mp_policy"
+            f"{probe.dtype} on {probe.device} (model.to/.cuda/.cpu/... after fully_shard) is "
+            "not supported: the sharded parameters live in flat buffers on the device of "
+            "their mesh. Convert the model before sharding it"
         )
 
 
@@ -105,13 +106,17 @@ def _give_storage(units: list[FSDPUnit], fn: Conversion) -> None:
 @contextlib.contextmanager
 def managed_params_hidden(module: nn.Module, fn: Conversion) -> Iterator[None]:
     """For the duration of ``module._apply(fn)``: refuse ``fn`` if it would change the
-    managed parameters' dtype or device, else hide them from it (see the module note).
-    Units awaiting storage take ``to_empty`` as the storage they await."""
+    managed parameters' device, carry out a change of their dtype, then hide them from it
+    (see the module note). Units awaiting storage take ``to_empty`` as the storage they
+    await."""
     awaiting = [u for u in units_under(module.modules()) if u.awaiting_storage]
     if awaiting:
         _give_storage(awaiting, fn)
     slots = _managed_slots(module)
-    _check_keeps_dtype_and_device(fn, {(p.dtype, p.device) for _, _, p in slots})
+    _check_keeps_device(fn, {(p.dtype, p.device) for _, _, p in slots})
+    if slots:
+        convert_managed_dtypes(module, fn, [p for _, _, p in slots])
+        slots = _managed_slots(module)  # resharded: the distributed parameters
     for sub, name, _ in slots:
         sub._parameters[name] = None
     try:
