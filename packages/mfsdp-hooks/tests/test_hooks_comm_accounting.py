@@ -28,6 +28,9 @@ def _expected_traffic(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
             len(reduced),
             sum(g.layout.padded_numel * g.reduce_dtype.itemsize for g in reduced),
         ),
+        # which parameters got a gradient on some rank (grads/grad_presence): one fp32 flag
+        # per parameter, one call per synced backward
+        "grad_presence": (1, 4 * sum(len(g.layout.placements) for g in reduced)),
     }
 
 

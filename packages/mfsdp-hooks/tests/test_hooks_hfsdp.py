@@ -95,7 +95,9 @@ def test_hfsdp_trains_as_one_process_with_gradient_accumulation(mode: str, sync_
     run_distributed(_parity_worker, 4, 2, mode, sync_each, timeout=240)
 
 
-def _cycle_comm_worker(rank: int, world: int, mode: str) -> tuple[list[dict[str, int]], list[int]]:
+def _cycle_comm_worker(
+    rank: int, world: int, mode: str
+) -> tuple[list[dict[str, int]], list[int], int]:
     """Per optimisation cycle of 3 micro-batches: the calls and bytes of each collective."""
     model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], mesh=hfsdp_topology(2, 2))
     optimizer = attach_optimizer(make_optimizer("sgd", trainable(model)))
@@ -125,7 +127,8 @@ def _cycle_comm_worker(rank: int, world: int, mode: str) -> tuple[list[dict[str,
                 }
             )
     groups = [g for unit in fsdp_units(model.module) for g in unit.groups if g.requires_grad]
-    return cycles[1:], [g.layout.padded_numel for g in groups]
+    params = sum(len(g.dist_params) for g in groups)
+    return cycles[1:], [g.layout.padded_numel for g in groups], params
 
 
 @pytest.mark.parametrize("mode", ["no_sync", "finish"])
@@ -133,8 +136,10 @@ def test_hfsdp_crosses_dp_outer_once_per_cycle_with_the_analytic_bytes(mode: str
     # ZeRO-3, 4 trainable groups, fp32, 3 micro-batches per cycle (the first cycle, which
     # records the prefetch order, is left out). Inside dp_shard every micro-batch
     # reduce-scatters the whole padded buffer; across dp_outer each group's half-buffer
-    # partial is reduce-scattered once, and its updated quarter all-gathered once.
-    for cycles, padded in run_distributed(_cycle_comm_worker, 4, mode, timeout=180):
+    # partial is reduce-scattered once, and its updated quarter all-gathered once. The cycle's
+    # one agreement on which parameters got a gradient anywhere (grad_presence) is a float
+    # per parameter all-reduced in dp_shard, then across dp_outer.
+    for cycles, padded, params in run_distributed(_cycle_comm_worker, 4, mode, timeout=180):
         total, groups = sum(padded), len(padded)
         for cycle in cycles:
             assert cycle["dp_shard/reduce_scatter:calls"] == 3 * groups
@@ -144,6 +149,9 @@ def test_hfsdp_crosses_dp_outer_once_per_cycle_with_the_analytic_bytes(mode: str
             assert cycle["dp_outer/all_gather:calls"] == groups
             assert cycle["dp_outer/all_gather:bytes"] == 4 * total // 4
             assert "dp_outer/all_reduce:calls" not in cycle
+            for group in ("dp_shard", "dp_outer"):
+                assert cycle[f"{group}/grad_presence:calls"] == 1
+                assert cycle[f"{group}/grad_presence:bytes"] == 4 * params
 
 
 def _optimizer_state_worker(rank: int, world: int, outer: int) -> tuple[int, int, int]:

@@ -106,7 +106,7 @@ def test_hsdp_parity_with_gradient_accumulation(strategy: int, api: str, mode: s
     run_distributed(_hsdp_parity_worker, 4, 2, strategy, api, mode, timeout=240)
 
 
-def _outer_once_per_cycle_worker(rank: int, world: int, mode: str) -> list[tuple[int, int]]:
+def _outer_once_per_cycle_worker(rank: int, world: int, mode: str) -> list[tuple[int, ...]]:
     model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], mesh=_mesh(2, 2))
     optimizer = make_optimizer("sgd", trainable(model))
     micro = 3
@@ -125,7 +125,8 @@ def _outer_once_per_cycle_worker(rank: int, world: int, mode: str) -> list[tuple
             if mode == "finish":
                 model.finish_grad_sync()
             tracer.__exit__(None, None, None)
-            counts.append((tracer.calls("reduce_scatter"), tracer.calls("all_reduce")))
+            calls = (tracer.calls(op) for op in ("reduce_scatter", "all_reduce", "grad_presence"))
+            counts.append(tuple(calls))
             optimizer.step()
             optimizer.zero_grad()
     return counts
@@ -134,12 +135,14 @@ def _outer_once_per_cycle_worker(rank: int, world: int, mode: str) -> list[tuple
 @pytest.mark.parametrize("mode", ["no_sync", "finish"])
 def test_hsdp_reduces_across_replicas_once_per_cycle(mode: str) -> None:
     # ZeRO-3, 4 trainable groups, 3 micro-batches: every micro-batch reduce-scatters inside
-    # dp_shard (12), the shards cross dp_outer once per cycle (4), never per micro-batch.
+    # dp_shard (12), the shards cross dp_outer once per cycle (4), never per micro-batch; the
+    # cycle's one agreement on which parameters got a gradient anywhere (grad_presence) is an
+    # all-reduce in dp_shard and one across dp_outer (2).
     counts = run_distributed(_outer_once_per_cycle_worker, 4, mode, timeout=120)
-    assert counts == [[(12, 4), (12, 4)]] * 4
+    assert counts == [[(12, 4, 2), (12, 4, 2)]] * 4
 
 
-def _hsdp_bytes_worker(rank: int, world: int) -> tuple[dict[str, dict[str, int]], list[int]]:
+def _hsdp_bytes_worker(rank: int, world: int) -> tuple[dict[str, dict[str, int]], list[int], int]:
     mesh = _mesh(2, 2)
     model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], mesh=mesh)
     tokens, targets = make_batches(1, GLOBAL_BATCH)[0]
@@ -148,13 +151,16 @@ def _hsdp_bytes_worker(rank: int, world: int) -> tuple[dict[str, dict[str, int]]
     with CommTracer() as tracer:
         loss_fn(model(local[0]), local[1]).backward()
     groups = [g for unit in fsdp_units(model.module) for g in unit.groups if g.requires_grad]
-    return tracer.summary(), [g.layout.padded_numel for g in groups]
+    params = sum(len(g.dist_params) for g in groups)
+    return tracer.summary(), [g.layout.padded_numel for g in groups], params
 
 
 def test_hsdp_reduces_inside_the_shard_group_then_the_shard_across_replicas() -> None:
-    for summary, padded in run_distributed(_hsdp_bytes_worker, 4, timeout=120):
+    for summary, padded, params in run_distributed(_hsdp_bytes_worker, 4, timeout=120):
         # fp32 gradients: the whole padded buffer reduce-scattered in dp_shard (2 ranks),
-        # then each rank's half all-reduced across dp_outer, once per trainable group.
+        # then each rank's half all-reduced across dp_outer, once per trainable group; and
+        # the backward's one agreement on which parameters got a gradient anywhere
+        # (grad_presence: a float per parameter, in dp_shard, then across dp_outer).
         assert summary["dp_shard/reduce_scatter"] == {
             "calls": len(padded),
             "bytes": 4 * sum(padded),
@@ -163,3 +169,5 @@ def test_hsdp_reduces_inside_the_shard_group_then_the_shard_across_replicas() ->
             "calls": len(padded),
             "bytes": 4 * sum(padded) // 2,
         }
+        for group in ("dp_shard", "dp_outer"):
+            assert summary[f"{group}/grad_presence"] == {"calls": 1, "bytes": 4 * params}

@@ -252,10 +252,13 @@ def all_reduce_(
     stream: CommStreams | None = None,
     outer_group: dist.ProcessGroup | None = None,
     after_reduce: Callable[[torch.Tensor], None] | None = None,
+    record_as: str = "all_reduce",
 ) -> CommHandle:
     """In-place all-reduce of a whole buffer (``no_shard`` gradients), same semantics as RS.
     ``after_reduce`` sees the reduced tensor before any factor still owed (as in
-    ``reduce_scatter_into``).
+    ``reduce_scatter_into``). ``record_as``: the op name ``CommTracer`` files it under (an
+    all-reduce that is not a gradient reduction, such as ``"grad_presence"``, is counted
+    apart from those).
 
     With ``stream`` it runs on the reduce-scatter stream: it is the gradient
     reduction of ``no_shard`` and must not queue behind parameter all-gathers. With
@@ -278,7 +281,7 @@ def all_reduce_(
         return CommHandle.completed()
     op, factor = reduce_op(group, reduction.average, sum_only=reduction.sum_only)
     factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
-    record_comm("all_reduce", group_name(group), tensor.numel(), reduction.reduce_dtype)
+    record_comm(record_as, group_name(group), tensor.numel(), reduction.reduce_dtype)
     sent: list[torch.Tensor] = []
 
     def issue() -> Work | None:
@@ -291,7 +294,7 @@ def all_reduce_(
             outer_group, reduction.average, sum_only=reduction.sum_only
         )
         factor *= outer_factor
-        record_comm("all_reduce", group_name(outer_group), tensor.numel(), reduction.reduce_dtype)
+        record_comm(record_as, group_name(outer_group), tensor.numel(), reduction.reduce_dtype)
         stages.append((outer_side, lambda: all_reduce_async(sent[0], outer_op, outer_group)))
 
     def finish() -> None:

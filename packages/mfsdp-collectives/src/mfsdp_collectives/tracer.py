@@ -20,7 +20,10 @@ import torch
 
 __all__ = ["OP_NAMES", "CommLog", "CommRecord", "CommTracer", "record_comm"]
 
-OP_NAMES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+# "grad_presence": the all-reduce of one flag per parameter that settles which parameters got
+# a gradient on some rank (mfsdp_hooks' grad_presence), counted apart from the gradient
+# all-reduces, which FSDP2 issues as well.
+OP_NAMES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "grad_presence")
 
 _active_lock = threading.Lock()
 _active: list[CommTracer] = []

@@ -101,6 +101,13 @@ class GradCollector:
                 torch.mul(flat_grad, scale, out=slot)
             self._filled[index] = True
 
+    def presence(self) -> list[bool]:
+        """Per parameter: whether this rank collected a gradient for it since the last
+        ``clear`` (this backward's and ``no_sync``'s)."""
+        if self._held is not None:
+            return [g is not None for g in self._held]
+        return list(self._filled)
+
     @property
     def has_grads(self) -> bool:
         if self._held is not None:

@@ -38,6 +38,7 @@ from mfsdp_hooks.config.grad_allocator import pools_memory
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.strategy import ShardingStrategy
 from mfsdp_hooks.grads.grad_collector import GradCollector
+from mfsdp_hooks.grads.grad_presence import Presence
 from mfsdp_hooks.grads.grad_shard import GradShard
 from mfsdp_hooks.grads.reduce_plans import NO_HOOKS, ReduceInputs, choose_plan
 
@@ -101,6 +102,8 @@ class GradReducer:
         self.names = list(names)
         self.hooks = NO_HOOKS
         self._reduce_config = reduce_config
+        self.presence: Presence | None = None
+        """Who had a gradient in the reductions since the last agreement (``grad_presence``)."""
         self._build()
 
     def _build(self) -> None:
@@ -214,6 +217,12 @@ class GradReducer:
         ``ends_cycle=False`` (a ``no_sync`` micro-batch under HSDP/HFSDP): the reduction
         stays inside the shard group; the one that ends the cycle crosses the replicas.
         """
+        had = self._collector.presence()
+        if self.presence is None:  # what the parameters held before this window's reductions
+            kept = [self.grads.held(p) is not None for p in self._dist_params]
+            self.presence = Presence(had, kept)
+        else:
+            self.presence.add(had)
         try:
             launched = self._plan.launch(
                 self._spec, streams, ends_cycle=ends_cycle, hooks=self.hooks
@@ -225,6 +234,25 @@ class GradReducer:
     def drop_partial(self) -> None:
         """Forget the ``no_sync`` parts kept in the shard group (the gradients were zeroed)."""
         self._plan.drop_partial()
+
+    @property
+    def topology(self) -> FSDPTopology:
+        """The groups its gradients are reduced over."""
+        return self._topology
+
+    def drop_absent(self, agreed: Sequence[bool]) -> None:
+        """``agreed[i]``: some rank had a gradient for parameter ``i`` in this window. The
+        others that held none before it get none (torch's ``None``, not a reduced zero)."""
+        presence, self.presence = self.presence, None
+        if presence is None:
+            return
+        params = self._dist_params
+        absent = [
+            i
+            for i, (some, kept) in enumerate(zip(agreed, presence.kept, strict=True))
+            if not some and not kept
+        ]
+        self.grads.drop(params, absent)
 
 
 def named_non_finite(

@@ -76,6 +76,12 @@ class GradShard:
                     with torch.no_grad():
                         held.zero_()
 
+    def drop(self, params: Sequence[nn.Parameter], indices: Sequence[int]) -> None:
+        """Leave ``params[i]`` without a gradient for each ``i`` in ``indices`` (no rank
+        produced one): torch's optimizers then skip it, as under DDP and FSDP2."""
+        for index in indices:
+            setattr(params[index], self.attribute, None)
+
     @property
     def storage(self) -> torch.Tensor | None:
         """The live flat gradient tensor, or None once every ``.grad`` dropped it."""

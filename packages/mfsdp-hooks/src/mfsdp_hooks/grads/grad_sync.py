@@ -29,6 +29,7 @@ import torch
 from mfsdp_collectives import CommStreams
 from mfsdp_hooks.config.strategy import ShardingStrategy
 from mfsdp_hooks.config.unit_options import RootOptions
+from mfsdp_hooks.grads.grad_presence import agree_on_presence
 from mfsdp_hooks.grads.grad_reducer import GradReducer
 from mfsdp_hooks.grads.reduction_queue import ReductionQueue
 
@@ -82,6 +83,21 @@ class GradSync:
         # The reference's ``microbatch_count``: backward passes since ``finish`` (which the
         # optimizer step calls); always 0 when every micro-batch syncs.
         self.microbatch_count = 0
+        # Reducers launched since the gradients were last agreed on, in launch order (the
+        # same on every rank): ``grad_presence`` gives None to what no rank had a gradient for.
+        self._launched: dict[int, GradReducer] = {}
+
+    def _launch(
+        self, reducer: GradReducer, streams: CommStreams | None, *, ends_cycle: bool
+    ) -> None:
+        self._launched.setdefault(id(reducer), reducer)
+        self.reductions.launch(reducer, streams, ends_cycle=ends_cycle)
+
+    def _drain_and_agree(self) -> None:
+        """Wait for every reduction, then settle which parameters got no gradient anywhere."""
+        self.reductions.drain()
+        launched, self._launched = list(self._launched.values()), {}
+        agree_on_presence(launched)
 
     # ------------------------------------------------------------ during a backward
     def accumulate(self, reducer: GradReducer, index: int, grad: torch.Tensor) -> bool:
@@ -103,10 +119,10 @@ class GradSync:
         """A unit's backward is done: reduce ``reducer``'s gradients as far as its flags say."""
         reach = reach_of(flags, strategy, self.options)
         if reach is Reach.FULL:
-            self.reductions.launch(reducer, streams, ends_cycle=True)
+            self._launch(reducer, streams, ends_cycle=True)
         elif reach is Reach.SHARD_GROUP:
             ends = self.options.sync_model_each_microbatch and flags.requires_all_reduce
-            self.reductions.launch(reducer, streams, ends_cycle=ends)
+            self._launch(reducer, streams, ends_cycle=ends)
         return reach
 
     def end_backward(
@@ -120,10 +136,10 @@ class GradSync:
         whether it waited."""
         for reducer in synced:
             if reducer.needs_outer_sync:
-                self.reductions.launch(reducer, streams, ends_cycle=True)
+                self._launch(reducer, streams, ends_cycle=True)
         each = self.options.sync_model_each_microbatch
         if any_synced or each:
-            self.reductions.drain()
+            self._drain_and_agree()
         self.microbatch_count = 0 if each else self.microbatch_count + 1
         return any_synced or each
 
@@ -134,17 +150,21 @@ class GradSync:
         reducers = list(reducers)
         for reducer in reducers:
             if reducer.has_grads and not self.reductions.in_flight(reducer):
-                self.reductions.launch(reducer, streams, ends_cycle=True)
+                self._launch(reducer, streams, ends_cycle=True)
         for reducer in reducers:
             if reducer.needs_outer_sync:
-                self.reductions.launch(reducer, streams, ends_cycle=True)
+                self._launch(reducer, streams, ends_cycle=True)
 
     def finish(self, reducers: Iterable[GradReducer], streams: CommStreams | None) -> None:
         """Reduce whatever is still local and wait for every reduction."""
         self.start(reducers, streams)
-        self.reductions.drain()
+        self._drain_and_agree()
         self.microbatch_count = 0
 
     def drain(self) -> None:
-        """Wait for every reduction in flight."""
+        """Wait for every reduction in flight (``reset_iter_state``: no agreement, which a rank
+        that did not fail would not join; the gradients stay as reduced)."""
         self.reductions.drain()
+        for reducer in self._launched.values():
+            reducer.presence = None
+        self._launched = {}

@@ -21,6 +21,7 @@ not in the collector's order.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 from collections.abc import Sequence
@@ -120,7 +121,7 @@ def _follow_loaded_state(optimizer: torch.optim.Optimizer) -> None:
     own_optimizer_rows(optimizer)
     if optimizer not in _FOLLOWED:  # a membership test only: never iterated
         _FOLLOWED.add(optimizer)
-        try:
+        # A wrapper that never ran Optimizer.__init__ (accelerate's AcceleratedOptimizer) has
+        # no hooks: its loads run the wrapped optimizer's, which the scan found too.
+        with contextlib.suppress(AttributeError):
             optimizer.register_load_state_dict_post_hook(own_optimizer_rows)
-        except AttributeError:  # a wrapper that never ran Optimizer.__init__ (accelerate's
-            pass  # AcceleratedOptimizer): its loads run the wrapped one's, found too
