@@ -267,9 +267,7 @@ def _megatron_lm_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> d
     names with no ``step``, every parameter's group fields (and the step) in
     ``param_to_group_meta``, no ``param_groups``; ``checkpoint_version``/``iteration``/``args``
     beside them."""
-    hooks = mc.enable_dcp(model, optimizer).optimizer_hooks
-    assert hooks is not None
-    ours = hooks.named_state_dict()
+    ours = mc.named_optimizer_state_dict(model, optimizer)
     (group,) = ours["param_groups"]
     fields = {k: v for k, v in group.items() if k != "params"}
     steps = {int(entry["step"]) for entry in ours["state"].values()}

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_fsdp.mcore_names import LayoutFreeNames
-from mfsdp_checkpoint import enable_dcp, load, save
+from mfsdp_checkpoint import enable_dcp, load, named_optimizer_state_dict, save
 from mfsdp_checkpoint.chunks import is_annotated, split_rows
 from mfsdp_checkpoint.megatron_optim import WRAPPER_PREFIX, split_wrappers, to_group_meta
 
@@ -109,9 +109,7 @@ class _ChunkState:
         return wrappers + self.names[int(index)].to_global(path)
 
     def _optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        hooks = enable_dcp(nn.ModuleList(self.chunks), optimizer).optimizer_hooks
-        assert hooks is not None  # enable_dcp was given the optimizer
-        state = hooks.named_state_dict()
+        state = named_optimizer_state_dict(nn.ModuleList(self.chunks), optimizer)
         own = {self._global_name(n): n for g in state["param_groups"] for n in g["params"]}
         self.own_names.append(own)
         whole = {n: g for g, n in own.items()}

@@ -20,7 +20,7 @@ from mfsdp_checkpoint.async_checkpoint import CheckpointStager, async_save, asyn
 from mfsdp_checkpoint.atomic import load, read_metadata, save
 from mfsdp_checkpoint.checkpoint import load_checkpoint, save_checkpoint
 from mfsdp_checkpoint.convert import convert, describe
-from mfsdp_checkpoint.enable import DCPHandle, enable_dcp
+from mfsdp_checkpoint.enable import DCPHandle, enable_dcp, named_optimizer_state_dict
 from mfsdp_checkpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -48,6 +48,7 @@ __all__ = [
     "convert",
     "describe",
     "enable_dcp",
+    "named_optimizer_state_dict",
     "gather_full_state_dict",
     "load",
     "load_checkpoint",

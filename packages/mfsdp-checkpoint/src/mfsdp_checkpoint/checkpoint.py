@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mfsdp_checkpoint.atomic import PathLike, load, save
-from mfsdp_checkpoint.enable import enable_dcp
+from mfsdp_checkpoint.enable import enable_dcp, named_optimizer_state_dict
 from mfsdp_checkpoint.naming import SaveNaming, named_for
 
 
@@ -29,10 +29,10 @@ def checkpoint_state(
 ) -> dict[str, Any]:
     """The DCP state dict of a checkpoint: sections ``model`` (with ``weights``),
     ``optimizer``, ``extra``."""
-    hooks = enable_dcp(model, optimizer).optimizer_hooks
+    enable_dcp(model)
     state: dict[str, Any] = {"model": model.state_dict()} if weights else {}
-    if hooks is not None:
-        state["optimizer"] = hooks.named_state_dict()
+    if optimizer is not None:
+        state["optimizer"] = named_optimizer_state_dict(model, optimizer)
     if extra is not None:
         state["extra"] = dict(extra)
     return state

@@ -19,6 +19,7 @@ optimizer that never stepped, and Megatron-Core strided TP partitions, which it 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,3 +76,14 @@ def enable_dcp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
     if optimizer is not None:
         handle.optimizer_hooks = install_optimizer_hooks(optimizer, model)
     return handle
+
+
+def named_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """``optimizer``'s state keyed by parameter names relative to ``model`` (the names torch's
+    ``get_optimizer_state_dict`` gives, what ``save_checkpoint`` writes), DCP-annotated;
+    installs the hooks first (``enable_dcp``)."""
+    hooks = enable_dcp(model, optimizer).optimizer_hooks
+    assert hooks is not None  # enable_dcp was given the optimizer
+    return hooks.named_state_dict()
