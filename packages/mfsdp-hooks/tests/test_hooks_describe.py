@@ -112,3 +112,15 @@ def test_the_root_wrapper_answers_describe_and_names_follow_the_module() -> None
 def test_an_unsharded_model_is_refused_naming_the_fix() -> None:
     with pytest.raises(ValueError, match="no FSDP units; shard it first"):
         describe(_model())
+
+
+def _unit_of_two_modules(rank: int, world: int) -> list[str]:
+    model = _model()
+    fully_shard([model[0], model[3]])  # one unit over two modules, as for tied weights
+    fully_shard(model)
+    return [g.unit for g in describe(model).groups]
+
+
+def test_a_unit_of_several_modules_is_named_by_its_first_module() -> None:
+    """Its ``unit.module`` is a container outside the model (describe raised KeyError)."""
+    assert run_distributed(_unit_of_two_modules, 1, timeout=60)[0] == ["", "0"]

@@ -39,6 +39,7 @@ from megatron_fsdp.mcore_groups import data_parallel_index
 from megatron_fsdp.unsupported import refuse_unsupported
 from megatron_fsdp.wrapper import MegatronFSDP
 from mfsdp_checkpoint import enable_dcp
+from mfsdp_checkpoint.wrapper_prefix import WRAPPER_PREFIX
 from mfsdp_hooks import MixedPrecisionPolicy, UnitSpec
 
 __all__ = ["FullyShardedDataParallel", "MCoreFSDPModel"]
@@ -193,9 +194,9 @@ class MCoreFSDPModel(nn.Module):
                 "chunk's state_dict() keeps Megatron-Core's keys (module.*), one level fewer "
                 "than its parameter paths, which torch's broadcast matches against"
             )
-        prefixed = [k.startswith("module.") for k in state_dict]
+        prefixed = [k.startswith(WRAPPER_PREFIX) for k in state_dict]
         if prefixed and not any(prefixed):
-            state_dict = {f"module.{k}": v for k, v in state_dict.items()}
+            state_dict = {WRAPPER_PREFIX + k: v for k, v in state_dict.items()}
         elif not all(prefixed):
             raise ValueError(
                 "load_state_dict: some keys start with 'module.' and some do not; give all "

@@ -25,7 +25,6 @@ the fused tensor, so a load fills it), a layout that does not depend on TP.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,18 +36,14 @@ from torch import nn
 from megatron_fsdp.mcore_names import LayoutFreeNames
 from mfsdp_checkpoint import enable_dcp, load, named_optimizer_state_dict, save
 from mfsdp_checkpoint.chunks import is_annotated, split_rows
-from mfsdp_checkpoint.megatron_optim import WRAPPER_PREFIX, split_wrappers, to_group_meta
+from mfsdp_checkpoint.megatron_optim import is_swiglu_key, swiglu_halves, to_group_meta
+from mfsdp_checkpoint.wrapper_prefix import WRAPPER_PREFIX, split_wrappers
 
 __all__ = ["TRACKER", "latest_iteration", "load_fsdp_dtensor", "save_fsdp_dtensor"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
 _EXTRA_STATE = "._extra_state"
-# Megatron-LM's SwiGLU keys (fsdp_dtensor_checkpoint.is_swiglu_key; GroupedMLP's weight<i>
-# has no local-spec counterpart here).
-_SWIGLU = re.compile(
-    r"\.mlp\.(experts\.local_experts\.\d+\.|shared_experts\.)?linear_fc1\.(weight|bias)$"
-)
 
 
 def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -127,8 +122,9 @@ class _ChunkState:
             return tensors
         out: dict[str, Any] = {}
         for key, value in tensors.items():
-            if _SWIGLU.search(key) and isinstance(value, torch.Tensor):
-                out[f"{key}_w"], out[f"{key}_v"] = split_rows(value, 2, key)
+            if is_swiglu_key(key) and isinstance(value, torch.Tensor):
+                w, v = swiglu_halves(key)
+                out[w], out[v] = split_rows(value, 2, key)
             else:
                 out[key] = value
         return out
@@ -143,15 +139,15 @@ class _ChunkState:
         if self.swiglu:
             split: dict[str, Any] = {}
             for name, entry in merged["state"].items():
-                if not _SWIGLU.search(name):
+                if not is_swiglu_key(name):
                     split[name] = entry
                     continue
-                halves = {k: v for k, v in entry.items() if not _row_sharded(v)}
-                split[f"{name}_w"], split[f"{name}_v"] = dict(halves), dict(halves)
+                w, v = swiglu_halves(name)
+                halves = {k: x for k, x in entry.items() if not _row_sharded(x)}
+                split[w], split[v] = dict(halves), dict(halves)
                 for field, value in entry.items():
                     if _row_sharded(value):
-                        parts = split_rows(value, 2, f"{name}.{field}")
-                        split[f"{name}_w"][field], split[f"{name}_v"][field] = parts
+                        split[w][field], split[v][field] = split_rows(value, 2, f"{name}.{field}")
             merged["state"] = split
         return merged
 

@@ -36,6 +36,7 @@ from mfsdp_checkpoint.sources import (
     encode_object,
     open_reader,
 )
+from mfsdp_checkpoint.wrapper_prefix import rename_model
 
 Format = Literal["dcp", "torch", "safetensors"]
 FORMATS: tuple[Format, ...] = ("dcp", "torch", "safetensors")
@@ -63,8 +64,7 @@ def _rename(
                 continue
             key = ".".join(str(p) for p in entry.path[1:])
         for prefix in strip_prefixes:
-            if key.startswith(prefix):
-                key = key[len(prefix) :]
+            key = rename_model(key, prefix, "")
         out.append(Renamed(entry, key, (key,)))
     if select is not None and not out:
         sections = sorted({str(e.path[0]) for e in entries if e.path})

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from mfsdp_checkpoint import _dist
 from mfsdp_checkpoint.param_index import ParamIndex, ParamRef
 from mfsdp_checkpoint.safetensors_io import TensorSpec, write_safetensors
+from mfsdp_checkpoint.wrapper_prefix import rename_model
 from mfsdp_hooks import ParameterGroup, ShardingStrategy, local_tensor, tp_full_tensor
 
 
@@ -183,7 +184,7 @@ def save_full_state_dict(
     plan = export_plan(model)
 
     def rename(key: str) -> str:
-        return key[len(strip_prefix) :] if strip_prefix and key.startswith(strip_prefix) else key
+        return rename_model(key, strip_prefix, "")
 
     def cast(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor

@@ -29,6 +29,7 @@ from mfsdp_checkpoint.errors import CheckpointError, StateDictMismatchError
 from mfsdp_checkpoint.model_hooks import mark_dirty
 from mfsdp_checkpoint.param_index import ParamIndex, ParamRef
 from mfsdp_checkpoint.sources import NestedReader, Reader, open_reader
+from mfsdp_checkpoint.wrapper_prefix import WRAPPER_PREFIX, rename_model
 from mfsdp_hooks import ParameterGroup, local_tensor
 
 Source = str | os.PathLike[str] | Mapping[str, Any]
@@ -70,12 +71,6 @@ class _Plan:
         return "the full state dict does not match the model: " + "; ".join(parts) + self.hint
 
 
-def _source_key(key: str, strip_prefix: str, source_prefix: str) -> str:
-    if strip_prefix and key.startswith(strip_prefix):
-        key = key[len(strip_prefix) :]
-    return source_prefix + key
-
-
 def _plan(model: nn.Module, reader: Reader, strip_prefix: str, source_prefix: str) -> _Plan:
     index = ParamIndex(model)
     entries = {e.key: e for e in reader.entries if e.is_tensor}
@@ -93,7 +88,7 @@ def _plan(model: nn.Module, reader: Reader, strip_prefix: str, source_prefix: st
 
     for ref in index.refs():
         names = index.aliases[ref.fqn]
-        found = [(n, _source_key(n, strip_prefix, source_prefix)) for n in names]
+        found = [(n, rename_model(n, strip_prefix, source_prefix)) for n in names]
         present = [(n, s) for n, s in found if s in entries]
         used.update(s for _, s in present)
         if not present:
@@ -103,7 +98,7 @@ def _plan(model: nn.Module, reader: Reader, strip_prefix: str, source_prefix: st
     for key, value in model.state_dict().items():
         if key in index.by_name or not isinstance(value, torch.Tensor):
             continue
-        src = _source_key(key, strip_prefix, source_prefix)
+        src = rename_model(key, strip_prefix, source_prefix)
         if src not in entries:
             plan.missing.append(key)
             continue
@@ -115,7 +110,7 @@ def _plan(model: nn.Module, reader: Reader, strip_prefix: str, source_prefix: st
         plan.missing
         and not used
         and strip_prefix == ""
-        and any(k.startswith("module.") for k in index.by_name)
+        and any(k.startswith(WRAPPER_PREFIX) for k in index.by_name)
     ):
         plan.hint = (
             " (no key matched: the model's names start with 'module.'; pass strip_prefix='module.')"

@@ -43,10 +43,9 @@ from mfsdp_checkpoint.naming import (
     detect_naming,
     is_position,
     paths_of,
-    prefix_of,
-    rename_model,
 )
 from mfsdp_checkpoint.positions import PositionEvidence, derive_positions
+from mfsdp_checkpoint.wrapper_prefix import prefix_of, rename_model
 
 
 def key_of(path: ObjPath) -> str:

@@ -16,12 +16,13 @@ Ours is torch's layout keyed by name (``enable_dcp``'s ``named_state_dict``).
 :func:`to_group_meta` turns ours into Megatron's (writing ``step`` in both places, so either
 kind of optimizer resumes from it);
 :func:`plan_group_meta_load` says how ours loads from Megatron's: state matched by the name
-without its leading ``module.`` levels (:func:`bare`), group fields taken from
+without its leading ``module.`` levels (``wrapper_prefix.bare``), group fields taken from
 ``param_to_group_meta`` after the load, ``step`` from there when ``state`` has none.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,24 +30,27 @@ from typing import Any
 import torch
 
 from mfsdp_checkpoint.errors import StateDictMismatchError
+from mfsdp_checkpoint.wrapper_prefix import bare
 
 GROUP_META = "param_to_group_meta"
-WRAPPER_PREFIX = "module."
-"""What a ``MegatronFSDP`` wrapper (ours, NVIDIA's, Megatron-Core's adapter) puts before the
-inner model's names; Megatron's optimizer names carry it two or three times."""
+# Megatron-LM's SwiGLU keys (fsdp_dtensor_checkpoint.is_swiglu_key; GroupedMLP's weight<i>
+# has no local-spec counterpart here).
+_SWIGLU = re.compile(
+    r"\.mlp\.(experts\.local_experts\.\d+\.|shared_experts\.)?linear_fc1\.(weight|bias)$"
+)
 
 
-def split_wrappers(name: str) -> tuple[str, str]:
-    """``name`` as (its leading ``module.`` levels, the model's own path)."""
-    rest = name
-    while rest.startswith(WRAPPER_PREFIX):
-        rest = rest[len(WRAPPER_PREFIX) :]
-    return name[: len(name) - len(rest)], rest
+def is_swiglu_key(name: str) -> bool:
+    """Whether ``name`` is Megatron-Core's fused ``linear_fc1`` weight or bias of a gated MLP
+    (``config.gated_linear_unit``: rows ``[w; v]``), which Megatron-LM saves split as
+    ``<name>_w`` and ``<name>_v`` (``handle_swiglu_in_state_dict``)."""
+    return _SWIGLU.search(name) is not None
 
 
-def bare(name: str) -> str:
-    """``name`` without its leading ``module.`` levels: the model's own path."""
-    return split_wrappers(name)[1]
+def swiglu_halves(name: str) -> tuple[str, str]:
+    """The names Megatron-LM saves the halves of the fused ``name`` under (its state too; its
+    group fields stay under ``name``)."""
+    return f"{name}_w", f"{name}_v"
 
 
 def _step_of(entry: Mapping[str, Any]) -> int | None:
@@ -112,7 +116,8 @@ class GroupMetaLoad:
 def _meta_name(name: str) -> str:
     """Megatron-LM splits a SwiGLU ``linear_fc1``'s state as ``<name>_w``/``<name>_v`` but keeps
     its group fields under ``<name>``."""
-    return name[:-2] if name.endswith(("_w", "_v")) and "linear_fc1" in name else name
+    fused = name[:-2]
+    return fused if name in swiglu_halves(fused) and is_swiglu_key(fused) else name
 
 
 def plan_group_meta_load(
@@ -120,7 +125,7 @@ def plan_group_meta_load(
     their_state_fields: Mapping[str, set[str]],
     their_meta: Mapping[str, Mapping[str, Any]],
 ) -> GroupMetaLoad:
-    """Match our optimizer state (and group) names to the checkpoint's by :func:`bare` name.
+    """Match our optimizer state (and group) names to the checkpoint's by ``bare`` name.
 
     ``their_state_fields``: each checkpoint state name and the fields it has; ``their_meta``:
     its ``param_to_group_meta`` (read beforehand: small objects).

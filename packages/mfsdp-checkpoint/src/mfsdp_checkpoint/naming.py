@@ -33,7 +33,8 @@ from typing import Any, Literal
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from mfsdp_checkpoint.megatron_optim import GROUP_META, WRAPPER_PREFIX, to_group_meta
+from mfsdp_checkpoint.megatron_optim import GROUP_META, to_group_meta
+from mfsdp_checkpoint.wrapper_prefix import WRAPPER_PREFIX, prefix_of, rename_model
 
 ObjPath = tuple[str | int, ...]
 
@@ -127,22 +128,8 @@ def detect_naming(metadata: Metadata, has_marker: bool = False) -> CheckpointNam
     return CheckpointNaming(writer, prefix, optimizer, model_names)
 
 
-def rename_model(name: str, source_prefix: str, target_prefix: str) -> str:
-    """``name`` written with ``source_prefix`` rewritten with ``target_prefix``."""
-    if source_prefix and name.startswith(source_prefix):
-        name = name[len(source_prefix) :]
-    return target_prefix + name
-
-
 SaveNaming = Literal["native", "fsdp2", "nvidia", "megatron"]
 SAVE_NAMINGS: tuple[SaveNaming, ...] = ("native", "fsdp2", "nvidia", "megatron")
-
-
-def prefix_of(names: list[str]) -> str:
-    """``"module."`` when every one of ``names`` carries the wrapper prefix, else ``""``."""
-    if names and all(n.startswith(WRAPPER_PREFIX) for n in names):
-        return WRAPPER_PREFIX
-    return ""
 
 
 def named_for(state: dict[str, Any], naming: SaveNaming) -> dict[str, Any]:

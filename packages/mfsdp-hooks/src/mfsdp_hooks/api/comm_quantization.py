@@ -11,8 +11,6 @@ What travels and how errors are reported: ``mfsdp_collectives.quantized``.
 
 from __future__ import annotations
 
-from typing import cast
-
 from torch import nn
 
 from mfsdp_collectives import (
@@ -26,7 +24,8 @@ from mfsdp_collectives import (
 )
 from mfsdp_hooks.api.fsdp_module import FSDPModule
 from mfsdp_hooks.runtime.comm_hook_setter import checked_comm_hooks, set_comm_hooks
-from mfsdp_hooks.runtime.unit import FSDPUnit, unit_of
+from mfsdp_hooks.runtime.root import unit_paths
+from mfsdp_hooks.runtime.unit import FSDPUnit
 
 __all__ = ["INT8", "quantize_communication"]
 
@@ -66,7 +65,7 @@ def quantize_communication(
                 f"{name} must be a mfsdp_collectives.BlockQuantization or None, got "
                 f"{type(value).__name__}"
             )
-    units = [(n, m) for n, m in module.named_modules() if isinstance(m, FSDPModule)]
+    units = unit_paths(module)
     if not units:
         raise ValueError(
             f"{type(module).__name__} holds no fully-sharded unit: wrap it (fully_shard, "
@@ -83,8 +82,8 @@ def quantize_communication(
     )
     workers = {kind: CollectiveWorker() for kind, spec, _ in kinds if spec is not None}
     changes: list[tuple[FSDPUnit, dict[str, object]]] = []
-    for path, wrapped in units:
-        name, exact, unit = path or "root", _one_dim_ranges(wrapped), _unit(wrapped)
+    for path, unit in units:
+        name, exact = path or "root", _one_dim_ranges(unit)
         hooks = unit.comm_hooks
         current: dict[str, object] = {
             "reduce_scatter": hooks.reduce_scatter,
@@ -108,17 +107,17 @@ def quantize_communication(
         changes.append((unit, change))
     for unit, change in changes:
         set_comm_hooks(unit, **change)
-    return [wrapped for _, wrapped in units]
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
-def _check_weights_can_be_quantized(units: list[tuple[str, FSDPModule]]) -> None:
+def _check_weights_can_be_quantized(units: list[tuple[str, FSDPUnit]]) -> None:
     """Raise, naming the unit, before any unit is changed, where the gathered weights are
     not floating values (float8 weights travel as bytes) or are the only copy of this rank's
     weights (every rank must compute with the same dequantized weights, and this rank's
     fp32 ones cannot also stay exact in the same buffer)."""
-    for path, module in units:
+    for path, unit in units:
         name = path or "root"
-        for group in _unit(module).groups:
+        for group in unit.groups:
             if group.compute_dtype not in CODED_DTYPES:
                 raise ValueError(
                     f"quantize_communication(weights=...): unit {name!r} gathers its weights "
@@ -138,18 +137,12 @@ def _check_weights_can_be_quantized(units: list[tuple[str, FSDPModule]]) -> None
                 )
 
 
-def _unit(module: FSDPModule) -> FSDPUnit:
-    unit = unit_of(cast(nn.Module, module))
-    assert unit is not None, "a FSDPModule without its unit"  # every FSDPModule is one
-    return unit
-
-
-def _one_dim_ranges(module: FSDPModule) -> dict[int, list[tuple[int, int]]]:
+def _one_dim_ranges(unit: FSDPUnit) -> dict[int, list[tuple[int, int]]]:
     """Where the unit's 1-D parameters (norms, biases) sit in each of its groups' unsharded
     flat buffers, keyed by the buffer's size (the comm learns which group calls it from
     that; two groups of one size share the union, which only carries more values exactly)."""
     ranges: dict[int, list[tuple[int, int]]] = {}
-    for group in _unit(module).groups:
+    for group in unit.groups:
         layout = group.layout
         ranges.setdefault(layout.padded_numel, []).extend(
             (p.offset, p.offset + p.numel) for p in layout.placements if len(p.shape) <= 1

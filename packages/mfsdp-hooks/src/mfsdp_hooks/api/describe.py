@@ -30,7 +30,7 @@ from torch import nn
 
 from mfsdp_hooks.dtensor.dtensor_views import local_tensor
 from mfsdp_hooks.runtime.observe import format_bytes, group_bytes_per_rank, held_bytes
-from mfsdp_hooks.runtime.unit import units_under
+from mfsdp_hooks.runtime.root import unit_paths
 from mfsdp_hooks.weights.param_group import ParameterGroup
 
 __all__ = ["CATEGORIES", "MODEL_STATE_CATEGORIES", "GroupSummary", "ShardingSummary", "describe"]
@@ -114,10 +114,9 @@ class ShardingSummary:
 def describe(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> ShardingSummary:
     """The ``ShardingSummary`` of every unit in ``model`` (a sharded module, or a root wrapper:
     unit names then start with its ``module.``); ``optimizer`` adds its state's bytes."""
-    names = {id(m): name for name, m in model.named_modules()}
     groups = [
-        _summarise(group, names[id(unit.module)], type(unit.module).__name__, optimizer)
-        for unit in units_under(model.modules())
+        _summarise(group, path, type(unit.module).__name__, optimizer)
+        for path, unit in unit_paths(model)
         for group in unit.groups
     ]
     if not groups:

@@ -21,6 +21,19 @@ from mfsdp_hooks.runtime.unit import FSDPUnit, unit_of, units_under
 from mfsdp_hooks.weights.param_group import ParameterGroup
 
 
+def unit_paths(module: nn.Module) -> list[tuple[str, FSDPUnit]]:
+    """Each unit under ``module`` once, in module order, with its path under ``module``: that
+    of its first module there (``""`` for ``module`` itself). The one name errors, logs,
+    ``describe`` and quantized comms give a unit (``fully_shard([a, b])``'s ``unit.module``
+    is a container outside the model: its members' paths name it)."""
+    found: dict[int, tuple[str, FSDPUnit]] = {}
+    for path, sub in module.named_modules():
+        unit = unit_of(sub)
+        if unit is not None:
+            found.setdefault(id(unit), (path, unit))
+    return list(found.values())
+
+
 class FSDPRoot:
     """Coordinates the units of one model: created lazily by the first forward.
 
@@ -36,14 +49,12 @@ class FSDPRoot:
         self.units: list[FSDPUnit] = []
         # Each unit's path under the root module, so errors name parameters in full.
         self._unit_path: dict[int, str] = {}
-        for path, module in root_unit.module.named_modules():
-            unit = unit_of(module)
-            if unit is not None and id(unit) not in self._unit_path:
-                self.units.append(unit)
-                self._unit_path[id(unit)] = f"{path}." if path else ""
-                unit.root = self
-                for group in unit.groups:
-                    group.attach_root(self, self._unit_path[id(unit)])
+        for path, unit in unit_paths(root_unit.module):
+            self.units.append(unit)
+            self._unit_path[id(unit)] = f"{path}." if path else ""
+            unit.root = self
+            for group in unit.groups:
+                group.attach_root(self, self._unit_path[id(unit)])
         self._refuse_ignored_root_options()
         paths = [self._unit_path[id(unit)] for unit in self.units]
         log_units(root_unit.name, self.units, paths)  # INFO on mesh rank 0; names DEBUG events
