@@ -64,7 +64,7 @@ def _train(impl: str, transport: str, rank: int) -> dict[str, list[Any]]:
     _shard(model, impl, transport)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(rank)
-    out: dict[str, list[Any]] = {"modes": [], "traced": [], "losses": []}
+    out: dict[str, list[Any]] = {"modes": [], "traced": [], "losses": [], "totals": []}
     for step in range(2):
         for micro in range(MICRO_BATCHES):
             last = micro == MICRO_BATCHES - 1
@@ -74,6 +74,7 @@ def _train(impl: str, transport: str, rank: int) -> dict[str, list[Any]]:
                 loss = model(x).square().mean()
                 loss.backward()
             out["modes"].append(_counted(mode))
+            out["totals"].append(mode.get_total_counts())
             out["traced"].append((tracer.calls("all_gather"), tracer.calls("reduce_scatter")))
             out["losses"].append(loss.item())
         optimizer.step()
@@ -105,3 +106,18 @@ def test_comm_debug_mode_counts_ours_as_our_tracer_and_as_fsdp2() -> None:
             assert (transport, run["modes"]) == (transport, fsdp2["fsdp2"]["modes"])
             assert run["traced"] == run["modes"]
             assert run["losses"] == pytest.approx(fsdp2["fsdp2"]["losses"], rel=1e-5)
+
+
+def _one_rank_worker(rank: int, world: int) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+    return _train("ours", "auto", rank), _train("fsdp2", "", rank)
+
+
+def test_one_rank_issues_no_collective_as_fsdp2() -> None:
+    """Failed before: at world size 1 ours issued each unit's all-gathers and reduce-scatters
+    (and the gradient-presence all-reduce) where FSDP2 issues none (torch's
+    test_train_parity_single_worldsize1 counts them)."""
+    ours, theirs = run_distributed(_one_rank_worker, 1, timeout=60)[0]
+    assert theirs["totals"] == [0] * 2 * MICRO_BATCHES
+    assert ours["totals"] == theirs["totals"]
+    assert ours["traced"] == [(0, 0)] * 2 * MICRO_BATCHES
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-6)

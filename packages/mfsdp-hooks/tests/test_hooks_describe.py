@@ -96,31 +96,27 @@ def test_bytes_per_rank_are_what_the_strategy_means(world: int, strategy: int, b
     assert "dp_shard=" + str(world) in table
 
 
-def _through_root_wrapper(rank: int, world: int) -> tuple[list[str], str]:
+def _unit_names(rank: int, world: int) -> tuple[list[str], str, list[str]]:
+    """A root wrapper's unit names and table, and those of a unit over two modules."""
     model = _model()
     wrapper = FSDPRootWrapper(model, [Block], ShardingOptions())
     summary = describe(wrapper)
-    return [g.unit for g in summary.groups], str(wrapper.describe_sharding())
+    paired = _model()
+    fully_shard([paired[0], paired[3]])  # one unit over two modules, as for tied weights
+    fully_shard(paired)
+    pair_names = [g.unit for g in describe(paired).groups]
+    return [g.unit for g in summary.groups], str(wrapper.describe_sharding()), pair_names
 
 
-def test_the_root_wrapper_answers_describe_and_names_follow_the_module() -> None:
-    units, table = run_distributed(_through_root_wrapper, 2, timeout=60)[0]
+def test_unit_names_follow_the_module_the_root_wrapper_and_a_unit_of_several_modules() -> None:
+    """A unit of several modules is named by its first (its ``unit.module`` is a container
+    outside the model: describe raised KeyError)."""
+    units, table, pair_names = run_distributed(_unit_names, 2, timeout=60)[0]
     assert units == ["module", "module.1", "module.2"]
     assert "(root)" in table  # wrapper.describe_sharding() is the wrapped model's: its own names
+    assert pair_names == ["", "0"]
 
 
 def test_an_unsharded_model_is_refused_naming_the_fix() -> None:
     with pytest.raises(ValueError, match="no FSDP units; shard it first"):
         describe(_model())
-
-
-def _unit_of_two_modules(rank: int, world: int) -> list[str]:
-    model = _model()
-    fully_shard([model[0], model[3]])  # one unit over two modules, as for tied weights
-    fully_shard(model)
-    return [g.unit for g in describe(model).groups]
-
-
-def test_a_unit_of_several_modules_is_named_by_its_first_module() -> None:
-    """Its ``unit.module`` is a container outside the model (describe raised KeyError)."""
-    assert run_distributed(_unit_of_two_modules, 1, timeout=60)[0] == ["", "0"]

@@ -56,11 +56,20 @@ def issue_all_gather(
     outputs = [unsharded for _, unsharded in pairs]
     total = sum(shard.numel() for shard in shards)
     name = group_name(route.group)
-    record_comm("all_gather", name, total, shards[0].dtype)
+    if route.size > 1:
+        record_comm("all_gather", name, total, shards[0].dtype)
     received: list[torch.Tensor] = []  # c10d, several pairs: the send and receive buffers
     issue: Callable[[], Work | None]
     finish: Callable[[], None] | None = None
-    if route.transport is not None:
+    if route.size == 1:  # one rank: nothing to exchange, no collective (FSDP2 issues none)
+
+        def issue() -> Work | None:
+            for shard, unsharded in pairs:
+                if shard.data_ptr() != unsharded.data_ptr():  # not gathered in place
+                    unsharded.copy_(shard)
+            return None
+
+    elif route.transport is not None:
         transport = route.transport
 
         def issue() -> Work | None:

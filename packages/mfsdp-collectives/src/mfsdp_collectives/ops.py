@@ -131,11 +131,15 @@ class ReduceScatterStage:
         accumulate: bool,
         transport: SharedMemoryTransport | None = None,
         comm: ReduceScatterComm | None = None,
+        alone: bool = False,
     ) -> None:
+        """``alone``: the group has one rank, and no ``comm``: the reduction is the input
+        itself, copied locally (no collective, as FSDP2 at world size 1)."""
         self.inp, self.out, self.spec = inp, out, spec
         self.group, self.op, self.accumulate = group, op, accumulate
-        self.transport = transport
+        self.transport = None if alone else transport
         self.comm = comm
+        self.alone = alone
         self.recv: torch.Tensor | None = None
         self.send: torch.Tensor | FlatPieces | None = None
 
@@ -164,6 +168,11 @@ class ReduceScatterStage:
             else self.out.new_empty(self.out.shape, dtype=self.spec.reduce_dtype)
         )
         self.send, self.recv = send, recv
+        if self.alone:
+            assert isinstance(send, torch.Tensor)
+            if send.data_ptr() != recv.data_ptr():
+                recv.copy_(send)
+            return None
         if self.comm is not None:
             assert isinstance(send, torch.Tensor)
             # the output buffer is the comm's (finish copies it out), unless the comm takes
@@ -219,11 +228,15 @@ def reduce_scatter_into(
         check_comm(comm, "comm")
     if out.numel() == 0:
         return CommHandle.completed()
-    route = None if comm is not None else host_route(transport, group, out)
+    alone = comm is None and numel == out.numel()  # a group of one rank
+    route = None if comm is not None or alone else host_route(transport, group, out)
     op, factor = routed_reduce_op(route, group, reduction)
     factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
-    record_comm("reduce_scatter", group_name(group), numel, reduction.reduce_dtype)
-    stage = ReduceScatterStage(inp, out, reduction, group, op, bool(accumulate), route, comm)
+    if not alone:
+        record_comm("reduce_scatter", group_name(group), numel, reduction.reduce_dtype)
+    stage = ReduceScatterStage(
+        inp, out, reduction, group, op, bool(accumulate), route, comm, alone=alone
+    )
 
     def finish() -> None:
         result = stage.result()
@@ -269,7 +282,7 @@ def all_reduce_(
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_contiguous():
         raise ValueError("tensor must be contiguous; reduce a contiguous flat buffer")
-    group, _, _ = membership(group, "group")
+    group, _, size = membership(group, "group")
     if outer_group is not None:
         outer_group, _, _ = membership(outer_group, "outer_group")
         if outer_group is group:
@@ -281,12 +294,13 @@ def all_reduce_(
         return CommHandle.completed()
     op, factor = reduce_op(group, reduction.average, sum_only=reduction.sum_only)
     factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
-    record_comm(record_as, group_name(group), tensor.numel(), reduction.reduce_dtype)
+    if size > 1:  # one rank: the reduction is the tensor itself, no collective
+        record_comm(record_as, group_name(group), tensor.numel(), reduction.reduce_dtype)
     sent: list[torch.Tensor] = []
 
     def issue() -> Work | None:
         sent.append(prepare_input(tensor, reduction))
-        return all_reduce_async(sent[0], op, group)
+        return all_reduce_async(sent[0], op, group) if size > 1 else None
 
     stages: list[Stage] = [(side, issue)]
     if outer_group is not None:
