@@ -17,7 +17,7 @@ from benchmarks.configs import ModelConfig
 from benchmarks.model import GPT, Block
 from mfsdp_buffers import LiveTensorTracker
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, fsdp_units
+from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, fsdp_units
 
 CONFIG = ModelConfig("meta_init", width=512, depth=12, heads=8, seq=256, batch=1)
 MiB = 2**20
@@ -31,11 +31,10 @@ def _wrap(rank: int, world: int, how: str) -> dict[str, float]:
         if how == "meta":
             with torch.device("meta"):
                 model = GPT(CONFIG)
-            wrapped = MegatronFSDP(
-                model, fsdp_unit_modules=[Block], init_model_with_meta_device=True
-            )
+            meta = ShardingOptions(init_model_with_meta_device=True)
+            wrapped = FSDPRootWrapper(model, fsdp_unit_modules=[Block], options=meta)
         else:
-            wrapped = MegatronFSDP(GPT(CONFIG), fsdp_unit_modules=[Block])
+            wrapped = FSDPRootWrapper(GPT(CONFIG), fsdp_unit_modules=[Block])
         seconds = time.perf_counter() - start
         peak = tracker.peak
     groups = [g for unit in fsdp_units(wrapped.module) for g in unit.groups]

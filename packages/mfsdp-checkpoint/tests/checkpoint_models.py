@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mfsdp_hooks import MegatronFSDP, fully_shard
+from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, fully_shard
 from mfsdp_hooks.testing import (
     WIDTH,
     Block,
@@ -52,15 +52,18 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def shard(model: nn.Module, strategy: int, api: str = "megatron", **options: Any) -> nn.Module:
-    """Shard ``model`` with the wrapper (names get ``module.``) or per module (names kept)."""
+    """Shard ``model`` with the wrapper (names get ``module.``) or per module (names kept).
+    ``options`` are ``fully_shard``'s keywords; the wrapper takes ``mp_policy`` of them."""
     if api == "megatron":
-        return MegatronFSDP(
-            model,
-            fsdp_unit_modules=[Block],
-            sharding_strategy=strategy,
+        policy = options.pop("mp_policy", None)
+        if options:
+            raise TypeError(f"shard(api='megatron') takes mp_policy only, got {sorted(options)}")
+        record = ShardingOptions(
+            zero_dp_strategy=strategy,
             sync_model_each_microbatch=True,
-            **options,
+            mixed_precision_policy=policy,
         )
+        return FSDPRootWrapper(model, fsdp_unit_modules=[Block], options=record)
     for block in model.blocks:  # type: ignore[union-attr]
         fully_shard(block, sharding_strategy=strategy, **options)
     return fully_shard(model, sharding_strategy=strategy, **options)

@@ -239,7 +239,7 @@ def test_full_state_dict_loads_into_a_sharded_model_row_by_row(tmp_path: Path) -
     }
     results = run_distributed(_load_full_world, 3, files, timeout=180)[0]
     wrapped = {f"module.{k}": v for k, v in state.items()}
-    assert_states_equal(unpack(results[0]), wrapped, "torch file (mmap) into MegatronFSDP")
+    assert_states_equal(unpack(results[0]), wrapped, "torch file (mmap) into FSDPRootWrapper")
     assert_states_equal(unpack(results[1]), state, "safetensors (broadcast), tied head omitted")
     assert_states_equal(unpack(results[2]), state, "in-memory dict")
     assert_states_equal(unpack(results[3]), wrapped, "model.load_state_dict(full tensors)")

@@ -7,7 +7,7 @@ momentum, so training silently differed. A parameter that got a gradient on some
 still gets the reduced gradient (zeros from the others), as DDP gives it.
 
 One 2-rank world trains, side by side on the same batches, our per-module ``fully_shard``,
-the seed API (``MegatronFSDP`` + ``attach_optimizer``, whose contiguous step must skip what
+the seed API (``FSDPRootWrapper`` + ``attach_optimizer``, whose contiguous step must skip what
 has no gradient), torch's FSDP2 and DDP (``find_unused_parameters=True``) with AdamW.
 """
 
@@ -75,9 +75,10 @@ def _build(impl: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     if impl == "ddp":
         model = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     elif impl == "seed":
-        from mfsdp_hooks import MegatronFSDP, attach_optimizer
+        from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, attach_optimizer
 
-        model = MegatronFSDP(model, fsdp_unit_modules=[Branch])
+        options = ShardingOptions(sync_model_each_microbatch=False)
+        model = FSDPRootWrapper(model, fsdp_unit_modules=[Branch], options=options)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         return model, attach_optimizer(optimizer)
     else:

@@ -9,7 +9,7 @@ from torch import nn
 
 from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, MixedPrecisionPolicy, fully_shard
+from mfsdp_hooks import FSDPRootWrapper, MixedPrecisionPolicy, fully_shard
 
 
 class _TiedAcrossUnits(nn.Module):
@@ -44,9 +44,9 @@ def _bad_input_worker(rank: int, world: int, case: str) -> str:
             elif case == "scaling_and_per_token":
                 fully_shard(Block(), gradient_scaling_factor=0.5, calculate_per_token_loss=True)
             elif case == "unit_class":
-                MegatronFSDP(make_model(), fsdp_unit_modules=[42])  # type: ignore[list-item]
+                FSDPRootWrapper(make_model(), fsdp_unit_modules=[42])  # type: ignore[list-item]
             elif case == "unit_path":
-                MegatronFSDP(make_model(), fsdp_unit_modules=["Block"])
+                FSDPRootWrapper(make_model(), fsdp_unit_modules=["Block"])
             elif case == "host_transport":
                 fully_shard(Block(), host_transport="tcp")
             elif case == "prefetch_fraction":

@@ -24,7 +24,7 @@ from torch.optim import optimizer as torch_optimizer
 
 from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, attach_optimizer
+from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, attach_optimizer
 
 STEPS = 10
 GLOBAL_BATCH = 8
@@ -41,7 +41,11 @@ def _bare_optimizer_worker(rank: int, world: int, strategy: int) -> None:
     probe = make_batches(1, GLOBAL_BATCH, seed=99)[0][0]
     reference = make_model()
     ref_opt = make_optimizer("adamw", trainable(reference))
-    model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], sharding_strategy=strategy)
+    model = FSDPRootWrapper(
+        make_model(),
+        fsdp_unit_modules=[Block],
+        options=ShardingOptions(zero_dp_strategy=strategy, sync_model_each_microbatch=False),
+    )
     optimizer = make_optimizer("adamw", trainable(model))  # bare: never attached
     for step, (tokens, targets) in enumerate(batches):
         ref_loss = loss_fn(reference(tokens), targets)
@@ -70,7 +74,11 @@ def test_bare_optimizer_steps_are_seen_by_every_later_forward(strategy: int) -> 
 
 
 def _gathers_per_step_worker(rank: int, world: int, strategy: int, attached: bool) -> list[int]:
-    model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], sharding_strategy=strategy)
+    model = FSDPRootWrapper(
+        make_model(),
+        fsdp_unit_modules=[Block],
+        options=ShardingOptions(zero_dp_strategy=strategy, sync_model_each_microbatch=False),
+    )
     optimizer = make_optimizer("sgd", trainable(model))
     if attached:
         optimizer = attach_optimizer(optimizer)
@@ -106,7 +114,8 @@ def _global_optimizer_hooks() -> tuple[int, int]:
 
 def _global_hooks_worker(rank: int, world: int) -> tuple[tuple[int, int], tuple[int, int]]:
     before = _global_optimizer_hooks()
-    model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block])
+    options = ShardingOptions(sync_model_each_microbatch=False)
+    model = FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options)
     optimizer = attach_optimizer(make_optimizer("adamw", trainable(model)))
     tokens, targets = make_batches(1, GLOBAL_BATCH)[0]
     loss_fn(model(local_slice(tokens, rank, world)), local_slice(targets, rank, world)).backward()

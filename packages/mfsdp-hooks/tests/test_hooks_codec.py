@@ -13,7 +13,13 @@ import torch
 from hooks_models import Block, make_batches, make_model, train_data_parallel, trainable
 
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, MixedPrecisionPolicy, attach_optimizer, fully_shard
+from mfsdp_hooks import (
+    FSDPRootWrapper,
+    MixedPrecisionPolicy,
+    ShardingOptions,
+    attach_optimizer,
+    fully_shard,
+)
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 
@@ -37,10 +43,13 @@ class DoublingCodec:
 
 
 def _train(rank: int, world: int, strategy: int, codec: DoublingCodec | None) -> list[float]:
-    extra = {} if codec is None else {"param_codec": codec}
-    model = MegatronFSDP(
-        make_model(), fsdp_unit_modules=[Block], sharding_strategy=strategy, mp_policy=BF16, **extra
+    options = ShardingOptions(
+        zero_dp_strategy=strategy,
+        mixed_precision_policy=BF16,
+        param_codec=codec,
+        sync_model_each_microbatch=False,
     )
+    model = FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options)
     optimizer = attach_optimizer(torch.optim.AdamW(trainable(model), lr=1e-2))
     return train_data_parallel(model, optimizer, make_batches(10, 4), rank, world)
 

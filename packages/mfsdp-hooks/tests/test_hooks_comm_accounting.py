@@ -126,11 +126,10 @@ def test_next_unit_is_gathered_while_the_current_one_computes() -> None:
 
 def _trace_pool_worker(rank: int, world: int) -> tuple[str, int, int, int]:
     from mfsdp_buffers import TracePoolAllocator
-    from mfsdp_hooks import MegatronFSDP
+    from mfsdp_hooks import FSDPRootWrapper, ShardingOptions
 
-    model = MegatronFSDP(
-        make_model(), fsdp_unit_modules=[Block], grad_buffer_allocator="trace_pool"
-    )
+    options = ShardingOptions(grad_buffer_allocator="trace_pool", sync_model_each_microbatch=False)
+    model = FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options)
     allocator = fsdp_units(model.module)[0].options.grad_allocator
     assert isinstance(allocator, TracePoolAllocator)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)

@@ -12,7 +12,13 @@ from hooks_models import Block, local_slice, loss_fn, make_batches, make_model, 
 from torch.distributed.tensor import DTensor
 
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, MixedPrecisionPolicy, attach_optimizer, fully_shard
+from mfsdp_hooks import (
+    FSDPRootWrapper,
+    MixedPrecisionPolicy,
+    ShardingOptions,
+    attach_optimizer,
+    fully_shard,
+)
 from mfsdp_hooks.optim.contiguous_step import CONTIGUOUS_STEP_OPTIMIZERS, ContiguousStepper
 from mfsdp_hooks.runtime.elementwise_optimizers import TORCH_ELEMENTWISE
 
@@ -53,8 +59,9 @@ def _parity_worker(rank: int, world: int, strategy: int) -> None:
     batches = make_batches(6, 8)
     chunk = 13  # cuts chunks inside parameters, and makes runs of several chunks
     for name, build in OPTIMIZERS.items():
+        options = ShardingOptions(zero_dp_strategy=strategy, sync_model_each_microbatch=False)
         models = [
-            MegatronFSDP(make_model(), fsdp_unit_modules=[Block], sharding_strategy=strategy)
+            FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options)
             for _ in range(2)
         ]
         per_param = attach_optimizer(build(trainable(models[0])), contiguous_step=False)
@@ -141,7 +148,10 @@ def test_contiguous_step_under_bf16_compute() -> None:
 def _param_groups_worker(rank: int, world: int) -> list[int]:
     # The usual GPT recipe: no weight decay on 1-D parameters, a learning-rate schedule.
     # Group membership alternates inside a unit's buffer, so runs are short but still flat.
-    models = [MegatronFSDP(make_model(), fsdp_unit_modules=[Block]) for _ in range(2)]
+    options = ShardingOptions(sync_model_each_microbatch=False)
+    models = [
+        FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options) for _ in range(2)
+    ]
     optimizers = []
     for index, model in enumerate(models):
         params = trainable(model)
@@ -179,7 +189,10 @@ def _dropped_grad_worker(rank: int, world: int) -> None:
     # A parameter without a gradient is skipped by torch (its step counter stays behind), so
     # its run cannot share one counter: it must keep taking the per-parameter loop, correctly.
     batches = make_batches(4, 8)
-    models = [MegatronFSDP(make_model(), fsdp_unit_modules=[Block]) for _ in range(2)]
+    options = ShardingOptions(sync_model_each_microbatch=False)
+    models = [
+        FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options) for _ in range(2)
+    ]
     per_param = attach_optimizer(OPTIMIZERS["adamw"](trainable(models[0])), contiguous_step=False)
     contiguous = attach_optimizer(OPTIMIZERS["adamw"](trainable(models[1])))
     for step, (tokens, targets) in enumerate(batches):

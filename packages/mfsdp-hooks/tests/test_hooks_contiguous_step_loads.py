@@ -17,7 +17,7 @@ from hooks_models import Block, local_slice, loss_fn, make_batches, make_model, 
 from torch.distributed.tensor import DTensor
 
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, attach_optimizer
+from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, attach_optimizer
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -35,7 +35,10 @@ def _assert_same(a: torch.optim.Optimizer, b: torch.optim.Optimizer, where: str)
 
 
 def _pair(contiguous: tuple[bool, bool]) -> tuple[list[torch.nn.Module], list[Any]]:
-    models = [MegatronFSDP(make_model(), fsdp_unit_modules=[Block]) for _ in range(2)]
+    options = ShardingOptions(sync_model_each_microbatch=False)
+    models = [
+        FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options) for _ in range(2)
+    ]
     optimizers = [
         attach_optimizer(
             torch.optim.AdamW(trainable(model), lr=1e-2), contiguous_step=flag, step_chunk_numel=13

@@ -22,7 +22,7 @@ from hooks_models import (
 )
 
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, fsdp_units
+from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, fsdp_units
 
 pytestmark = pytest.mark.cuda
 
@@ -34,8 +34,10 @@ def _cuda_parity_worker(rank: int, world: int, strategy: int) -> dict[str, float
     batches = [(t.to(device), y.to(device)) for t, y in make_batches(STEPS, 8)]
     reference = make_model().to(device)
     ref_opt = make_optimizer("adamw", trainable(reference))
-    model = MegatronFSDP(
-        make_model().to(device), fsdp_unit_modules=[Block], sharding_strategy=strategy
+    model = FSDPRootWrapper(
+        make_model().to(device),
+        fsdp_unit_modules=[Block],
+        options=ShardingOptions(zero_dp_strategy=strategy, sync_model_each_microbatch=False),
     )
     root = fsdp_units(model.module)[0]
     optimizer = make_optimizer("adamw", trainable(model))

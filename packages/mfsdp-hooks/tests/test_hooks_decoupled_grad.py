@@ -25,8 +25,9 @@ from hooks_models import (
 
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import (
-    MegatronFSDP,
+    FSDPRootWrapper,
     MixedPrecisionPolicy,
+    ShardingOptions,
     attach_optimizer,
     declare_elementwise_optimizer,
     local_tensor,
@@ -68,11 +69,14 @@ def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _decoupled_worker(rank: int, world: int, strategy: int) -> None:
     (tokens, targets), (tokens2, targets2) = make_batches(2, GLOBAL_BATCH)
     reference = make_model()
-    model = MegatronFSDP(
+    model = FSDPRootWrapper(
         make_model(),
         fsdp_unit_modules=[Block],
-        sharding_strategy=strategy,
-        mp_policy=MixedPrecisionPolicy(use_decoupled_grad=True),
+        options=ShardingOptions(
+            zero_dp_strategy=strategy,
+            mixed_precision_policy=MixedPrecisionPolicy(use_decoupled_grad=True),
+            sync_model_each_microbatch=False,
+        ),
     )
     with pytest.raises(ValueError, match="decoupled_grad"):
         attach_optimizer(torch.optim.SGD(trainable(model), lr=0.1))

@@ -187,7 +187,7 @@ def test_conversion_with_optimizer_state_or_to_another_device_is_refused() -> No
 def _wrapper_worker(rank: int, world: int) -> list[float]:
     """The root wrapper (the seed API's engine) under ZeRO-0..2, on the toy model with a tied
     and a frozen weight: the largest deviation from one float64 process after 3 steps."""
-    from mfsdp_hooks import MegatronFSDP
+    from mfsdp_hooks import FSDPRootWrapper, ShardingOptions
     from mfsdp_hooks.testing import (
         Block as ToyBlock,
     )
@@ -201,7 +201,8 @@ def _wrapper_worker(rank: int, world: int) -> list[float]:
     errors = []
     for strategy in (0, 1, 2):
         reference = make_model().double()
-        model = MegatronFSDP(make_model(), fsdp_unit_modules=[ToyBlock], sharding_strategy=strategy)
+        options = ShardingOptions(zero_dp_strategy=strategy, sync_model_each_microbatch=False)
+        model = FSDPRootWrapper(make_model(), fsdp_unit_modules=[ToyBlock], options=options)
         optimizer = _adamw(model.parameters())
         model.double()
         train_data_parallel(model, optimizer, make_batches(3), rank, world)

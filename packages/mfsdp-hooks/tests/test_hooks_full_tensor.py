@@ -25,7 +25,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, RowShardedDTensor, fully_shard, row_sharded
+from mfsdp_hooks import (
+    FSDPRootWrapper,
+    RowShardedDTensor,
+    ShardingOptions,
+    fully_shard,
+    row_sharded,
+)
 from mfsdp_hooks.dtensor.dtensor_views import sharded_dtensor
 from mfsdp_hooks.testing.tp import TP_OUT, TP_WIDTH, full_value, tp_model
 
@@ -83,7 +89,8 @@ def _fsdp_worker(rank: int, world: int, strategy: int, hfsdp: bool) -> int:
     reference = make_model()
     if hfsdp:
         topology = hfsdp_topology(2, world // 2)
-        model: nn.Module = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], mesh=topology)
+        options = ShardingOptions(device_mesh=topology, sync_model_each_microbatch=False)
+        model: nn.Module = FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options)
     else:
         model = make_model()
         for block in model.blocks:  # type: ignore[union-attr]

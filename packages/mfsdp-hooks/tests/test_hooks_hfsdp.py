@@ -29,7 +29,13 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp_collectives import CommTracer, FSDPTopology
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, MixedPrecisionPolicy, attach_optimizer, fsdp_units
+from mfsdp_hooks import (
+    FSDPRootWrapper,
+    MixedPrecisionPolicy,
+    ShardingOptions,
+    attach_optimizer,
+    fsdp_units,
+)
 
 STEPS = 10
 GLOBAL_BATCH = 8
@@ -46,12 +52,14 @@ def _parity_worker(
     batches = make_batches(STEPS * micro, GLOBAL_BATCH)
     reference = make_model()
     ref_opt = make_optimizer("adamw", trainable(reference))
-    model = MegatronFSDP(
+    model = FSDPRootWrapper(
         make_model(),
         fsdp_unit_modules=[Block],
-        mesh=hfsdp_topology(outer, world // outer),
-        sync_model_each_microbatch=sync_each,
-        host_transport=transport,
+        options=ShardingOptions(
+            device_mesh=hfsdp_topology(outer, world // outer),
+            sync_model_each_microbatch=sync_each,
+            host_transport=transport,
+        ),
     )
     topology = fsdp_units(model.module)[0].options.topology
     assert (topology.outer_transport is not None) == (transport == "auto")
@@ -99,7 +107,8 @@ def _cycle_comm_worker(
     rank: int, world: int, mode: str
 ) -> tuple[list[dict[str, int]], list[int], int]:
     """Per optimisation cycle of 3 micro-batches: the calls and bytes of each collective."""
-    model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], mesh=hfsdp_topology(2, 2))
+    options = ShardingOptions(device_mesh=hfsdp_topology(2, 2), sync_model_each_microbatch=False)
+    model = FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options)
     optimizer = attach_optimizer(make_optimizer("sgd", trainable(model)))
     micro, cycles = 3, []
     for step, (tokens, targets) in enumerate(make_batches(3 * micro, GLOBAL_BATCH)):
@@ -155,9 +164,10 @@ def test_hfsdp_crosses_dp_outer_once_per_cycle_with_the_analytic_bytes(mode: str
 
 
 def _optimizer_state_worker(rank: int, world: int, outer: int) -> tuple[int, int, int]:
-    model = MegatronFSDP(
-        make_model(), fsdp_unit_modules=[Block], mesh=hfsdp_topology(outer, world // outer)
+    options = ShardingOptions(
+        device_mesh=hfsdp_topology(outer, world // outer), sync_model_each_microbatch=False
     )
+    model = FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options)
     optimizer = make_optimizer("adamw", trainable(model))
     tokens, targets = make_batches(1, GLOBAL_BATCH)[0]
     loss_fn(model(local_slice(tokens, rank, world)), local_slice(targets, rank, world)).backward()
@@ -194,7 +204,10 @@ def _main_weights_worker(rank: int, world: int, optim_across_outer: bool) -> lis
     if optim_across_outer:
         topology.shard_optimizer_across_outer(dist.group.WORLD)  # type: ignore[arg-type]
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], mesh=topology, mp_policy=policy)
+    options = ShardingOptions(
+        device_mesh=topology, mixed_precision_policy=policy, sync_model_each_microbatch=False
+    )
+    model = FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options)
     optimizer = attach_optimizer(make_optimizer("adamw", trainable(model)))
     for tokens, targets in make_batches(STEPS, GLOBAL_BATCH):
         local = local_slice(tokens, rank, world), local_slice(targets, rank, world)

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, fsdp_units, fully_shard
+from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, fsdp_units, fully_shard
 
 STEPS = 10
 GLOBAL_BATCH = 8
@@ -51,9 +51,10 @@ def _hsdp_parity_worker(
             fully_shard(block, mesh=mesh, sharding_strategy=strategy)
         wrapped: torch.nn.Module = fully_shard(model, mesh=mesh, sharding_strategy=strategy)
     else:
-        wrapped = MegatronFSDP(
-            make_model(), fsdp_unit_modules=[Block], mesh=mesh, sharding_strategy=strategy
+        options = ShardingOptions(
+            zero_dp_strategy=strategy, device_mesh=mesh, sync_model_each_microbatch=False
         )
+        wrapped = FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options)
     optimizer = make_optimizer("adamw", trainable(wrapped))
     for step in range(STEPS):
         for index in range(micro):
@@ -72,7 +73,7 @@ def _hsdp_parity_worker(
         ref_opt.zero_grad()
         optimizer.step()
         optimizer.zero_grad()
-    state = full_state(wrapped.module if isinstance(wrapped, MegatronFSDP) else wrapped)
+    state = full_state(wrapped.module if isinstance(wrapped, FSDPRootWrapper) else wrapped)
     label = f"{outer}x{world // outer} strategy={strategy} {api} accumulate={accumulate}"
     for name, value in reference.state_dict().items():
         assert_close_rel(state[name], value, 1e-5, f"{label} {name}")
@@ -107,7 +108,8 @@ def test_hsdp_parity_with_gradient_accumulation(strategy: int, api: str, mode: s
 
 
 def _outer_once_per_cycle_worker(rank: int, world: int, mode: str) -> list[tuple[int, ...]]:
-    model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], mesh=_mesh(2, 2))
+    options = ShardingOptions(device_mesh=_mesh(2, 2), sync_model_each_microbatch=False)
+    model = FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options)
     optimizer = make_optimizer("sgd", trainable(model))
     micro = 3
     counts = []
@@ -144,7 +146,11 @@ def test_hsdp_reduces_across_replicas_once_per_cycle(mode: str) -> None:
 
 def _hsdp_bytes_worker(rank: int, world: int) -> tuple[dict[str, dict[str, int]], list[int], int]:
     mesh = _mesh(2, 2)
-    model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], mesh=mesh)
+    model = FSDPRootWrapper(
+        make_model(),
+        fsdp_unit_modules=[Block],
+        options=ShardingOptions(device_mesh=mesh, sync_model_each_microbatch=False),
+    )
     tokens, targets = make_batches(1, GLOBAL_BATCH)[0]
     local = local_slice(tokens, rank, world), local_slice(targets, rank, world)
     loss_fn(model(local[0]), local[1]).backward()  # warm-up: the prefetch order is recorded

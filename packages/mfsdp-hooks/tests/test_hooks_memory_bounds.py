@@ -21,7 +21,13 @@ from torch import nn
 
 from mfsdp_buffers import LiveTensorTracker, PlainAllocator
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, ParameterGroup, attach_optimizer, fsdp_units
+from mfsdp_hooks import (
+    FSDPRootWrapper,
+    ParameterGroup,
+    ShardingOptions,
+    attach_optimizer,
+    fsdp_units,
+)
 from mfsdp_hooks.runtime.unit import FSDPUnit
 
 WIDTH, BLOCKS, BATCH = 128, 6, 4
@@ -118,7 +124,7 @@ def _activation_bytes(batch: torch.Tensor) -> int:
     return saved
 
 
-def sizes_at_wrap_time(model: MegatronFSDP) -> int:
+def sizes_at_wrap_time(model: FSDPRootWrapper) -> int:
     """Weights plus reduced gradients: what must be live once a backward has finished."""
     sizes = _sizes(model.module)
     return sizes.sharded_weights + sizes.full_weights + sizes.grad_shards + SLACK
@@ -144,7 +150,8 @@ def _memory_worker(
     activations = _activation_bytes(batch)
     with LiveTensorTracker() as tracker:
         torch.manual_seed(0)
-        model = MegatronFSDP(MemModel(), fsdp_unit_modules=[MemBlock], sharding_strategy=strategy)
+        options = ShardingOptions(zero_dp_strategy=strategy, sync_model_each_microbatch=False)
+        model = FSDPRootWrapper(MemModel(), fsdp_unit_modules=[MemBlock], options=options)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
         if optimizer_mode == "contiguous":
             attach_optimizer(optimizer)
@@ -231,7 +238,7 @@ class WideBlock(nn.Module):
 
 
 def _steady_backward_peak(
-    model: MegatronFSDP,
+    model: FSDPRootWrapper,
     batch: torch.Tensor,
     tracker: LiveTensorTracker,
     before_backward: Callable[[], object] = lambda: None,
@@ -253,10 +260,12 @@ def _steady_backward_peak(
 def _backward_peak(fraction: float, batch: torch.Tensor) -> tuple[int, int, list[float]]:
     """Peak live bytes of a steady-state backward and one unit's unsharded bytes."""
     torch.manual_seed(0)
-    model = MegatronFSDP(
+    model = FSDPRootWrapper(
         nn.Sequential(*(WideBlock() for _ in range(4))),
         fsdp_unit_modules=[WideBlock],
-        backward_prefetch_grad_fraction=fraction,
+        options=ShardingOptions(
+            backward_prefetch_grad_fraction=fraction, sync_model_each_microbatch=False
+        ),
     )
     with LiveTensorTracker() as tracker:
         peak, losses = _steady_backward_peak(model, batch, tracker)
@@ -293,7 +302,8 @@ def _reduce_buffer_bytes(transport: str) -> tuple[int, int, int, list[float]]:
 
     with LiveTensorTracker() as tracker, mock.patch.object(PlainAllocator, "allocate", counting):
         torch.manual_seed(0)
-        model = MegatronFSDP(MemModel(), fsdp_unit_modules=[MemBlock], host_transport=transport)
+        options = ShardingOptions(host_transport=transport, sync_model_each_microbatch=False)
+        model = FSDPRootWrapper(MemModel(), fsdp_unit_modules=[MemBlock], options=options)
         peak, losses = _steady_backward_peak(
             model, batch, tracker, before_backward=lambda: requested.__setitem__(0, 0)
         )

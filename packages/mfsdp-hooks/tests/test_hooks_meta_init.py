@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp_buffers import LiveTensorTracker
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, fsdp_units, fully_shard
+from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, fsdp_units, fully_shard
 
 STEPS = 10
 
@@ -39,12 +39,15 @@ def _meta_equals_direct_worker(rank: int, world: int, strategy: int, outer: int 
         shape = (outer, world // outer)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_outer", "dp_shard"))
     torch.manual_seed(0)
-    model = MegatronFSDP(
+    model = FSDPRootWrapper(
         _meta_model(),
         fsdp_unit_modules=[Block],
-        sharding_strategy=strategy,
-        init_model_with_meta_device=True,
-        mesh=mesh,
+        options=ShardingOptions(
+            zero_dp_strategy=strategy,
+            init_model_with_meta_device=True,
+            device_mesh=mesh,
+            sync_model_each_microbatch=False,
+        ),
     )
     state = full_state(model.module)
     for name, value in reference.state_dict().items():
@@ -90,7 +93,7 @@ def _no_reset_worker(rank: int, world: int) -> str:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4), _NoReset())
     try:
-        MegatronFSDP(model, init_model_with_meta_device=True)
+        FSDPRootWrapper(model, options=ShardingOptions(init_model_with_meta_device=True))
     except ValueError as exc:
         dist.barrier()  # every rank got here on its own: nothing was communicated before
         return str(exc)
@@ -114,7 +117,8 @@ def _tied_meta_siblings_worker(rank: int, world: int) -> list[str]:
                 fully_shard(model[0])
                 fully_shard(model[1])
             else:
-                MegatronFSDP(model, fsdp_unit_modules=[nn.Linear], init_model_with_meta_device=True)
+                meta = ShardingOptions(init_model_with_meta_device=True)
+                FSDPRootWrapper(model, fsdp_unit_modules=[nn.Linear], options=meta)
         except ValueError as exc:
             messages.append(str(exc))
         else:
@@ -135,8 +139,10 @@ def _peak_worker(rank: int, world: int) -> tuple[int, int, int]:
     blocks = 8
     with LiveTensorTracker() as tracker:
         torch.manual_seed(0)
-        model = MegatronFSDP(
-            _meta_model(blocks), fsdp_unit_modules=[Block], init_model_with_meta_device=True
+        model = FSDPRootWrapper(
+            _meta_model(blocks),
+            fsdp_unit_modules=[Block],
+            options=ShardingOptions(init_model_with_meta_device=True),
         )
         peak = tracker.peak
     units = fsdp_units(model.module)

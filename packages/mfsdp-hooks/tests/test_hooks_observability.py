@@ -18,7 +18,7 @@ from torch import nn
 
 from mfsdp_collectives import RankMismatchError
 from mfsdp_collectives.testing import run_distributed, run_distributed_outcomes
-from mfsdp_hooks import MegatronFSDP, fsdp_units, fully_shard
+from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, fsdp_units, fully_shard
 from mfsdp_hooks.runtime.unit import unit_of
 
 BLOCK_NUMEL = 262  # LayerNorm(15) + Linear(15, 7) + Linear(7, 15)
@@ -84,7 +84,8 @@ def test_unit_repr_names_parameters_bytes_per_rank_and_state() -> None:
 # ----------------------------------------------------------------- logging
 def _logged(rank: int, world: int, level: int) -> list[tuple[str, str, str]]:
     handler = _capture(level)
-    model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block])
+    options = ShardingOptions(sync_model_each_microbatch=False)
+    model = FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options)
     optimizer = torch.optim.AdamW(trainable(model), lr=1e-2)
     train_data_parallel(model, optimizer, make_batches(1), rank, world)
     return handler.records
@@ -133,7 +134,7 @@ def _mismatched(rank: int, world: int, what: str) -> None:
         model.blocks[1].fc2 = nn.Linear(8, 15)  # fc2.weight (15, 8) instead of (15, 7)
     if what == "dtype" and odd:
         model.blocks[2].norm.to(torch.float64)
-    MegatronFSDP(model, fsdp_unit_modules=[Block])
+    FSDPRootWrapper(model, fsdp_unit_modules=[Block])
 
 
 def _messages(what: str, world: int) -> list[str]:

@@ -20,7 +20,7 @@ from hooks_models import (
 
 from mfsdp_collectives import disable_host_transport, host_transport_of
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, fsdp_units, fully_shard
+from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, fsdp_units, fully_shard
 
 STEPS = 10
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4
@@ -38,13 +38,15 @@ def _train_sharded(
         trained: torch.nn.Module = model
     else:
         _, allocator, transport = [*api.split(":"), "", ""][:3]
-        trained = MegatronFSDP(
+        trained = FSDPRootWrapper(
             model,
             fsdp_unit_modules=[Block],
-            sharding_strategy=strategy,
-            sync_model_each_microbatch=True,
-            grad_buffer_allocator=allocator or "plain",
-            host_transport=(transport or "auto").replace("shm-then-gloo", "shm"),
+            options=ShardingOptions(
+                zero_dp_strategy=strategy,
+                sync_model_each_microbatch=True,
+                grad_buffer_allocator=allocator or "plain",
+                host_transport=(transport or "auto").replace("shm-then-gloo", "shm"),
+            ),
         )
         shard_group = fsdp_units(model)[0].options.topology.shard_group
         assert (host_transport_of(shard_group) is None) == (transport == "gloo")

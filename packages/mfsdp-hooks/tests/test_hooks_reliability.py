@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from mfsdp_collectives import RankMismatchError
 from mfsdp_collectives.testing import run_distributed, run_distributed_outcomes
-from mfsdp_hooks import MegatronFSDP, attach_optimizer, fully_shard, locate
+from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, attach_optimizer, fully_shard, locate
 
 
 # ----------------------------------------------------------------- tensor-subclass params
@@ -73,7 +73,9 @@ def _disagreeing(rank: int, world: int, what: str) -> None:
         model.blocks[0].fc2 = nn.Linear(7 + rank, 15)
     units: list[Any] = [Block] if what != "fsdp_unit_modules" or rank == 0 else []
     strategy = 3 if what != "strategy" or rank == 0 else 2
-    MegatronFSDP(model, fsdp_unit_modules=units, sharding_strategy=strategy)
+    FSDPRootWrapper(
+        model, fsdp_unit_modules=units, options=ShardingOptions(zero_dp_strategy=strategy)
+    )
 
 
 @pytest.mark.parametrize(
@@ -115,12 +117,14 @@ def _unsharded(param: torch.Tensor) -> torch.Tensor:
 
 def _nan_stops_the_step(rank: int, world: int, strategy: int, bad: float, sync: bool) -> str:
     model = make_model()
-    wrapped = MegatronFSDP(
+    wrapped = FSDPRootWrapper(
         model,
         fsdp_unit_modules=[Block],
-        sharding_strategy=strategy,
-        report_nan_in_param_grad=True,
-        sync_model_each_microbatch=sync,
+        options=ShardingOptions(
+            zero_dp_strategy=strategy,
+            report_nan_in_param_grad=True,
+            sync_model_each_microbatch=sync,
+        ),
     )
     # The parameter forward and backward use (the original one is left with stale values).
     poisoned = _unsharded(model.blocks[2].fc2.bias)
@@ -232,7 +236,8 @@ def test_the_unit_state_machine_refuses_moves_the_lifecycle_never_makes() -> Non
 def _attached_optimizer(rank: int, world: int) -> dict[str, Any]:
     import copy
 
-    model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block])
+    options = ShardingOptions(sync_model_each_microbatch=False)
+    model = FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options)
     optimizer = attach_optimizer(torch.optim.AdamW(trainable(model), lr=1e-2))
     calls = {"pre": 0, "post": 0}
     optimizer.register_step_pre_hook(lambda *_: calls.__setitem__("pre", calls["pre"] + 1))

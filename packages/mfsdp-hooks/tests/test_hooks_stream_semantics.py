@@ -20,7 +20,7 @@ from test_hooks_training_modes import _accumulation_worker, _recompute_worker
 
 from mfsdp_collectives.stream_sim import SimEvent, StreamOrderError, simulated_streams
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, fsdp_units
+from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, fsdp_units
 
 
 def _on_simulated_streams(
@@ -74,7 +74,8 @@ def test_recompute_on_simulated_streams() -> None:
 
 
 def _planted_order_bug_worker(rank: int, world: int, bug: str) -> str:
-    model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], sharding_strategy=3)
+    options = ShardingOptions(zero_dp_strategy=3, sync_model_each_microbatch=False)
+    model = FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options)
     optimizer = make_optimizer("sgd", [p for p in model.parameters() if p.requires_grad])
     tokens, targets = make_batches(1, 8)[0]
     local = local_slice(tokens, rank, world), local_slice(targets, rank, world)

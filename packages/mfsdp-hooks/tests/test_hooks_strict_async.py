@@ -31,7 +31,7 @@ from test_hooks_training_modes import _accumulation_worker, _recompute_worker
 
 from mfsdp_collectives import strict_async
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MegatronFSDP, fully_shard
+from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, fully_shard
 from mfsdp_hooks.grads.reduction_queue import ReductionQueue
 from mfsdp_hooks.runtime.unit import FSDPUnit
 
@@ -117,7 +117,8 @@ def _planted_bug_worker(rank: int, world: int, bug: str) -> list[bool]:
         FSDPUnit.wait_unshard = _skip_unshard_waits  # type: ignore[method-assign]
     else:
         ReductionQueue.drain = _drop_reductions  # type: ignore[method-assign]
-    model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], sharding_strategy=3)
+    options = ShardingOptions(zero_dp_strategy=3, sync_model_each_microbatch=False)
+    model = FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options)
     optimizer = make_optimizer("sgd", trainable(model))
     nan_losses = []
     with strict_async():

@@ -22,8 +22,9 @@ from hooks_models import (
 from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import (
-    MegatronFSDP,
+    FSDPRootWrapper,
     MixedPrecisionPolicy,
+    ShardingOptions,
     attach_optimizer,
     fully_shard,
     locate,
@@ -38,11 +39,13 @@ def _accumulation_worker(rank: int, world: int, strategy: int, mode: str) -> Non
     batches = make_batches(steps * MICRO, GLOBAL_BATCH)
     reference = make_model()
     ref_opt = make_optimizer("adamw", [p for p in reference.parameters() if p.requires_grad])
-    model = MegatronFSDP(
+    model = FSDPRootWrapper(
         make_model(),
         fsdp_unit_modules=[Block],
-        sharding_strategy=strategy,
-        sync_model_each_microbatch=(mode == "sync_each_microbatch"),
+        options=ShardingOptions(
+            zero_dp_strategy=strategy,
+            sync_model_each_microbatch=(mode == "sync_each_microbatch"),
+        ),
     )
     optimizer = attach_optimizer(
         make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad])
@@ -75,7 +78,8 @@ def test_gradient_accumulation_parity(strategy: int, mode: str) -> None:
 
 
 def _no_sync_skips_reduction_worker(rank: int, world: int, strategy: int) -> list[int]:
-    model = MegatronFSDP(make_model(), fsdp_unit_modules=[Block], sharding_strategy=strategy)
+    options = ShardingOptions(zero_dp_strategy=strategy, sync_model_each_microbatch=False)
+    model = FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options)
     tokens, targets = make_batches(1, 4)[0]
     with CommTracer() as tracer, model.no_sync():
         loss_fn(model(tokens), targets).backward()
@@ -105,7 +109,8 @@ def _root_setter_worker(
             fully_shard(block)
         fully_shard(model)
     else:
-        model = MegatronFSDP(model, fsdp_unit_modules=[Block], sharding_strategy=3)
+        options = ShardingOptions(zero_dp_strategy=3, sync_model_each_microbatch=False)
+        model = FSDPRootWrapper(model, fsdp_unit_modules=[Block], options=options)
     batches = make_batches(2, 4)
     if not before_first_forward:
         loss_fn(model(batches[0][0]), batches[0][1]).backward()

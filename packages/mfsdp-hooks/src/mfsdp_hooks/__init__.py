@@ -16,7 +16,6 @@ from mfsdp_hooks.api.fully_shard import (
     is_fully_sharded,
 )
 from mfsdp_hooks.api.root_wrapper import (
-    MegatronFSDP,
     UnitSpec,
     fine_grained_units,
     resolve_unit_modules,
@@ -88,7 +87,6 @@ __all__ = [
     "FSDPModule",
     "FSDPUnit",
     "GradReduceConfig",
-    "MegatronFSDP",
     "MixedPrecisionPolicy",
     "ParamLocation",
     "ParamCodec",
@@ -128,8 +126,7 @@ __all__ = [
     "record_timeline",
 ]
 
-# The root wrapper under the name that says what it is, and the options record it takes
-# (``MegatronFSDP`` above is its deprecated old name, kept for one release).
+# The root wrapper under the name that says what it is, and the options record it takes.
 from mfsdp_hooks.api.root_wrapper import FSDPRootWrapper
 from mfsdp_hooks.config.sharding_options import ShardingOptions
 

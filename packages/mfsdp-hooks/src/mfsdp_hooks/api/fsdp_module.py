@@ -271,7 +271,7 @@ class FSDPModule(FSDP2CommHooks, FSDP2Refusals, RefusesDDP, TorchFSDPModule):
 
     def mixed_precision_context(self, policy: Any) -> contextlib.AbstractContextManager[None]:
         """Another mixed-precision policy for every unit under this module for a region
-        (see ``MegatronFSDP.mixed_precision_context``); call it on the root."""
+        (see ``FSDPRootWrapper.mixed_precision_context``); call it on the root."""
         self._root_only("mixed_precision_context")
         return mixed_precision_context(self, policy)  # type: ignore[arg-type]
 

@@ -1,15 +1,13 @@
 """``FSDPRootWrapper``: the root wrapper that shards every ``fsdp_unit_modules`` match at once.
 
 It takes the model's options as one ``ShardingOptions`` record and hands each unit the
-record's fields as explicit arguments of ``fully_shard``. ``MegatronFSDP`` is its deprecated
-old name (``fully_shard``'s keyword names instead of a record), kept for one release.
+record's fields as explicit arguments of ``fully_shard``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,9 +19,7 @@ from mfsdp_collectives import FSDPTopology
 from mfsdp_hooks.api.ddp_refusal import RefusesDDP
 from mfsdp_hooks.api.fully_shard import FSDPModule, fsdp_units, fully_shard, resolve_topology
 from mfsdp_hooks.api.precision_region import mixed_precision_context, wrap_time_policy
-from mfsdp_hooks.config.codec import ParamClassCodec, ParamCodec
-from mfsdp_hooks.config.experts import ExpertSharding
-from mfsdp_hooks.config.grad_allocator import DoubleBuffer, make_grad_allocator
+from mfsdp_hooks.config.grad_allocator import make_grad_allocator
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.config.sharding_options import ShardingOptions
 from mfsdp_hooks.config.strategy import ShardingStrategy, parse_strategy
@@ -182,73 +178,6 @@ class FSDPRootWrapper(RefusesDDP, nn.Module):
 
     def install_optimized_model_weights(self) -> None:
         self.root_unit_module.install_optimized_model_weights()
-
-
-class MegatronFSDP(FSDPRootWrapper):
-    """Deprecated: ``FSDPRootWrapper``'s old name, taking ``fully_shard``'s keyword names
-    (``mesh``, ``mp_policy``, ``sharding_strategy``...) instead of a ``ShardingOptions``.
-    Kept for one release. ``sync_model_each_microbatch`` defaults to False here, as in the
-    seed's class, and ``reduce_scatter_in_no_sync`` to True: ZeRO-2/3 reduce-scatter every
-    micro-batch under ``no_sync``, as Megatron-FSDP does and this wrapper always did.
-    (``megatron_fsdp.MegatronFSDP`` is the reference's class, another thing.)"""
-
-    def __init__(
-        self,
-        module: nn.Module,
-        fsdp_unit_modules: Sequence[UnitSpec] | None = None,
-        *,
-        sync_model_each_microbatch: bool = False,
-        init_model_with_meta_device: bool = False,
-        mesh: DeviceMesh | FSDPTopology | None = None,
-        reshard_after_forward: bool | None = None,
-        mp_policy: MixedPrecisionPolicy | None = None,
-        sharding_strategy: int | str | ShardingStrategy = ShardingStrategy.OPTIM_GRADS_PARAMS,
-        overlap_param_gather: bool = True,
-        overlap_grad_reduce: bool = True,
-        average_in_collective: bool = True,
-        gradient_scaling_factor: float | None = None,
-        calculate_per_token_loss: bool = False,
-        report_nan_in_param_grad: bool = False,
-        max_inflight_reductions: int = 1,
-        prefetch_depth: int = 1,
-        reduce_scatter_in_no_sync: bool = True,
-        backward_prefetch_grad_fraction: float = 0.5,
-        grad_buffer_allocator: str | DoubleBuffer | Allocator = "plain",
-        host_transport: str = "auto",
-        param_codec: ParamCodec | None = None,
-        param_codecs: Sequence[ParamClassCodec] = (),
-        experts: ExpertSharding | None = None,
-    ) -> None:
-        warnings.warn(
-            "mfsdp_hooks.MegatronFSDP is deprecated: use mfsdp_hooks.FSDPRootWrapper(module, "
-            "fsdp_unit_modules, ShardingOptions(...)) (the seed's option names)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        options = ShardingOptions(
-            zero_dp_strategy=parse_strategy(sharding_strategy, "sharding_strategy"),
-            device_mesh=mesh,
-            mixed_precision_policy=mp_policy,
-            init_model_with_meta_device=init_model_with_meta_device,
-            overlap_grad_reduce=overlap_grad_reduce,
-            overlap_param_gather=overlap_param_gather,
-            sync_model_each_microbatch=sync_model_each_microbatch,
-            average_in_collective=average_in_collective,
-            gradient_scaling_factor=gradient_scaling_factor,
-            calculate_per_token_loss=calculate_per_token_loss,
-            report_nan_in_param_grad=report_nan_in_param_grad,
-            host_transport=host_transport,
-            backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
-            grad_buffer_allocator=grad_buffer_allocator,
-            experts=experts,
-            param_codecs=tuple(param_codecs),
-            param_codec=param_codec,
-            reshard_after_forward=reshard_after_forward,
-            max_inflight_reductions=max_inflight_reductions,
-            prefetch_depth=prefetch_depth,
-            reduce_scatter_in_no_sync=reduce_scatter_in_no_sync,
-        )
-        super().__init__(module, fsdp_unit_modules, options)
 
 
 def _shard_unit(

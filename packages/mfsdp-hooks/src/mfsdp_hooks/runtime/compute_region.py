@@ -1,5 +1,5 @@
 """A region of the program with another mixed-precision policy than the one a model was
-wrapped with (``MegatronFSDP.mixed_precision_context``).
+wrapped with (``FSDPRootWrapper.mixed_precision_context``).
 
 Two of the policy's choices can change for a region, between steps:
 
