@@ -28,7 +28,9 @@ from mfsdp_hooks import (
     ShardingOptions,
     ShardingStrategy,
     UnitSpec,
+    check_post_forward_strategy,
     parse_strategy,
+    resolve_topology,
     resolve_unit_modules,
 )
 from mfsdp_te import float8_codecs
@@ -54,19 +56,19 @@ def _topology(
                 f"dp_shard_dim={dp_shard_dim!r} was given without device_mesh: pass the mesh "
                 "that has this dim, or drop dp_shard_dim to let megatron-fsdp build a 1-D mesh"
             )
-        if device is None:
-            device = next((p.device for p in module.parameters() if not p.is_meta), None)
-        return FSDPTopology.default(device)
+        return resolve_topology(None, module, device)
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
     if dp_shard_dim is None:
-        names = device_mesh.mesh_dim_names or ()
         if device_mesh.ndim != 1:
             raise ValueError(
-                f"dp_shard_dim is required with a {device_mesh.ndim}-D device_mesh {names}: "
-                "name the sub-mesh FSDP shards over (e.g. dp_shard_dim='dp_shard_cp')"
+                f"dp_shard_dim is required with a {device_mesh.ndim}-D device_mesh "
+                f"{device_mesh.mesh_dim_names or ()}: name the sub-mesh FSDP shards over "
+                "(e.g. dp_shard_dim='dp_shard_cp')"
             )
-        dp_shard_dim = names[0] if names else "dp_shard"
+        if tp_dim is None:  # a 1-D mesh: the engine's own reading of it
+            return resolve_topology(device_mesh, module)
+        dp_shard_dim = (device_mesh.mesh_dim_names or ("dp_shard",))[0]
     return FSDPTopology.from_mesh(device_mesh, dp_shard_dim=dp_shard_dim, tp_dim=tp_dim)
 
 
@@ -182,11 +184,8 @@ def _check_group_size(size: int | None, strategy: ShardingStrategy, shard_size: 
     if size is None:
         return
     check_post_forward_size(size, shard_size, "reshard_after_forward_group_size")
-    if strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
-        raise ValueError(
-            f"reshard_after_forward_group_size={size} with zero_dp_strategy={int(strategy)}: "
-            "only ZeRO-3 reshards weights after forward; pass zero_dp_strategy=3 or leave it None"
-        )
+    option = f"reshard_after_forward_group_size={size}"
+    check_post_forward_strategy(option, strategy, "zero_dp_strategy", "leave it None")
 
 
 def sharding_options(

@@ -15,6 +15,7 @@ from mfsdp_hooks.api.fully_shard import (
     fully_shard,
     is_fully_sharded,
 )
+from mfsdp_hooks.api.mesh_topology import resolve_topology
 from mfsdp_hooks.api.root_wrapper import (
     UnitSpec,
     fine_grained_units,
@@ -31,7 +32,11 @@ from mfsdp_hooks.config.experts import ExpertSharding, is_megatron_expert
 from mfsdp_hooks.config.grad_allocator import GRAD_ALLOCATORS, DoubleBuffer, make_grad_allocator
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
-from mfsdp_hooks.config.strategy import ShardingStrategy, parse_strategy
+from mfsdp_hooks.config.strategy import (
+    ShardingStrategy,
+    check_post_forward_strategy,
+    parse_strategy,
+)
 from mfsdp_hooks.config.unit_options import UnitOptions
 from mfsdp_hooks.dtensor.dcp_protocol import row_write_items
 from mfsdp_hooks.dtensor.dtensor_views import dtensor_like, local_tensor
@@ -117,6 +122,8 @@ __all__ = [
     "optimizer_grad",
     "owning_model",
     "parse_strategy",
+    "check_post_forward_strategy",
+    "resolve_topology",
     "resolve_unit_modules",
     "EventKind",
     "HOST_CATEGORIES",

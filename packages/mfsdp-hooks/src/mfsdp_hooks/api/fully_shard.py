@@ -35,6 +35,7 @@ from mfsdp_hooks.api.fsdp2_options import (
     check_shard_placements,
 )
 from mfsdp_hooks.api.fsdp_module import FSDPModule, UnshardHandle
+from mfsdp_hooks.api.mesh_topology import resolve_topology
 from mfsdp_hooks.api.module_conversion import await_storage
 from mfsdp_hooks.api.replica_values import (
     WEIGHTS,
@@ -48,7 +49,11 @@ from mfsdp_hooks.config.experts import ExpertSharding
 from mfsdp_hooks.config.grad_allocator import DoubleBuffer, make_grad_allocator
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy, from_fsdp2_policy
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
-from mfsdp_hooks.config.strategy import ShardingStrategy, parse_strategy
+from mfsdp_hooks.config.strategy import (
+    ShardingStrategy,
+    check_post_forward_strategy,
+    parse_strategy,
+)
 from mfsdp_hooks.config.unit_options import RootOptions, UnitOptions
 from mfsdp_hooks.dtensor.tensor_parallel import check_tp_parameters
 from mfsdp_hooks.runtime.member_forwards import ModuleGroup, unit_members
@@ -173,11 +178,9 @@ def _check_topology_options(
     check_offload_policy(offload_policy, topology.device)
     _check_hfsdp_strategy(topology, strategy)
     after_forward, group_size = check_reshard_after_forward(reshard, topology.shard_size)
-    if group_size is not None and strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
-        raise ValueError(
-            f"reshard_after_forward={reshard} with sharding_strategy={int(strategy)}: only "
-            "ZeRO-3 reshards weights after forward; pass sharding_strategy=3 or a bool"
-        )
+    if group_size is not None:
+        option = f"reshard_after_forward={reshard}"
+        check_post_forward_strategy(option, strategy, "sharding_strategy", "a bool")
     return after_forward, group_size
 
 
@@ -209,41 +212,6 @@ def _meta_params_to_zeros(
     built_on_meta = any(p.device.type == "meta" for _, p in params)
     MetaMaterializer(topology.device, initialise=False).materialize_all(sub for _, sub in scope)
     return built_on_meta
-
-
-def _named(mesh: DeviceMesh) -> DeviceMesh:
-    """FSDP2's canonical ``init_device_mesh("cpu", (world,))`` has no dim names: the same
-    group, named (no collective). A 2-D mesh needs names, as FSDP2 requires for HSDP."""
-    if mesh.mesh_dim_names:
-        return mesh
-    if mesh.ndim != 1:
-        raise ValueError(
-            "mesh: a 2-D mesh (HSDP) needs dim names: init_device_mesh(..., "
-            "mesh_dim_names=('dp_outer', 'dp_shard'))"
-        )
-    return DeviceMesh.from_group(mesh.get_group(), mesh.device_type, mesh_dim_names=("dp_shard",))
-
-
-def resolve_topology(mesh: DeviceMesh | FSDPTopology | None, module: nn.Module) -> FSDPTopology:
-    """The topology ``fully_shard(module, mesh=mesh)`` uses (may communicate: new groups)."""
-    if isinstance(mesh, FSDPTopology):
-        return mesh
-    if mesh is None:
-        device = next((p.device for p in module.parameters() if p.device.type != "meta"), None)
-        return FSDPTopology.default(device)
-    if isinstance(mesh, DeviceMesh):
-        if mesh.ndim > 2:
-            raise NotImplementedError(
-                f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}: fully_shard takes a 1-D mesh "
-                "(FSDP) or a 2-D (replicate, shard) mesh (HSDP); pass mesh[('dp_outer', "
-                "'dp_shard')] or mesh['dp_shard']"
-            )
-        mesh = _named(mesh)
-        names = mesh.mesh_dim_names or ()
-        if mesh.ndim == 2:  # FSDP2's convention: (replicate, shard) means HSDP
-            return FSDPTopology.from_mesh(mesh, dp_shard_dim=names[1], dp_outer_dim=names[0])
-        return FSDPTopology.from_mesh(mesh, dp_shard_dim=names[0])
-    raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
 
 
 def fully_shard(

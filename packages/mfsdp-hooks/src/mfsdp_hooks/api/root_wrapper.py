@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from mfsdp_buffers import Allocator
 from mfsdp_collectives import FSDPTopology
 from mfsdp_hooks.api.ddp_refusal import RefusesDDP
-from mfsdp_hooks.api.fully_shard import FSDPModule, fsdp_units, fully_shard, resolve_topology
+from mfsdp_hooks.api.fully_shard import FSDPModule, fsdp_units, fully_shard
+from mfsdp_hooks.api.mesh_topology import resolve_topology
 from mfsdp_hooks.api.precision_region import mixed_precision_context, wrap_time_policy
 from mfsdp_hooks.config.grad_allocator import make_grad_allocator
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy

@@ -51,3 +51,16 @@ def parse_strategy(value: int | str | ShardingStrategy, argument: str) -> Shardi
                 "or 0-3"
             ) from None
     raise TypeError(f"{argument} must be an int 0-3 or a strategy name, got {type(value).__name__}")
+
+
+def check_post_forward_strategy(
+    option: str, strategy: ShardingStrategy, strategy_arg: str, alternative: str
+) -> None:
+    """Keeping a unit's weights over a smaller group between forward and backward (``option``,
+    as the caller spells it) is ZeRO-3 only: the other strategies keep them unsharded anyway.
+    The error names ``strategy_arg`` and offers ``alternative`` (the caller's other fix)."""
+    if strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
+        raise ValueError(
+            f"{option} with {strategy_arg}={int(strategy)}: only ZeRO-3 reshards weights after "
+            f"forward; pass {strategy_arg}=3 or {alternative}"
+        )
