@@ -29,6 +29,7 @@ from mfsdp_hooks import (
     FSDPRootWrapper,
     RowShardedDTensor,
     ShardingOptions,
+    TorchChunkRowsDTensor,
     fully_shard,
     row_sharded,
 )
@@ -156,6 +157,37 @@ def test_row_sharded_refuses_counts_that_do_not_match_the_local_rows() -> None:
         assert "dp_row_ranges gives it rows" in errors[0], errors
         assert "2 ranks" in errors[1] and "2 ranks" in errors[2], errors
         assert "do not tile" in errors[3], errors
+
+
+def _chunk_rows_worker(rank: int, world: int) -> list[str]:
+    """Per case: the class ``row_sharded`` picked; ops on it must gather exactly."""
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.arange(12.0).view(6, 2)
+    ops = (lambda t: torch.zeros_like(t).add_(1), lambda t: t.clone(), lambda t: t * 2 + 1)
+    picked = []
+    # torch.chunk's rows (3, 3); others (4, 2); all on rank 1 (0, 6).
+    for ranges in (((0, 3), (3, 6)), ((0, 4), (4, 6)), ((0, 0), (0, 6))):
+        start, end = ranges[rank]
+        tensor = row_sharded(sharded_dtensor(full[start:end].clone(), mesh, full.shape), ranges)
+        picked.append(type(tensor).__name__)
+        for op in ops:
+            assert torch.equal(op(tensor).full_tensor(), op(full)), (ranges, op(tensor))
+    # torch.chunk of 5 rows (3, 2) and of 1 row (1, 0).
+    for rows, ranges in ((5, ((0, 3), (3, 5))), (1, ((0, 1), (1, 1)))):
+        start, end = ranges[rank]
+        local = torch.zeros(end - start, 2)
+        tensor = row_sharded(sharded_dtensor(local, mesh, torch.Size([rows, 2])), ranges)
+        picked.append(type(tensor).__name__)
+    return picked
+
+
+def test_row_sharded_drops_its_python_layer_where_the_rows_are_torch_chunks() -> None:
+    """Where each rank's rows are the ones ``torch.chunk`` gives, a plain DTensor made by an
+    op already claims them: no ``__torch_function__`` runs (the optimizer's per-op cost)."""
+    for picked in run_distributed(_chunk_rows_worker, 2, timeout=60):
+        chunk, uneven = TorchChunkRowsDTensor.__name__, RowShardedDTensor.__name__
+        assert picked == [chunk, uneven, uneven, chunk, chunk], picked
+    assert TorchChunkRowsDTensor.__torch_function__ is DTensor.__torch_function__
 
 
 def _sgd_state_worker(rank: int, world: int) -> None:

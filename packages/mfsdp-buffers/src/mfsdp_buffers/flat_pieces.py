@@ -61,17 +61,23 @@ class FlatPieces:
         return range(first, last)
 
     def copy_range_into(self, dst: torch.Tensor, start: int) -> None:
-        """``dst[:] = self[start : start + dst.numel()]``."""
+        """``dst[:] = self[start : start + dst.numel()]``: one ``cat`` per run of adjacent
+        pieces (not one copy per piece: a unit of many small parameters is one op), zeros
+        in the gaps."""
         stop = start + dst.numel()
-        cursor = start
+        run: list[torch.Tensor] = []
+        run_start = cursor = start
         for i in self._overlapping(start, stop):
             lo, hi = max(self._offsets[i], start), min(self._ends[i], stop)
             if lo > cursor:
+                _write_run(dst, run, run_start - start, cursor - start)
                 dst[cursor - start : lo - start].zero_()
-            dst[lo - start : hi - start].copy_(
-                self._pieces[i][lo - self._offsets[i] : hi - self._offsets[i]]
-            )
+                run, run_start = [], lo
+            piece, offset = self._pieces[i], self._offsets[i]
+            whole = lo == offset and hi == self._ends[i]
+            run.append(piece if whole else piece[lo - offset : hi - offset])
             cursor = hi
+        _write_run(dst, run, run_start - start, cursor - start)
         if cursor < stop:
             dst[cursor - start :].zero_()
 
@@ -89,3 +95,14 @@ class FlatPieces:
         flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         self.copy_range_into(flat, 0)
         return flat
+
+
+def _write_run(dst: torch.Tensor, run: list[torch.Tensor], begin: int, end: int) -> None:
+    """``dst[begin:end]`` = the pieces of ``run`` one after another (cast to ``dst``'s dtype)."""
+    if not run:
+        return
+    target = dst if begin == 0 and end == dst.numel() else dst[begin:end]
+    if len(run) == 1:
+        target.copy_(run[0])
+    else:
+        torch.cat(run, out=target)

@@ -17,12 +17,11 @@ a failure stays the backend's own error.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -221,16 +220,28 @@ def _is_backend_failure(exc: BaseException) -> bool:
     return type(exc) is RuntimeError or isinstance(exc, (dist.DistError, CheckpointException))
 
 
-@contextlib.contextmanager
-def naming_dead_peers(during: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
-    """Turn a backend error caused by a dead peer into a ``PeerDiedError`` naming it."""
-    try:
-        yield
-    except BaseException as exc:
-        if not _is_backend_failure(exc):
-            raise
+class naming_dead_peers:  # a context manager, lower case as the function it was
+    """Turn a backend error caused by a dead peer into a ``PeerDiedError`` naming it.
+
+    A class, not a ``contextlib`` generator: it wraps every collective the engine issues,
+    and a generator's frames cost the host more than the collective's own bookkeeping."""
+
+    __slots__ = ("_during", "_group")
+
+    def __init__(self, during: str, group: dist.ProcessGroup | None = None) -> None:
+        self._during = during
+        self._group = group
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if exc is None or not _is_backend_failure(exc):
+            return  # nothing raised, or not a dead peer's doing: it propagates as it is
+        group = self._group
         ranks = None if group is None else dist.get_process_group_ranks(group)
-        explained = explain_failure(during, ranks)
-        if explained is None:
-            raise
-        raise explained from exc
+        explained = explain_failure(self._during, ranks)
+        if explained is not None:
+            raise explained from exc

@@ -41,7 +41,7 @@ from mfsdp_hooks.config.unit_options import UnitOptions
 from mfsdp_hooks.dtensor.dcp_protocol import row_write_items
 from mfsdp_hooks.dtensor.dtensor_views import dtensor_like, local_tensor
 from mfsdp_hooks.dtensor.load_rows import own_rows
-from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor, row_sharded
+from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor, TorchChunkRowsDTensor, row_sharded
 from mfsdp_hooks.dtensor.tensor_parallel import TPSpec, tp_full_tensor
 from mfsdp_hooks.optim.optimizer import FSDPOptimizer, attach_optimizer, optimizer_groups
 from mfsdp_hooks.runtime.elementwise_optimizers import (
@@ -81,6 +81,7 @@ __all__ = [
     "GroupCodec",
     "ParamClassCodec",
     "RowShardedDTensor",
+    "TorchChunkRowsDTensor",
     "row_sharded",
     "row_write_items",
     "own_rows",

@@ -9,10 +9,12 @@ layer gives DCP the true row ranges from the layout.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor, row_sharded
 
@@ -72,3 +74,44 @@ def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
 def replicated_dtensor(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     with torch.no_grad():
         return DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+
+
+@dataclass(frozen=True)
+class DTensorLayout:
+    """How one DTensor lays out its local tensor (its spec and, row-sharded, its ranges),
+    held without the tensor, to build the same DTensor over new storage again.
+
+    A parameter's ``.grad`` is a new DTensor every step (the flat gradient storage is new
+    after ``zero_grad()``); ``from_local`` re-derives and checks the spec through an autograd
+    function each time, the largest host cost of a backward with many small parameters. The
+    layout is taken once from a DTensor built that way and reused for the same local shape
+    and dtype (FSDP2's ``_from_local_no_grad`` does the same with its cached spec).
+    """
+
+    spec: DTensorSpec
+    local_shape: torch.Size
+    row_ranges: tuple[tuple[int, int], ...] | None
+    tp_partition_stride: int
+    row_class: type[RowShardedDTensor] | None
+
+    @classmethod
+    def of(cls, tensor: DTensor) -> DTensorLayout:
+        if isinstance(tensor, RowShardedDTensor):
+            ranges, stride = tensor.dp_row_ranges, tensor.tp_partition_stride
+            return cls(tensor._spec, tensor._local_tensor.shape, ranges, stride, type(tensor))
+        return cls(tensor._spec, tensor._local_tensor.shape, None, 1, None)
+
+    def fits(self, local: torch.Tensor) -> bool:
+        """Whether ``local`` can be this layout's local tensor."""
+        meta = self.spec.tensor_meta
+        return local.shape == self.local_shape and meta is not None and local.dtype == meta.dtype
+
+    def over(self, local: torch.Tensor) -> DTensor:
+        """The DTensor of this layout whose local tensor is ``local`` (no copy, no grad)."""
+        if self.row_class is None or self.row_ranges is None:
+            return DTensor(local, self.spec, requires_grad=False)  # type: ignore[no-untyped-call]
+        out = self.row_class(local, self.spec, requires_grad=False)
+        out.dp_row_ranges = self.row_ranges
+        if self.tp_partition_stride != 1:
+            out.tp_partition_stride = self.tp_partition_stride
+        return out

@@ -13,15 +13,28 @@ stays None.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mfsdp_buffers import FlatLayout
-from mfsdp_hooks.dtensor.dtensor_views import local_tensor
+from mfsdp_hooks.dtensor.dtensor_views import DTensorLayout, local_tensor
+
+
+@dataclass(frozen=True)
+class _GradCut:
+    """Parameter ``index``'s gradient: ``flat[start:stop].view(shape)`` laid out as ``layout``."""
+
+    start: int
+    stop: int
+    shape: torch.Size
+    layout: DTensorLayout
 
 
 class DTensorMaker(Protocol):
@@ -54,6 +67,10 @@ class GradShard:
         self._storage: weakref.ref[torch.Tensor] | None = None
         self.attribute = attribute
         """The parameter attribute the optimizer reads the gradient from."""
+        self._grad_cuts: dict[int, _GradCut] = {}
+        """Where each parameter's gradient lies in the flat storage and its DTensor layout,
+        from the first one built: later steps rebuild ``.grad`` with one slice, one view
+        and one constructor (a backward of many small parameters is host-bound)."""
 
     @property
     def decoupled(self) -> bool:
@@ -96,8 +113,24 @@ class GradShard:
         piece_flat = flat[piece.shard_offset : piece.shard_offset + piece.numel]
         return placement.rows_view(piece_flat, piece.num_rows)
 
-    def _dtensor(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        return self._make_dtensor(self.local_rows(flat, index), index, sharded=self.sharded)
+    def _dtensor(self, flat: torch.Tensor, index: int, param: nn.Parameter) -> torch.Tensor:
+        cut = self._grad_cuts.get(index)
+        if cut is not None:
+            local = flat[cut.start : cut.stop].view(cut.shape)
+            if cut.layout.fits(local):
+                return cut.layout.over(local)
+        local = self.local_rows(flat, index)
+        tensor = self._make_dtensor(local, index, sharded=self.sharded)
+        if not isinstance(tensor, DTensor) or not local.is_contiguous():
+            return tensor
+        layout = DTensorLayout.of(tensor)
+        if isinstance(param, DTensor) and param._spec == tensor._spec:
+            # The parameter's own spec object, as FSDP2's gradients have: DTensor compares
+            # specs by identity before field by field, in every op of the optimizer step.
+            layout = dataclasses.replace(layout, spec=param._spec)
+        start = int(local.storage_offset() - flat.storage_offset())
+        self._grad_cuts[index] = _GradCut(start, start + local.numel(), local.shape, layout)
+        return layout.over(local)
 
     def new_flat(self, numel: int) -> torch.Tensor:
         """An uninitialised flat tensor of the gradients' dtype and device."""
@@ -130,7 +163,7 @@ class GradShard:
 
     def _install(self, flat: torch.Tensor, params: Sequence[nn.Parameter], which: range) -> None:
         for index in which:
-            setattr(params[index], self.attribute, self._dtensor(flat, index))
+            setattr(params[index], self.attribute, self._dtensor(flat, index, params[index]))
         self._storage = weakref.ref(flat)
 
     def zero_(self) -> None:

@@ -43,7 +43,8 @@ class BackwardPrefetch:
 
     def on_grad(self, numel: int) -> None:
         self._received += numel
-        self.issue()
+        if self._pending:
+            self.issue()
 
     def issue(self, force: bool = False) -> None:
         """Gather the pending targets now if enough gradient arrived, or ``force``."""

@@ -179,6 +179,10 @@ def _register_grad_hooks(
                 )
 
 
+def _all_received(groups: Sequence[ParameterGroup]) -> bool:
+    return all(g.reducer is not None and g.reducer.all_received for g in groups)
+
+
 def _gradient_after_backward(unit: str, param: str) -> RuntimeError:
     return RuntimeError(
         f"FSDP unit {unit}: the gradient of {param!r} arrived after the unit's backward ended "
@@ -401,8 +405,7 @@ class FSDPUnit:
         # data skipped a parameter issues the same collectives in the same order; units
         # without one end at the root's final callback. Frozen weights (no reducer) wait for
         # the trigger: no gradient says autograd is done with them (LoRA's base weight).
-        waiting = [g for g in self.groups if g.reducer is None or not g.reducer.all_received]
-        if complete and not waiting and self._inputs_trigger_armed:
+        if complete and self._inputs_trigger_armed and _all_received(self.groups):
             self._end_own_backward()
 
     def _end_own_backward(self) -> None:
