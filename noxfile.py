@@ -101,7 +101,13 @@ def tests_full(session: nox.Session) -> None:
 
 
 def _run_suite(session: nox.Session, env: dict[str, str]) -> None:
-    suite = ["packages", "tests", "benchmarks/test_trackers.py", "benchmarks/test_goals.py"]
+    suite = [
+        "packages",
+        "tests",
+        "benchmarks/test_trackers.py",
+        "benchmarks/test_goals.py",
+        "benchmarks/test_host_bound.py",
+    ]
     # --durations: the slowest tests, for keeping CI's cross-section under 25 minutes.
     session.run("python", "-m", "pytest", "--durations=25", *suite, *session.posargs, env=env)
 

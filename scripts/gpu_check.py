@@ -8,6 +8,8 @@ packages are imported from ``packages/*/src``. It runs
 1. the tests marked ``cuda`` (side streams with NCCL, NCCL user buffers, the engine's parity
    on CUDA at world 1 for every strategy, Transformer Engine where installed);
 2. one benchmark configuration against torch FSDP2 (default model, bf16, world 1);
+3. the launch-bound rows (``benchmarks/host_bound.py``: 32 small Llama layers, eager and
+   compiled per layer, no sharding / FSDP2 / ours per-module / ours seed, world 1);
 
 and writes ``gpu_report.md`` (and the logs) into ``--out``. Exit status: 0 when every step
 passed, 1 when one failed, 2 when there is no CUDA device.
@@ -127,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
                 150,
             )
         )
+        # Issue 50's launch-bound rows: 32 small Llama layers, eager and compiled per layer
+        # (inductor), none / FSDP2 / per-module / seed, host ms per phase, ops, entries.
+        host_bound = [sys.executable, "-m", "benchmarks.host_bound", "--device", "cuda"]
+        host_bound += ["--world-sizes", "1", "--compile", "none", "block"]
+        host_bound += ["--out", str(args.out / "host_bound.json")]
+        steps.append(("host_bound_vs_fsdp2", host_bound, 240))
     failed = False
     for name, cmd, timeout_s in steps:
         status, seconds, tail = _run(name, cmd, args.out, timeout_s)

@@ -1,0 +1,111 @@
+"""What the host issues per training step (issue 50), ours against torch's FSDP2 on the same
+32-layer launch-bound Llama at world size 1: aten ops dispatched, and entries into the
+engine (each time torch or the user calls into it: module hooks, autograd hooks and
+functions, backward callbacks, optimizer hooks, API calls).
+
+On a GPU a step of many small layers is bound by what the host issues, not by the device.
+Times vary by machine and belong in the benchmark (``benchmarks/RESULTS.md``, launch-bound
+rows); counts do not, so a regression shows here on any machine: an op per parameter back
+on the hot path (a ``copy_`` per gradient instead of one ``cat`` per unit, a slice per
+gradient view), or more hooks than FSDP2 calls.
+
+Counted on the third step (the first two build optimizer state and caches), forward,
+backward, optimizer step and ``zero_grad``, through the per-module API, the seed one-liner
+and ``fully_shard_model`` + ``fully_shard_optimizer``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks.testing.host_counts import AtenOpCount, engine_entries, package_dirs
+
+transformers = pytest.importorskip("transformers")
+
+LAYERS = 32
+APIS = ("per_module", "seed", "model_optimizer")
+
+
+def _llama() -> nn.Module:
+    from hf_cases import llama
+
+    return llama(num_hidden_layers=LAYERS, use_cache=False)
+
+
+def _engine_dirs(impl: str) -> tuple[str, ...]:
+    if impl == "fsdp2":
+        import torch.distributed.fsdp._fully_shard as fsdp2
+
+        return package_dirs([fsdp2])
+    import megatron_fsdp
+    import mfsdp_buffers
+    import mfsdp_checkpoint
+    import mfsdp_collectives
+    import mfsdp_hooks
+
+    return package_dirs(
+        [mfsdp_buffers, mfsdp_collectives, mfsdp_hooks, mfsdp_checkpoint, megatron_fsdp]
+    )
+
+
+def _wrapped(impl: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = _llama()
+    layers = list(model.model.layers)  # type: ignore[union-attr,arg-type]
+    if impl in ("fsdp2", "per_module"):
+        if impl == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+        else:
+            from mfsdp_hooks import fully_shard  # type: ignore[assignment]
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    import megatron_fsdp
+
+    units = [LlamaDecoderLayer]
+    if impl == "seed":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return megatron_fsdp.fully_shard(model, optimizer, fsdp_unit_modules=units)
+    wrapped = megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=units)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    return wrapped, megatron_fsdp.fully_shard_optimizer(optimizer)
+
+
+def _count(impl: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model, optimizer = _wrapped(impl)
+    ids = torch.randint(0, 64, (2, 16))
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    step()
+    with AtenOpCount() as counted:
+        step()
+    entries = engine_entries(step, _engine_dirs(impl))
+    return {"ops": counted.ops, "entries": sum(entries.values()), "by_name": dict(entries)}
+
+
+def _count_all(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    return {impl: _count(impl) for impl in ("fsdp2", *APIS)}
+
+
+def test_host_issues_no_more_than_fsdp2_per_step() -> None:
+    counts = run_distributed(_count_all, 1, timeout=240)[0]
+    fsdp2 = counts["fsdp2"]
+    for api in APIS:
+        ours = counts[api]
+        assert ours["ops"] <= fsdp2["ops"], (api, ours["ops"], fsdp2["ops"])
+        assert ours["entries"] <= fsdp2["entries"], (api, ours["by_name"], fsdp2["by_name"])
