@@ -125,6 +125,20 @@ def hfsdp_topology(outer: int, shard: int) -> Any:
     return topology
 
 
+class OptionalBranch(nn.Module):
+    """``fc``, and ``side`` only when the caller says so: a unit one of whose parameter sets
+    goes unused on some steps or ranks (absent gradients, unused parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.side = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        return h + self.side(h) if use_side else h
+
+
 class AlignedBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()

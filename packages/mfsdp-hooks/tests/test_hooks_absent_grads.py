@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hooks_models import OptionalBranch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -25,27 +26,14 @@ from mfsdp_collectives.testing import run_distributed
 STEPS = 10
 
 
-class Branch(nn.Module):
-    """``fc``, and ``side`` only when the caller says so: one parameter set of a unit unused."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-        self.side = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
-        h = torch.tanh(self.fc(x))
-        return h + self.side(h) if use_side else h
-
-
 class Net(nn.Module):
     """Two branches, and ``aux``: a unit that always runs but reaches the loss only when used."""
 
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(6, 8)
-        self.blocks = nn.ModuleList([Branch(), Branch()])
-        self.aux = Branch()
+        self.blocks = nn.ModuleList([OptionalBranch(), OptionalBranch()])
+        self.aux = OptionalBranch()
         self.head = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor, use: tuple[bool, bool]) -> torch.Tensor:
@@ -78,7 +66,7 @@ def _build(impl: str) -> tuple[nn.Module, torch.optim.Optimizer]:
         from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, attach_optimizer
 
         options = ShardingOptions(sync_model_each_microbatch=False)
-        model = FSDPRootWrapper(model, fsdp_unit_modules=[Branch], options=options)
+        model = FSDPRootWrapper(model, fsdp_unit_modules=[OptionalBranch], options=options)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         return model, attach_optimizer(optimizer)
     else:

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hooks_models import OptionalBranch
 from torch import nn
 
 from mfsdp_collectives.testing import run_distributed
@@ -18,36 +19,23 @@ STEPS = 10
 ROWS = 4  # per rank
 
 
-class Gate(nn.Module):
-    """``fc``, and ``extra`` only where the caller's data says so."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-        self.extra = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
-        h = torch.tanh(self.fc(x))
-        return h + self.extra(h) if use_extra else h
-
-
 class Gated(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(6, 8)
-        self.gates = nn.ModuleList([Gate(), Gate(), Gate()])
+        self.gates = nn.ModuleList([OptionalBranch() for _ in range(3)])
         self.out = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        use_extra = bool(x[:, 0].sum() > 0)  # the data decides, per rank
+        use_side = bool(x[:, 0].sum() > 0)  # the data decides, per rank
         h = self.inp(x)
         for gate in self.gates:
-            h = gate(h, use_extra)
+            h = gate(h, use_side)
         return self.out(h)
 
 
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank 0's inputs take the ``extra`` branches, the other ranks' do not (odd steps), or
+    """Rank 0's inputs take the ``side`` branches, the other ranks' do not (odd steps), or
     the other way round (even steps)."""
     generator = torch.Generator().manual_seed(100 * step + rank)
     x = torch.randn(ROWS, 6, generator=generator)
