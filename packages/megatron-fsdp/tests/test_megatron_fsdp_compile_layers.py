@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from llama_entry_points import ENTRY_POINTS, wrap_llama
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp_collectives.testing import run_distributed
 
@@ -27,7 +27,7 @@ LAYERS = 32
 STEPS = 10
 FULL = os.environ.get("MFSDP_FULL_MATRIX") == "1"
 HOWS = ("titan_fullgraph", "method_after") if FULL else ("titan_fullgraph",)
-APIS = ("per_module", "seed", "model_optimizer") if FULL else ("per_module", "seed")
+APIS = ENTRY_POINTS if FULL else ("per_module", "seed")
 
 
 def _compile_layers(model: nn.Module, how: str) -> None:
@@ -41,33 +41,11 @@ def _compile_layers(model: nn.Module, how: str) -> None:
 
 def _wrapped(impl: str, how: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     from hf_cases import llama
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     model = llama(num_hidden_layers=LAYERS, use_cache=False)
     if how == "titan_fullgraph":
         _compile_layers(model, how)
-    layers = list(model.model.layers)  # type: ignore[union-attr,arg-type]
-    if impl in ("fsdp2", "per_module"):
-        if impl == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
-        else:
-            from mfsdp_hooks import fully_shard  # type: ignore[assignment]
-        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-        for layer in layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        wrapped, optimizer = model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-    else:
-        import megatron_fsdp
-
-        units = [LlamaDecoderLayer]
-        if impl == "seed":
-            adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            wrapped, optimizer = megatron_fsdp.fully_shard(model, adamw, fsdp_unit_modules=units)
-        else:
-            wrapped = megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=units)
-            adamw = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
-            optimizer = megatron_fsdp.fully_shard_optimizer(adamw)
+    wrapped, optimizer = wrap_llama(impl, model, lr=1e-2)
     if how == "method_after":
         _compile_layers(model, how)
     return wrapped, optimizer

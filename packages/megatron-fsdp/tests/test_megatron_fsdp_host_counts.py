@@ -10,8 +10,8 @@ on the hot path (a ``copy_`` per gradient instead of one ``cat`` per unit, a sli
 gradient view), or more hooks than FSDP2 calls.
 
 Counted on the third step (the first two build optimizer state and caches), forward,
-backward, optimizer step and ``zero_grad``, through the per-module API, the seed one-liner
-and ``fully_shard_model`` + ``fully_shard_optimizer``.
+backward, optimizer step and ``zero_grad``, through the per-module API, the seed one-liner,
+``fully_shard_model`` + ``fully_shard_optimizer`` and the ``MegatronFSDP`` class.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 import torch
+from llama_entry_points import ENTRY_POINTS, wrap_llama
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks.testing.host_counts import AtenOpCount, engine_entries, package_dirs
@@ -29,7 +29,6 @@ from mfsdp_hooks.testing.host_counts import AtenOpCount, engine_entries, package
 transformers = pytest.importorskip("transformers")
 
 LAYERS = 32
-APIS = ("per_module", "seed", "model_optimizer")
 
 
 def _llama() -> nn.Module:
@@ -54,35 +53,9 @@ def _engine_dirs(impl: str) -> tuple[str, ...]:
     )
 
 
-def _wrapped(impl: str) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    model = _llama()
-    layers = list(model.model.layers)  # type: ignore[union-attr,arg-type]
-    if impl in ("fsdp2", "per_module"):
-        if impl == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
-        else:
-            from mfsdp_hooks import fully_shard  # type: ignore[assignment]
-        mesh = init_device_mesh("cpu", (1,))
-        for layer in layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-    import megatron_fsdp
-
-    units = [LlamaDecoderLayer]
-    if impl == "seed":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        return megatron_fsdp.fully_shard(model, optimizer, fsdp_unit_modules=units)
-    wrapped = megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=units)
-    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
-    return wrapped, megatron_fsdp.fully_shard_optimizer(optimizer)
-
-
 def _count(impl: str) -> dict[str, Any]:
     torch.manual_seed(0)
-    model, optimizer = _wrapped(impl)
+    model, optimizer = wrap_llama(impl, _llama(), lr=1e-3)
     ids = torch.randint(0, 64, (2, 16))
 
     def step() -> None:
@@ -99,13 +72,13 @@ def _count(impl: str) -> dict[str, Any]:
 
 
 def _count_all(rank: int, world: int) -> dict[str, dict[str, Any]]:
-    return {impl: _count(impl) for impl in ("fsdp2", *APIS)}
+    return {impl: _count(impl) for impl in ("fsdp2", *ENTRY_POINTS)}
 
 
 def test_host_issues_no_more_than_fsdp2_per_step() -> None:
     counts = run_distributed(_count_all, 1, timeout=240)[0]
     fsdp2 = counts["fsdp2"]
-    for api in APIS:
+    for api in ENTRY_POINTS:
         ours = counts[api]
         assert ours["ops"] <= fsdp2["ops"], (api, ours["ops"], fsdp2["ops"])
         assert ours["entries"] <= fsdp2["entries"], (api, ours["by_name"], fsdp2["by_name"])
