@@ -92,10 +92,12 @@ def _engine_dirs(impl: str) -> tuple[str, ...]:
         return package_dirs([fsdp2])
     import megatron_fsdp
     import mfsdp_buffers
+    import mfsdp_checkpoint
     import mfsdp_collectives
     import mfsdp_hooks
 
-    return package_dirs([mfsdp_buffers, mfsdp_collectives, mfsdp_hooks, megatron_fsdp])
+    layers = [mfsdp_buffers, mfsdp_collectives, mfsdp_hooks, mfsdp_checkpoint, megatron_fsdp]
+    return package_dirs(layers)
 
 
 def _world(rank: int, world: int, impl: str, args: dict[str, Any]) -> dict[str, Any]:

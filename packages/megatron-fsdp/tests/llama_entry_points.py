@@ -10,9 +10,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-ENTRY_POINTS = ("per_module", "seed", "model_optimizer", "class")
+ENTRY_POINTS = ("per_module", "seed", "model_optimizer", "class", "mcore")
 """Ours: per-module ``fully_shard``, ``fully_shard(model, optimizer)``, ``fully_shard_model`` +
-``fully_shard_optimizer``, the ``MegatronFSDP`` class + ``fully_shard_optimizer``."""
+``fully_shard_optimizer``, the ``MegatronFSDP`` class + ``fully_shard_optimizer``, the
+Megatron-Core adapter (``megatron_fsdp.mcore.FullyShardedDataParallel``, with the configs'
+stand-ins) + ``fully_shard_optimizer``."""
 
 
 def wrap_llama(impl: str, model: nn.Module, lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -49,6 +51,10 @@ def wrap_llama(impl: str, model: nn.Module, lr: float) -> tuple[nn.Module, torch
             overlap_param_gather=True,
         )
         wrapped = megatron_fsdp.MegatronFSDP(model, index, config, fsdp_unit_modules=units)
+    elif impl == "mcore":
+        from mcore_stand_ins import mcore_chunk
+
+        wrapped = mcore_chunk(model, units)
     else:
         raise ValueError(f"unknown impl {impl!r}")
     adamw = torch.optim.AdamW(wrapped.parameters(), lr=lr)

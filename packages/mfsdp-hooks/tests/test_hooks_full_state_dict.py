@@ -71,15 +71,16 @@ def _worker(rank: int, world: int, broadcast: bool, forward_first: bool = False)
 
 
 @pytest.mark.parametrize(
-    ("broadcast", "forward_first"),
-    [(True, False), (False, False), (False, True)],
-    ids=["from_rank0", "on_every_rank", "on_every_rank_after_a_forward"],
+    ("world", "broadcast", "forward_first"),
+    [(2, True, False), (2, False, False), (2, False, True), (1, False, False)],
+    ids=["from_rank0", "on_every_rank", "on_every_rank_after_a_forward", "one_rank"],
 )
-def test_full_state_dict_loads_our_rows(broadcast: bool, forward_first: bool) -> None:
+def test_full_state_dict_loads_our_rows(world: int, broadcast: bool, forward_first: bool) -> None:
     """on_every_rank failed before for the optimizer: torch's distribute_tensor gave a bare
     optimizer torch.chunk pieces ('The size of tensor a (16) must match the size of tensor b
-    (15)' at the step)."""
-    run_distributed(_worker, 2, broadcast, forward_first, timeout=120)
+    (15)' at the step). one_rank: the rows are torch.chunk's (TorchChunkRowsDTensor), and
+    the optimizer's state plain DTensors."""
+    run_distributed(_worker, world, broadcast, forward_first, timeout=120)
 
 
 def _convert_once_worker(rank: int, world: int) -> int:

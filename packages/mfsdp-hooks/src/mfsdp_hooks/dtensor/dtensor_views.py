@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor, row_sharded
+from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor, new_row_sharded, row_sharded
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -57,6 +57,10 @@ def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
     """A DTensor with ``like``'s mesh, placements, global shape and (for a
     :class:`RowShardedDTensor`) row ranges whose local tensor is ``local`` (no copy): state,
     gradients or loaded values laid out as a parameter."""
+    layout = DTensorLayout.of(like)
+    meta = like._spec.tensor_meta
+    if layout.fits(local) and meta is not None and meta.stride == contiguous_stride(like.shape):
+        return layout.over(local)  # like's own spec: none to derive, no autograd function
     with torch.no_grad():
         out = DTensor.from_local(
             local,
@@ -110,8 +114,5 @@ class DTensorLayout:
         """The DTensor of this layout whose local tensor is ``local`` (no copy, no grad)."""
         if self.row_class is None or self.row_ranges is None:
             return DTensor(local, self.spec, requires_grad=False)  # type: ignore[no-untyped-call]
-        out = self.row_class(local, self.spec, requires_grad=False)
-        out.dp_row_ranges = self.row_ranges
-        if self.tp_partition_stride != 1:
-            out.tp_partition_stride = self.tp_partition_stride
-        return out
+        ranges, stride = self.row_ranges, self.tp_partition_stride
+        return new_row_sharded(self.row_class, local, self.spec, ranges, stride)

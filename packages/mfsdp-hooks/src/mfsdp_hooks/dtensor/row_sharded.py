@@ -64,7 +64,13 @@ from mfsdp_collectives import all_gather_into
 from mfsdp_hooks.dtensor.dcp_protocol import row_chunks, row_write_items
 from mfsdp_hooks.dtensor.row_placement import row_placements
 
-__all__ = ["RowShardedDTensor", "TorchChunkRowsDTensor", "row_sharded", "row_sharded_over"]
+__all__ = [
+    "RowShardedDTensor",
+    "TorchChunkRowsDTensor",
+    "new_row_sharded",
+    "row_sharded",
+    "row_sharded_over",
+]
 
 _TENSOR_DATA: Any = torch.Tensor.data  # the C getset descriptor behind ``Tensor.data``
 _NO_TORCH_FUNCTION: Callable[..., Any] = torch._C._disabled_torch_function_impl
@@ -258,11 +264,9 @@ def row_sharded(
 def _rewrap(tensor: torch.Tensor, like: RowShardedDTensor) -> RowShardedDTensor:
     """``tensor`` (no copy), laid out as ``like``, as a tensor of ``like``'s class."""
     assert isinstance(tensor, DTensor)
-    out = type(like)(tensor._local_tensor, tensor._spec, requires_grad=tensor.requires_grad)
-    out.dp_row_ranges = like.dp_row_ranges
-    if like.tp_partition_stride != 1:
-        out.tp_partition_stride = like.tp_partition_stride
-    return out
+    ranges, stride = like.dp_row_ranges, like.tp_partition_stride
+    local, spec, grad = tensor._local_tensor, tensor._spec, tensor.requires_grad
+    return new_row_sharded(type(like), local, spec, ranges, stride, requires_grad=grad)
 
 
 def row_sharded_over(
@@ -277,7 +281,21 @@ def row_sharded_over(
     (:func:`row_sharded` checks): of :class:`TorchChunkRowsDTensor` where the ranges are
     ``torch.chunk``'s own."""
     cls = TorchChunkRowsDTensor if _torch_chunk_rows(spec, ranges, stride) else RowShardedDTensor
-    out: RowShardedDTensor = cls(local, spec, requires_grad=requires_grad)  # type: ignore[no-untyped-call]
+    return new_row_sharded(cls, local, spec, ranges, stride, requires_grad=requires_grad)
+
+
+def new_row_sharded(
+    cls: type[RowShardedDTensor],
+    local: torch.Tensor,
+    spec: DTensorSpec,
+    ranges: tuple[tuple[int, int], ...],
+    stride: int,
+    *,
+    requires_grad: bool = False,
+) -> RowShardedDTensor:
+    """The one constructor: a ``cls`` of ``spec`` over ``local`` (no copy, no checks) whose
+    ranges are ``ranges``, of a TP partition of ``stride`` blocks."""
+    out: RowShardedDTensor = cls(local, spec, requires_grad=requires_grad)
     out.dp_row_ranges = ranges
     if stride != 1:
         out.tp_partition_stride = stride
