@@ -1,6 +1,7 @@
 """Train a small GPT with megatron-fsdp: the project's main job.
 
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --optimizer muon
 
 Runs on CPU ranks with gloo by default (NCCL and CUDA when available). The corpus is built
 in-process (no downloads): character-level text from a small generated grammar.
@@ -21,10 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.optim import Optimizer
 
 from megatron_fsdp import (
     BlockQuantization,
     MixedPrecisionPolicy,
+    Muon,
     fully_shard_model,
     fully_shard_optimizer,
     quantize_communication,
@@ -123,6 +126,18 @@ def write_losses(path: str, every_step: list[torch.Tensor], held_out: float, wor
             json.dump(record, file)
 
 
+def build_optimizer(model: nn.Module, kind: str, lr: float, muon_lr: float) -> Optimizer:
+    """AdamW over everything, or Muon as its users configure it: the blocks' weight matrices
+    in Muon, embeddings, norms, biases and the head in a ``use_muon=False`` (AdamW) group."""
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr)
+    named = list(model.named_parameters())
+    hidden = [p for n, p in named if "blocks." in n and p.ndim == 2]
+    rest = [p for n, p in named if not ("blocks." in n and p.ndim == 2)]
+    groups = [{"params": hidden}, {"params": rest, "use_muon": False, "lr": lr}]
+    return Muon(groups, lr=muon_lr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=150)
@@ -138,6 +153,13 @@ def main() -> None:
         default=15,
         help="linear warm-up to --lr, then a cosine decay to a tenth of it at the last step",
     )
+    parser.add_argument(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="muon: megatron_fsdp.Muon on the blocks' matrices (exact on shards), AdamW elsewhere",
+    )
+    parser.add_argument("--muon-lr", type=float, default=2e-2, help="peak learning rate of Muon")
     parser.add_argument("--zero-dp-strategy", default="optim_grads_params")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 main weights")
     parser.add_argument(
@@ -183,7 +205,7 @@ def main() -> None:
         zero_dp_strategy=args.zero_dp_strategy,
         mixed_precision_policy=policy,
     )
-    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))
+    optimizer = fully_shard_optimizer(build_optimizer(model, args.optimizer, args.lr, args.muon_lr))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: learning_rate_factor(step, args.warmup_steps, args.steps)
     )

@@ -47,3 +47,12 @@ def test_int8_gradients_end_the_demo_within_one_percent_of_fp32(tmp_path: Path) 
     assert relative[-1] <= 0.01, (int8[-1], fp32[-1])
     assert max(relative) <= 0.02, max(relative)
     assert abs(int8_held_out - fp32_held_out) <= 0.01 * fp32_held_out
+
+
+def test_the_demo_trains_with_muon(tmp_path: Path) -> None:
+    """``--optimizer muon``: megatron_fsdp.Muon on the blocks' matrices (sharded over the two
+    ranks, orthogonalised whole), AdamW on the rest, through the seed API."""
+    small = ("--steps", "12", "--width", "64", "--depth", "2", "--log-every", "4")
+    muon, _ = _losses(tmp_path, "muon", *small, "--optimizer", "muon")
+    assert len(muon) == 12
+    assert muon[-1] < muon[0] - 0.2, muon

@@ -18,7 +18,10 @@ entry point against the same one-process run (``matrix_cases``):
   or of the whole wrapped model; graphs must be compiled (counted) and training exact.
 * ``adam``, ``sgd_momentum``, ``adagrad``, ``rmsprop``: the element-wise optimizers torch
   ships (AdamW is every other column's); ``muon``: torch's Muon, whose step reads whole
-  matrices, refused at wrap time or first step on every rank.
+  matrices: handed to the engine it becomes ours (exact), built on the sharded model and
+  never handed over it is refused at the first forward on every rank; ``muon_ours``:
+  ``megatron_fsdp.Muon`` on the matrices with an AdamW group for the rest (against torch's
+  Muon + AdamW on one process).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+import megatron_fsdp
 from mfsdp_hooks.testing import make_model
 
 LR = 1e-2
@@ -50,6 +54,13 @@ _OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=LR),
     # Muon orthogonalises each 2-D weight's whole update: only the matrices take part.
     "muon": lambda p: torch.optim.Muon([q for q in p if q.ndim == 2], lr=LR),
+    "muon_ours": lambda p: megatron_fsdp.Muon(
+        [
+            {"params": [q for q in p if q.ndim == 2]},
+            {"params": [q for q in p if q.ndim != 2], "use_muon": False},
+        ],
+        lr=LR,
+    ),
 }
 COMPILED = ("compile_block", "compile_model")
 COLS = (*MODEL_COLS, *ROUND_TRIPS, *_OPTIMIZERS, *COMPILED)

@@ -9,8 +9,10 @@ from megatron_fsdp.wrapper import MegatronFSDP
 from mfsdp_collectives import BlockQuantization, QuantizationErrorLog
 from mfsdp_hooks import (
     MixedPrecisionPolicy,
+    Muon,
     ShardingStrategy,
     declare_elementwise_optimizer,
+    declare_shard_aware_optimizer,
     quantize_communication,
 )
 
@@ -23,11 +25,13 @@ __all__ = [
     "FSDPDistributedIndex",
     "MegatronFSDP",
     "MixedPrecisionPolicy",
+    "Muon",
     "MemoryPlan",
     "ModelStatesPlan",
     "ShardingStrategy",
     "__version__",
     "declare_elementwise_optimizer",
+    "declare_shard_aware_optimizer",
     "fully_shard",
     "fully_shard_model",
     "fully_shard_optimizer",

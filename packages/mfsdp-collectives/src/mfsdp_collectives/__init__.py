@@ -27,6 +27,7 @@ from .custom_comms import (
     uses_caller_buffers,
 )
 from .exact_values import ExactPositions
+from .exchange import all_to_all_into
 from .handle import CommHandle
 from .host_transport import (
     HOST_TRANSPORTS,
@@ -107,6 +108,7 @@ __all__ = [
     "UserBufferPool",
     "__version__",
     "all_gather_into",
+    "all_to_all_into",
     "all_reduce_",
     "broadcast_",
     "check_host_transport",

@@ -22,8 +22,16 @@ __all__ = ["OP_NAMES", "CommLog", "CommRecord", "CommTracer", "record_comm"]
 
 # "grad_presence": the all-reduce of one flag per parameter that settles which parameters got
 # a gradient on some rank (mfsdp_hooks' grad_presence), counted apart from the gradient
-# all-reduces, which FSDP2 issues as well.
-OP_NAMES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "grad_presence")
+# all-reduces, which FSDP2 issues as well. "all_to_all": what a whole-matrix optimizer step
+# exchanges (``exchange.all_to_all_into``), what this rank sends.
+OP_NAMES = (
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "broadcast",
+    "grad_presence",
+    "all_to_all",
+)
 
 _active_lock = threading.Lock()
 _active: list[CommTracer] = []

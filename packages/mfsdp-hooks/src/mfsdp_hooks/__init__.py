@@ -43,10 +43,14 @@ from mfsdp_hooks.dtensor.dtensor_views import dtensor_like, local_tensor
 from mfsdp_hooks.dtensor.load_rows import own_rows
 from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor, TorchChunkRowsDTensor, row_sharded
 from mfsdp_hooks.dtensor.tensor_parallel import TPSpec, tp_full_tensor
+from mfsdp_hooks.optim.muon import Muon, newton_schulz, newton_schulz_cost
 from mfsdp_hooks.optim.optimizer import FSDPOptimizer, attach_optimizer, optimizer_groups
+from mfsdp_hooks.optim.whole_matrix import MatrixRows, map_whole_matrices, plan_owners, rows_of
 from mfsdp_hooks.runtime.elementwise_optimizers import (
     declare_elementwise_optimizer,
+    declare_shard_aware_optimizer,
     is_elementwise_optimizer,
+    steps_shards_exactly,
 )
 from mfsdp_hooks.runtime.observe import format_bytes
 from mfsdp_hooks.runtime.timeline import TimelineRecorder, record_timeline
@@ -70,6 +74,7 @@ from mfsdp_hooks.weights.param_group import DEFAULT_ALIGNMENT, ParameterGroup
 __version__ = "1.0.0"
 
 __all__ = [
+    "Muon",
     "DEFAULT_ALIGNMENT",
     "GroupSummary",
     "ShardingSummary",
@@ -107,7 +112,15 @@ __all__ = [
     "IdentityCodec",
     "attach_optimizer",
     "declare_elementwise_optimizer",
+    "declare_shard_aware_optimizer",
     "is_elementwise_optimizer",
+    "map_whole_matrices",
+    "MatrixRows",
+    "newton_schulz",
+    "newton_schulz_cost",
+    "plan_owners",
+    "rows_of",
+    "steps_shards_exactly",
     "dist_param_of",
     "dtensor_like",
     "fsdp_units",

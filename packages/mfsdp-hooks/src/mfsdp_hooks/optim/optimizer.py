@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from mfsdp_hooks.optim.contiguous_step import ContiguousStepper, supports_contiguous_step
+from mfsdp_hooks.optim.muon import Muon
 from mfsdp_hooks.runtime import timeline
 from mfsdp_hooks.runtime.elementwise_optimizers import (
     USER_CLASS_ATTR,
@@ -280,9 +281,10 @@ def attach_optimizer(
     and runs whose gradients or state are not laid out that way take torch's own path.
     An LR scheduler may be built before or after: one built before wrapped ``step`` on the
     instance, so the FSDP work runs as step hooks and the step takes torch's per-parameter
-    path (``contiguous_step=True`` is then refused). An optimizer
-    that would step shards of parameters without an element-wise update (Muon, LBFGS) is
-    refused (:mod:`mfsdp_hooks.runtime.elementwise_optimizers`).
+    path (``contiguous_step=True`` is then refused). A ``torch.optim.Muon`` becomes
+    :class:`~mfsdp_hooks.optim.muon.Muon`, exact on shards; any other optimizer that would
+    step shards of parameters without an element-wise update (LBFGS) is refused
+    (:mod:`mfsdp_hooks.runtime.elementwise_optimizers`).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -305,6 +307,9 @@ def attach_optimizer(
             "attaching, or leave contiguous_step unset (torch's per-parameter step, same result)"
         )
     _check_reads_decoupled_grads(optimizer)
+    if type(optimizer) is torch.optim.Muon:
+        # Handed to us: ours has its arguments, groups and state, and is exact on shards.
+        optimizer.__class__ = Muon
     refuse_sharded_non_elementwise(optimizer)
     stepper = None if wrapped_step else _stepper_for(optimizer, contiguous_step, step_chunk_numel)
     for group in optimizer_groups(optimizer):

@@ -15,10 +15,21 @@ never handed to us (per-module ``fully_shard``, the wrapper class, Megatron-Core
 
 The decision is an allow-list, not a list of known offenders: a refusal names the fix, where
 an optimizer nobody vouched for could train wrong without a word. Exact classes only: a
-subclass may override ``step`` with anything (both of ours in tests do). A user whose
-optimizer is element-wise says so once, ``declare_elementwise_optimizer(MyOptimizer)``.
-Where nothing the optimizer steps is sharded (``no_shard``, or a shard group of one rank)
-every optimizer sees whole parameters and is exact, and none is refused.
+subclass may override ``step`` with anything (both of ours in tests do). An optimizer class
+declares what its step needs, once:
+
+- ``declare_elementwise_optimizer(MyOptimizer)``: each element's update reads that element's
+  weight, gradient and state alone, so stepping rows is exact as it is;
+- ``declare_shard_aware_optimizer(MyOptimizer)``: its step reads whole tensors but finds
+  them itself from each parameter's DTensor layout (``mfsdp_hooks.Muon``, which gathers each
+  update matrix once through ``mfsdp_hooks.optim.whole_matrix.map_whole_matrices``, as a
+  custom whole-matrix optimizer can).
+
+``torch.optim.Muon`` handed to the engine (``attach_optimizer``) becomes our exact ``Muon``
+(same arguments, state and result); built on the parameters of a sharded model and never
+handed over, it is refused with that fix. Where nothing the optimizer steps is sharded
+(``no_shard``, or a shard group of one rank) every optimizer sees whole parameters and is
+exact, and none is refused.
 """
 
 from __future__ import annotations
@@ -35,8 +46,10 @@ from mfsdp_hooks.weights.param_group import ParameterGroup
 __all__ = [
     "USER_CLASS_ATTR",
     "declare_elementwise_optimizer",
+    "declare_shard_aware_optimizer",
     "is_elementwise_optimizer",
     "refuse_sharded_non_elementwise",
+    "steps_shards_exactly",
 ]
 
 TORCH_ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
@@ -72,6 +85,7 @@ USER_CLASS_ATTR = "_mfsdp_user_class"
 """Set on a class ``attach_optimizer`` derives from the user's: the user's class."""
 
 _declared: dict[type[torch.optim.Optimizer], None] = {}  # an ordered set: membership only
+_shard_aware: dict[type[torch.optim.Optimizer], None] = {}
 
 
 _OptimizerClass = TypeVar("_OptimizerClass", bound=type[torch.optim.Optimizer])
@@ -89,6 +103,19 @@ def declare_elementwise_optimizer(cls: _OptimizerClass) -> _OptimizerClass:
             f"declare_elementwise_optimizer takes a torch.optim.Optimizer subclass, got {cls!r}"
         )
     _declared[cls] = None
+    return cls
+
+
+def declare_shard_aware_optimizer(cls: _OptimizerClass) -> _OptimizerClass:
+    """Declare that ``cls`` (exactly) steps sharded parameters exactly by itself: its step
+    reads each parameter's DTensor layout and gathers whatever whole tensors it needs (as
+    :class:`mfsdp_hooks.Muon` does with ``map_whole_matrices``). Sharded training then
+    accepts it. Returns ``cls`` (usable as a class decorator)."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(
+            f"declare_shard_aware_optimizer takes a torch.optim.Optimizer subclass, got {cls!r}"
+        )
+    _shard_aware[cls] = None
     return cls
 
 
@@ -123,6 +150,15 @@ def is_elementwise_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
+def steps_shards_exactly(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether stepping shards with ``optimizer`` gives the whole parameters' step: it is
+    element-wise, or declared shard-aware (a wrapper: the optimizer it wraps)."""
+    inner = _wrapped(optimizer)
+    if inner is not None:
+        return steps_shards_exactly(inner)
+    return is_elementwise_optimizer(optimizer) or _user_class(optimizer) in _shard_aware
+
+
 def _steps_shards(group: ParameterGroup) -> bool:
     """Whether an optimizer of ``group``'s parameters sees pieces of them on some rank (the
     same answer on every rank: it reads the strategy and the topology only)."""
@@ -136,7 +172,7 @@ def refuse_sharded_non_elementwise(
 ) -> None:
     """Raise if ``optimizer`` steps shards of parameters of ours (of ``within``'s groups
     only, when given) and is not known to be element-wise."""
-    if is_elementwise_optimizer(optimizer):
+    if steps_shards_exactly(optimizer):
         return
     allowed = None if within is None else {id(group) for group in within}
     sharded = [
@@ -150,27 +186,44 @@ def refuse_sharded_non_elementwise(
     if not sharded:
         return
     cls = _user_class(optimizer)
-    why = _WHY_NOT.get(cls.__name__)
     more = f" and {len(sharded) - 1} more" if len(sharded) > 1 else ""
-    if why is None:
-        problem = (
-            "nothing says its update is element-wise; one that reads whole tensors (as "
-            "Muon, LBFGS and Adafactor do) computes something else on shards, and training "
-            "silently diverges"
-        )
-    else:
-        problem = (
-            f"its update is not element-wise ({why}): on shards it computes something else "
-            f"than on whole parameters, and training would silently diverge. An exact "
-            f"sharded {cls.__name__} is not supported yet"
-        )
     raise ValueError(
         f"optimizer: {cls.__module__}.{cls.__qualname__} would step each rank's shard of "
-        f"sharded parameters ({sharded[0]!r}{more}), but {problem}. Shard nothing it steps "
-        "(zero_dp_strategy=0; sharding_strategy=0 for mfsdp_hooks.fully_shard; "
-        "data_parallel_sharding_strategy='no_shard' for Megatron-Core), or use an "
-        f"element-wise optimizer (torch's {', '.join(c.__name__ for c in TORCH_ELEMENTWISE)}). "
-        f"If each element's update in {cls.__name__} reads only that element's weight, "
-        "gradient and state, declare it once: "
-        f"megatron_fsdp.declare_elementwise_optimizer({cls.__name__}) (mfsdp_hooks has it too)"
+        f"sharded parameters ({sharded[0]!r}{more}), but {_why_refused(cls)}"
+    )
+
+
+def _why_refused(cls: type[torch.optim.Optimizer]) -> str:
+    """The problem and the fixes, for a refused optimizer class."""
+    why = _WHY_NOT.get(cls.__name__)
+    unshard = (
+        "shard nothing it steps (zero_dp_strategy=0; sharding_strategy=0 for "
+        "mfsdp_hooks.fully_shard; data_parallel_sharding_strategy='no_shard' for "
+        "Megatron-Core)"
+    )
+    elementwise = ", ".join(c.__name__ for c in TORCH_ELEMENTWISE)
+    if cls is torch.optim.Muon:
+        return (
+            f"its update is not element-wise ({why}): on shards it computes something else "
+            "than on whole parameters, and training would silently diverge. Fix: use "
+            "megatron_fsdp.Muon (mfsdp_hooks has it too): torch's arguments and state, exact "
+            "on shards; handed to fully_shard(model, optimizer), fully_shard_optimizer or "
+            f"attach_optimizer, a torch.optim.Muon becomes it. Or {unshard}"
+        )
+    if why is not None:
+        return (
+            f"its update is not element-wise ({why}): on shards it computes something else "
+            "than on whole parameters, and training would silently diverge. An exact sharded "
+            f"{cls.__name__} is not supported yet: {unshard}, or use an element-wise optimizer "
+            f"(torch's {elementwise})"
+        )
+    return (
+        "nothing says its update is element-wise; one that reads whole tensors (as Muon, "
+        "LBFGS and Adafactor do) computes something else on shards, and training silently "
+        f"diverges. Either {unshard}, or use an element-wise optimizer (torch's "
+        f"{elementwise}). If each element's update in {cls.__name__} reads only that "
+        "element's weight, gradient and state, declare it once: "
+        f"megatron_fsdp.declare_elementwise_optimizer({cls.__name__}) (mfsdp_hooks has it "
+        "too); if its step gathers what it needs from the DTensor layout itself: "
+        f"declare_shard_aware_optimizer({cls.__name__})"
     )
