@@ -21,7 +21,8 @@ entry point against the same one-process run (``matrix_cases``):
   matrices: handed to the engine it becomes ours (exact), built on the sharded model and
   never handed over it is refused at the first forward on every rank; ``muon_ours``:
   ``megatron_fsdp.Muon`` on the matrices with an AdamW group for the rest (against torch's
-  Muon + AdamW on one process).
+  Muon + AdamW on one process); ``ep_muon``: the same on the ``ep`` column's
+  mixture-of-experts model.
 """
 
 from __future__ import annotations
@@ -45,6 +46,17 @@ import megatron_fsdp
 from mfsdp_hooks.testing import make_model
 
 LR = 1e-2
+
+
+def _ours_muon(params: list[Any]) -> torch.optim.Optimizer:
+    """megatron_fsdp.Muon on the matrices, its AdamW group on the rest."""
+    groups = [
+        {"params": [q for q in params if q.ndim == 2]},
+        {"params": [q for q in params if q.ndim != 2], "use_muon": False},
+    ]
+    return megatron_fsdp.Muon(groups, lr=LR)
+
+
 MODEL_COLS = ("lora", "seeded_apart")
 ROUND_TRIPS = ("torch_sd_full", "torch_sd_sharded", "dcp_plain")
 _OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -54,15 +66,13 @@ _OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=LR),
     # Muon orthogonalises each 2-D weight's whole update: only the matrices take part.
     "muon": lambda p: torch.optim.Muon([q for q in p if q.ndim == 2], lr=LR),
-    "muon_ours": lambda p: megatron_fsdp.Muon(
-        [
-            {"params": [q for q in p if q.ndim == 2]},
-            {"params": [q for q in p if q.ndim != 2], "use_muon": False},
-        ],
-        lr=LR,
-    ),
+    "muon_ours": _ours_muon,
+    # The mixture-of-experts model, experts sharded over their own (expert data-parallel)
+    # mesh: each expert's matrices are orthogonalised within that mesh's shard group.
+    "ep_muon": _ours_muon,
 }
 COMPILED = ("compile_block", "compile_model")
+
 COLS = (*MODEL_COLS, *ROUND_TRIPS, *_OPTIMIZERS, *COMPILED)
 # Entry points whose optimizer is built on the sharded model and never handed to the engine
 # (per_module, mcore) meet it at the first forward: the refusal comes there.

@@ -257,8 +257,8 @@ def _mcore(module: nn.Module, col: str, layout: Layout, units: list[type[nn.Modu
     config = TransformerConfigStandIn(
         tensor_model_parallel_size=2 if family(col) == "tp" else 1,
         context_parallel_size=2 if col == "cp" else 1,
-        expert_model_parallel_size=2 if col == "ep" else 1,
-        num_moe_experts=NUM_EXPERTS if col == "ep" else None,
+        expert_model_parallel_size=2 if family(col) == "ep" else 1,
+        num_moe_experts=NUM_EXPERTS if family(col) == "ep" else None,
         init_model_with_meta_device=col == "meta_init",
     )
     ddp_config = MCoreDDPConfigStandIn(

@@ -58,6 +58,7 @@ _FAMILY = {
     "tp_megatron": "tp",
     "hfsdp_tp": "tp",
     "ep": "ep",
+    "ep_muon": "ep",
     "float8": "float8",
 }
 _WORLD = {
@@ -67,6 +68,7 @@ _WORLD = {
     "tp_dtensor": 4,
     "tp_megatron": 4,
     "ep": 4,
+    "ep_muon": 4,
     "cp": 4,
     "reshard_int": 4,
 }

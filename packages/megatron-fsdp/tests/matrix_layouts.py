@@ -65,7 +65,7 @@ def make_layout(col: str, rank: int, world: int) -> Layout:
             dp=(mesh["dp_shard"].get_local_rank(), world // 2),
             tp_mesh=mesh["tp"],
         )
-    if col == "ep":
+    if family(col) == "ep":
         dense = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
         expert = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "ep"))
         experts = ExpertSharding(

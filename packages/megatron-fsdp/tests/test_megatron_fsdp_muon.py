@@ -307,3 +307,47 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_four_on_the_same_curve(
     resumed = results[0][0]
     for step, (want, got) in enumerate(zip(straight[4:], resumed, strict=True), start=4):
         assert abs(got - want) <= 1e-5 * abs(want), (step, want, got)
+
+
+# ------------------------------------------------- torch's state-dict helpers, per-module API
+def _per_module_pair(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = make_model(seed)
+    for block in model.blocks:
+        mfsdp_hooks.fully_shard(block)
+    mfsdp_hooks.fully_shard(model)
+    return model, ours(model)
+
+
+def _helpers_round_trip(rank: int, world: int, full: bool) -> tuple[list[float], list[float]]:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    batches = make_batches(8)
+    model, optimizer = _per_module_pair(0)
+    straight = train_data_parallel(model, optimizer, batches, rank, world, global_mean=True)
+    model, optimizer = _per_module_pair(0)
+    train_data_parallel(model, optimizer, batches[:4], rank, world, global_mean=True)
+    out = StateDictOptions(full_state_dict=full, cpu_offload=full)  # full: on rank 0 only
+    weights = get_model_state_dict(model, options=out)
+    moments = get_optimizer_state_dict(model, optimizer, options=out)
+    fresh, fresh_optimizer = _per_module_pair(123)  # another init: only the load makes it right
+    into = StateDictOptions(full_state_dict=full, broadcast_from_rank0=full)
+    set_model_state_dict(fresh, weights, options=into)
+    set_optimizer_state_dict(fresh, fresh_optimizer, moments, options=into)
+    resumed = train_data_parallel(
+        fresh, fresh_optimizer, batches[4:], rank, world, global_mean=True
+    )
+    return straight[4:], resumed
+
+
+@pytest.mark.parametrize("full", [False, pytest.param(True, marks=_FULL_ONLY)])
+def test_torchs_state_dict_helpers_carry_the_momentum(full: bool) -> None:
+    straight, resumed = run_distributed(_helpers_round_trip, 2, full, timeout=180)[0]
+    for want, got in zip(straight, resumed, strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (straight, resumed)

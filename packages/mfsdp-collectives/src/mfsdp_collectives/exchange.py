@@ -71,7 +71,10 @@ def all_to_all_into(
     record_comm("all_to_all", group_name(group), send.numel(), send.dtype)
 
     def issue() -> Work | None:
-        return dist.all_to_all_single(recv, send, received, sent, group=group, async_op=True)
+        work: Work | None = dist.all_to_all_single(
+            recv, send, received, sent, group=group, async_op=True
+        )
+        return work
 
     return launch(
         [(None, issue)],

@@ -37,6 +37,7 @@ from torch.optim.adamw import adamw
 from mfsdp_hooks.dtensor.dtensor_views import local_tensor
 from mfsdp_hooks.optim.whole_matrix import MatrixRows, map_whole_matrices, rows_of
 from mfsdp_hooks.runtime.elementwise_optimizers import declare_shard_aware_optimizer
+from mfsdp_hooks.weights.lookup import locate
 
 __all__ = ["Muon", "newton_schulz", "newton_schulz_cost"]
 
@@ -76,6 +77,14 @@ def _adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> floa
     if adjust_lr_fn in (None, "original"):
         return lr * math.sqrt(max(1.0, rows / cols))
     return lr * (0.2 * math.sqrt(max(rows, cols)))
+
+
+def _name(param: torch.Tensor) -> str:
+    """The parameter's name in its model where the engine knows it, else its shape."""
+    location = locate(param)
+    if location is not None:
+        return location.group.full_names[location.index]
+    return f"a parameter of shape {tuple(param.shape)}"
 
 
 def _scalar(value: Any) -> float:
@@ -152,6 +161,8 @@ class Muon(torch.optim.Muon):
                     f"{tuple(flat[0].shape)}; put the others in a group with use_muon=False "
                     "(stepped as AdamW) or in another optimizer"
                 )
+            for param in params:  # already sharded (per-module API): refused at once
+                rows_of(param, _name(param))
         super(torch.optim.Muon, self).add_param_group(param_group)
 
     @torch.no_grad()
@@ -173,12 +184,13 @@ class Muon(torch.optim.Muon):
     def _momentum_step(
         self, group: dict[str, Any]
     ) -> list[tuple[torch.Tensor, dict[str, Any], MatrixRows]]:
-        """Element-wise, on this rank's rows: the momentum and the update to orthogonalise."""
+        """Element-wise, on this rank's rows: the momentum and the update to orthogonalise.
+        Every layout is read first: a refused one (tensor parallel) changes no state."""
         momentum, nesterov = group["momentum"], group["nesterov"]
+        params = [p for p in group["params"] if p.grad is not None]
+        layouts = [rows_of(param, _name(param)) for param in params]
         updates = []
-        for index, param in enumerate(group["params"]):
-            if param.grad is None:
-                continue
+        for param, layout in zip(params, layouts, strict=True):
             state = self.state[param]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(
@@ -188,7 +200,6 @@ class Muon(torch.optim.Muon):
             buf = local_tensor(state["momentum_buffer"])
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if nesterov else buf
-            layout = rows_of(param, f"param_groups[..]['params'][{index}]")
             updates.append((param, group, layout.with_local(update)))
         return updates
 
