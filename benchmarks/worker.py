@@ -149,7 +149,7 @@ def _instrumented(spec: RunSpec, rank: int, device: torch.device, out: RankResul
     return step
 
 
-STAGING_SITE = "mfsdp_collectives/shm.py:mailbox"
+STAGING_SITE = "mfsdp_collectives/host/shm.py:mailbox"
 
 
 def _transport_staging_bytes(model: torch.nn.Module) -> int:

@@ -4,8 +4,10 @@ and code outside layer 3 reaches the engine through ``mfsdp_hooks``'s public nam
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
+
+from wings import package_imports
+from wings import wing_violations as package_wing_violations
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = ROOT / "packages" / "mfsdp-hooks" / "src" / "mfsdp_hooks"
@@ -20,44 +22,15 @@ WING_RANK = {
     "api": 7,
     "testing": 8,
 }
-# The package's __init__ is the public face and sees every wing.
-PUBLIC_FACE = 9
 
 
 def _hooks_imports(path: Path) -> list[tuple[int, list[str]]]:
-    """(line, dotted path split) of every absolute ``mfsdp_hooks`` import in ``path``."""
-    found: list[tuple[int, list[str]]] = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        found += [(node.lineno, n.split(".")) for n in names if n.split(".")[0] == "mfsdp_hooks"]
-    return found
+    """(line, dotted path split) of every ``mfsdp_hooks`` import in ``path``."""
+    return package_imports(path, "mfsdp_hooks", WING_RANK)
 
 
 def wing_violations(hooks_dir: Path) -> list[str]:
-    """Every import inside the package that points to a wing at or above its own, a module
-    outside any wing, or a wing nobody ranked."""
-    bad = []
-    for path in sorted(hooks_dir.rglob("*.py")):
-        parts = path.relative_to(hooks_dir).parts
-        if len(parts) == 1:
-            if parts[0] != "__init__.py":
-                bad.append(f"{parts[0]}: a module outside the wings")
-            rank = PUBLIC_FACE
-        elif parts[0] not in WING_RANK:
-            bad.append(f"{parts[0]}: a wing without a rank")
-            continue
-        else:
-            rank = WING_RANK[parts[0]]
-        for lineno, dotted in _hooks_imports(path):
-            target = dotted[1] if len(dotted) > 1 else None
-            same = len(parts) > 1 and target == parts[0]
-            if target is None or (not same and WING_RANK.get(target, PUBLIC_FACE) >= rank):
-                bad.append(f"{'/'.join(parts)}:{lineno}: -> {'.'.join(dotted)}")
-    return bad
+    return package_wing_violations(hooks_dir, "mfsdp_hooks", WING_RANK)
 
 
 def deep_imports_from_outside(root: Path) -> list[str]:

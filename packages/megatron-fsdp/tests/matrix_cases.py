@@ -45,7 +45,7 @@ from matrix_training import assert_parity, eval_loss, final_weights, reference_r
 
 import mfsdp_hooks
 from mfsdp_checkpoint import load_checkpoint, save_checkpoint
-from mfsdp_collectives.counting_comms import (
+from mfsdp_collectives.testing.counting_comms import (
     CountingAllGather,
     CountingReduceScatter,
     GradientRecorder,

@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor
 
 import mfsdp_hooks
 from mfsdp_collectives import BlockQuantization, QuantizedAllGather, QuantizedReduceScatter
-from mfsdp_collectives.counting_comms import CountingAllGather
 from mfsdp_collectives.testing import run_distributed
+from mfsdp_collectives.testing.counting_comms import CountingAllGather
 
 FULL = os.environ.get("MFSDP_FULL_MATRIX") == "1"
 # Small blocks: the toy model's chunks are small (one under a block stays full precision).

@@ -19,8 +19,8 @@ from mfsdp_collectives import (
     enable_host_transport,
     reduce_scatter_into,
 )
-from mfsdp_collectives.counting_comms import CountingAllGather, CountingReduceScatter
 from mfsdp_collectives.testing import run_distributed
+from mfsdp_collectives.testing.counting_comms import CountingAllGather, CountingReduceScatter
 
 
 class _WrongSize(CountingAllGather):

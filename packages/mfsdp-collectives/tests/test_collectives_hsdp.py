@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-import mfsdp_collectives._compat as compat
+import mfsdp_collectives.core._compat as compat
 from mfsdp_collectives import (
     CommStreams,
     CommTracer,

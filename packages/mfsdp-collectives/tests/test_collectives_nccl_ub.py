@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import mfsdp_collectives.nccl_ub as nccl_ub
+import mfsdp_collectives.topology.nccl_ub as nccl_ub
 from mfsdp_collectives import UserBufferPool, all_gather_into, register_user_buffers
 from mfsdp_collectives.testing import run_distributed
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import mfsdp_collectives._compat as compat
-import mfsdp_collectives._reduce as reduce_mod
+import mfsdp_collectives.core._compat as compat
+import mfsdp_collectives.issuing._reduce as reduce_mod
 from mfsdp_collectives import (
     CommStreams,
     CommTracer,

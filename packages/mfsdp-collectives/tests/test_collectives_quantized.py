@@ -25,7 +25,7 @@ from mfsdp_collectives import (
     quantized_all_gather_into,
     quantized_reduce_scatter_into,
 )
-from mfsdp_collectives.block_codec import dequantize_blocks, quantize_blocks
+from mfsdp_collectives.comms.block_codec import dequantize_blocks, quantize_blocks
 from mfsdp_collectives.testing import run_distributed
 
 N = 3001  # per rank: odd, not a multiple of 8, of 64 or of 2048

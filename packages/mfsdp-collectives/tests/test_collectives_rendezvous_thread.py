@@ -14,8 +14,9 @@ import threading
 
 import pytest
 
-from mfsdp_collectives import PeerDiedError, call_watching_peers, liveness
-from mfsdp_collectives.liveness import ProcessIdentity
+from mfsdp_collectives import PeerDiedError, call_watching_peers
+from mfsdp_collectives.safety import liveness
+from mfsdp_collectives.safety.liveness import ProcessIdentity
 
 
 @pytest.fixture(autouse=True)

@@ -28,8 +28,8 @@ from mfsdp_collectives import (
     host_transport_of,
     reduce_scatter_into,
 )
-from mfsdp_collectives.host_transport import _HostFacts, _unsuitable
-from mfsdp_collectives.liveness import ProcessIdentity
+from mfsdp_collectives.host.host_transport import _HostFacts, _unsuitable
+from mfsdp_collectives.safety.liveness import ProcessIdentity
 from mfsdp_collectives.testing import run_distributed
 
 CHUNK = 4096  # forces many steps and a ragged last one on the sizes below
@@ -293,7 +293,7 @@ def test_groups_that_do_not_qualify_are_named_with_the_reason() -> None:
 
 
 def _one_rank_cannot_map(rank: int, world: int) -> list[str]:
-    import mfsdp_collectives.shm_lane as shm_lane
+    import mfsdp_collectives.host.shm_lane as shm_lane
 
     real = shm_lane.MailboxFile.__init__
 

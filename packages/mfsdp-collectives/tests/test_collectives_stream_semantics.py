@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_collectives import CommStreams, ReduceSpec, all_gather_into, reduce_scatter_into
-from mfsdp_collectives.stream_sim import StreamOrderError, simulated_streams
 from mfsdp_collectives.testing import run_distributed
+from mfsdp_collectives.testing.stream_sim import StreamOrderError, simulated_streams
 
 
 def test_clocks_follow_wait_stream_events_and_host_synchronisation() -> None:

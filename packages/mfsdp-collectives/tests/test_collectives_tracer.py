@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mfsdp_collectives import CommTracer
-from mfsdp_collectives.tracer import record_comm
+from mfsdp_collectives.tracing.tracer import record_comm
 
 
 def test_counts_bytes_records_and_summary() -> None:

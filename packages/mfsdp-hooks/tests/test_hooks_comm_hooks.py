@@ -25,12 +25,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from mfsdp_collectives import C10dTracer
-from mfsdp_collectives.counting_comms import (
+from mfsdp_collectives.testing import run_distributed
+from mfsdp_collectives.testing.counting_comms import (
     CountingAllGather,
     CountingReduceScatter,
     GradientRecorder,
 )
-from mfsdp_collectives.testing import run_distributed
 
 STEPS = 10
 

@@ -298,7 +298,7 @@ def test_a_unit_that_refuses_leaves_every_unit_as_it_was() -> None:
 
 
 def _switched_off(rank: int, world: int) -> dict[str, Any]:
-    from mfsdp_collectives.counting_comms import CountingAllGather
+    from mfsdp_collectives.testing.counting_comms import CountingAllGather
     from mfsdp_hooks import fsdp_units
 
     def hooks(model: nn.Module) -> list[Any]:
@@ -331,7 +331,7 @@ def test_a_second_call_with_none_switches_quantization_off_and_keeps_the_users_c
 
 
 def _with_fsdp2_hooks(rank: int, world: int, force_sum: bool) -> dict[str, Any]:
-    from mfsdp_collectives.counting_comms import GradientRecorder
+    from mfsdp_collectives.testing.counting_comms import GradientRecorder
 
     model = AlignedModel()
     shard_blocks_then_root(model, "ours", host_transport="gloo")

@@ -20,8 +20,8 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from mfsdp_buffers import LiveTensorTracker
 from mfsdp_collectives import BlockQuantization, C10dTracer, CommLog, CommTracer
-from mfsdp_collectives.counting_comms import CountingAllGather
 from mfsdp_collectives.testing import run_distributed
+from mfsdp_collectives.testing.counting_comms import CountingAllGather
 
 STEPS = 4
 WORLD = 4

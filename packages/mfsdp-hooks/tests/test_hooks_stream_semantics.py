@@ -1,4 +1,4 @@
-"""The engine's overlap paths on simulated streams (``mfsdp_collectives.stream_sim``).
+"""The engine's overlap paths on simulated streams (``mfsdp_collectives.testing.stream_sim``).
 
 Inside ``simulated_streams()`` the root's ``CommStreams`` get side streams on CPU and the
 unchanged engine issues its all-gathers and reduce-scatters on them, as on CUDA; every
@@ -18,8 +18,8 @@ from test_hooks_parity import _parity_worker
 from test_hooks_strict_async import _deep_prefetch_worker
 from test_hooks_training_modes import _accumulation_worker, _recompute_worker
 
-from mfsdp_collectives.stream_sim import SimEvent, StreamOrderError, simulated_streams
 from mfsdp_collectives.testing import run_distributed
+from mfsdp_collectives.testing.stream_sim import SimEvent, StreamOrderError, simulated_streams
 from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, fsdp_units
 
 

@@ -12,13 +12,8 @@ of FSDP units or parameters.
 
 from __future__ import annotations
 
-from ._reduce import ReduceSpec
-from .agreement import RankMismatchError, check_ranks_agree
-from .block_codec import CODED_DTYPES, BlockQuantization
-from .c10d_tracer import C10dTracer
-from .coalescing import coalesced_gathers
-from .collective_worker import BackgroundWork, CollectiveWorker
-from .custom_comms import (
+from .comms.block_codec import CODED_DTYPES, BlockQuantization
+from .comms.custom_comms import (
     AllGatherComm,
     CommAllocator,
     ReduceScatterComm,
@@ -26,47 +21,52 @@ from .custom_comms import (
     regathers_exactly,
     uses_caller_buffers,
 )
-from .exact_values import ExactPositions
-from .exchange import all_to_all_into
-from .handle import CommHandle
-from .host_transport import (
+from .comms.exact_values import ExactPositions
+from .comms.quantization_buffers import QuantizationBuffers
+from .comms.quantization_errors import ErrorSums, QuantizationErrorLog
+from .comms.quantized import (
+    NonFiniteError,
+    quantized_all_gather_into,
+    quantized_reduce_scatter_into,
+)
+from .comms.quantized_comms import QuantizedAllGather, QuantizedReduceScatter
+from .core.naming import group_name, register_group_name
+from .host.collective_worker import BackgroundWork, CollectiveWorker
+from .host.host_transport import (
     HOST_TRANSPORTS,
     check_host_transport,
     disable_host_transport,
     enable_host_transport,
     host_transport_of,
 )
-from .hsdp_ops import hfsdp_reduce_scatter_into, hsdp_reduce_scatter_into
-from .liveness import (
+from .host.shm import SharedMemoryTransport
+from .issuing._reduce import ReduceSpec
+from .issuing.handle import CommHandle
+from .issuing.streams import CommStreams
+from .issuing.strict import strict_async, strict_async_enabled
+from .ops.coalescing import coalesced_gathers
+from .ops.exchange import all_to_all_into
+from .ops.flat_ops import (
+    all_gather_into,
+    all_reduce_,
+    broadcast_,
+    reduce_scatter_into,
+)
+from .ops.hsdp_ops import hfsdp_reduce_scatter_into, hsdp_reduce_scatter_into
+from .safety.agreement import RankMismatchError, check_ranks_agree
+from .safety.liveness import (
     PeerDiedError,
     call_watching_peers,
     dead_ranks,
     exchange_identities,
     naming_dead_peers,
 )
-from .naming import group_name, register_group_name
-from .nccl_ub import UserBufferPool, register_user_buffers
-from .ops import (
-    all_gather_into,
-    all_reduce_,
-    broadcast_,
-    reduce_scatter_into,
-)
-from .optim_sharding import OptimizerSharding
-from .post_forward import PostForwardGroup, check_post_forward_size, post_forward_group
-from .quantization_buffers import QuantizationBuffers
-from .quantization_errors import ErrorSums, QuantizationErrorLog
-from .quantized import (
-    NonFiniteError,
-    quantized_all_gather_into,
-    quantized_reduce_scatter_into,
-)
-from .quantized_comms import QuantizedAllGather, QuantizedReduceScatter
-from .shm import SharedMemoryTransport
-from .streams import CommStreams
-from .strict import strict_async, strict_async_enabled
-from .topology import FSDPTopology, default_device, mesh_has_dim
-from .tracer import CommLog, CommRecord, CommTracer
+from .topology.fsdp_topology import FSDPTopology, default_device, mesh_has_dim
+from .topology.nccl_ub import UserBufferPool, register_user_buffers
+from .topology.optim_sharding import OptimizerSharding
+from .topology.post_forward import PostForwardGroup, check_post_forward_size, post_forward_group
+from .tracing.c10d_tracer import C10dTracer
+from .tracing.tracer import CommLog, CommRecord, CommTracer
 
 __version__ = "1.0.0"
 

@@ -6,7 +6,7 @@ FSDP2's comm hooks, so it reaches the units of every entry point: the seed API,
 ``fully_shard_model``, the ``MegatronFSDP`` class, the Megatron-Core adapter and FSDP2's
 per-module ``fully_shard``. Call it on a submodule to quantize that part only. A unit whose
 chunk per rank is smaller than one block (norms, biases, a small head) keeps full precision.
-What travels and how errors are reported: ``mfsdp_collectives.quantized``.
+What travels and how errors are reported: ``mfsdp_collectives.comms.quantized``.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ class FSDP2CommHooks:
         """Run this module's all-gathers through ``comm`` (FSDP2's ``AllGather``: its
         ``allocate`` gives the gather's buffer, its call runs it); see ``config.comm_hooks``.
         Costs one copy of the gathered weights out of the comm's buffer, as in FSDP2, unless
-        the comm ``uses_caller_buffers`` (``mfsdp_collectives.custom_comms``)."""
+        the comm ``uses_caller_buffers`` (``mfsdp_collectives.comms.custom_comms``)."""
         check_comm(comm, "comm")
         set_comm_hooks(_unit_of(self), all_gather=comm)
 

@@ -22,7 +22,7 @@ from mfsdp_collectives import (
     check_ranks_agree,
     post_forward_group,
 )
-from mfsdp_collectives.agreement import RankFacts
+from mfsdp_collectives.safety.agreement import RankFacts
 from mfsdp_hooks.api.argument_checks import (
     check_flag,
     check_numel_caps,

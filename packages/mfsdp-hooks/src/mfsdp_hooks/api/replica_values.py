@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mfsdp_collectives.agreement import RankFacts
+from mfsdp_collectives.safety.agreement import RankFacts
 
 __all__ = ["WEIGHTS", "explain_weight_mismatch", "weight_digests"]
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from mfsdp_collectives.agreement import RankFacts
+from mfsdp_collectives.safety.agreement import RankFacts
 from mfsdp_hooks.runtime.unit import units_under
 
 __all__ = ["UNITS_INSIDE", "explain_wrap_mismatch", "units_inside"]

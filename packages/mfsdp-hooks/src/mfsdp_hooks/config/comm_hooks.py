@@ -6,7 +6,7 @@ and ``set_force_sum_reduction_for_comms`` each change one field of the unit's ``
 all-gather comm, their reducers the rest:
 
 - ``all_gather``: every all-gather of the unit's weights over the shard group runs through it
-  (``mfsdp_collectives.custom_comms``), and so does the backward gather over the smaller
+  (``mfsdp_collectives.comms.custom_comms``), and so does the backward gather over the smaller
   group of an int ``reshard_after_forward``, as FSDP2's, unless the comm cannot regather
   its own output exactly (``regathers_exactly``: block quantization), when it is exact;
 - ``reduce_scatter``: the gradient reduce-scatter runs through it, and the unsharded gradient

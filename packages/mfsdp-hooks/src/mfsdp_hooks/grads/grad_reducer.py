@@ -211,7 +211,9 @@ class GradReducer:
         """Its shard holds parts not yet reduced across the HSDP replicas."""
         return self._plan.needs_outer_sync
 
-    def launch(self, streams: CommStreams | None, *, ends_cycle: bool = True) -> PendingReduction:
+    def start_reduction(
+        self, streams: CommStreams | None, *, ends_cycle: bool = True
+    ) -> PendingReduction:
         """Issue the reduction of what was collected into the gradients the optimizer reads.
 
         ``ends_cycle=False`` (a ``no_sync`` micro-batch under HSDP/HFSDP): the reduction
@@ -224,7 +226,7 @@ class GradReducer:
         else:
             self.presence.add(had)
         try:
-            launched = self._plan.launch(
+            launched = self._plan.issue_collectives(
                 self._spec, streams, ends_cycle=ends_cycle, hooks=self.hooks
             )
         except NonFiniteError as error:  # a quantized comm: name the parameter

@@ -87,11 +87,11 @@ class GradSync:
         # same on every rank): ``grad_presence`` gives None to what no rank had a gradient for.
         self._launched: dict[int, GradReducer] = {}
 
-    def _launch(
+    def _queue_reduction(
         self, reducer: GradReducer, streams: CommStreams | None, *, ends_cycle: bool
     ) -> None:
         self._launched.setdefault(id(reducer), reducer)
-        self.reductions.launch(reducer, streams, ends_cycle=ends_cycle)
+        self.reductions.enqueue(reducer, streams, ends_cycle=ends_cycle)
 
     def _drain_and_agree(self) -> None:
         """Wait for every reduction, then settle which parameters got no gradient anywhere."""
@@ -119,10 +119,10 @@ class GradSync:
         """A unit's backward is done: reduce ``reducer``'s gradients as far as its flags say."""
         reach = reach_of(flags, strategy, self.options)
         if reach is Reach.FULL:
-            self._launch(reducer, streams, ends_cycle=True)
+            self._queue_reduction(reducer, streams, ends_cycle=True)
         elif reach is Reach.SHARD_GROUP:
             ends = self.options.sync_model_each_microbatch and flags.requires_all_reduce
-            self._launch(reducer, streams, ends_cycle=ends)
+            self._queue_reduction(reducer, streams, ends_cycle=ends)
         return reach
 
     def end_backward(
@@ -136,7 +136,7 @@ class GradSync:
         whether it waited."""
         for reducer in synced:
             if reducer.needs_outer_sync:
-                self._launch(reducer, streams, ends_cycle=True)
+                self._queue_reduction(reducer, streams, ends_cycle=True)
         each = self.options.sync_model_each_microbatch
         if any_synced or each:
             self._drain_and_agree()
@@ -150,10 +150,10 @@ class GradSync:
         reducers = list(reducers)
         for reducer in reducers:
             if reducer.has_grads and not self.reductions.in_flight(reducer):
-                self._launch(reducer, streams, ends_cycle=True)
+                self._queue_reduction(reducer, streams, ends_cycle=True)
         for reducer in reducers:
             if reducer.needs_outer_sync:
-                self._launch(reducer, streams, ends_cycle=True)
+                self._queue_reduction(reducer, streams, ends_cycle=True)
 
     def finish(self, reducers: Iterable[GradReducer], streams: CommStreams | None) -> None:
         """Reduce whatever is still local and wait for every reduction."""

@@ -76,7 +76,7 @@ class ReducePlan(Protocol):
         """The shard holds parts not yet reduced across the HSDP replicas."""
         ...
 
-    def launch(
+    def issue_collectives(
         self,
         spec: ReduceSpec,
         streams: CommStreams | None,
@@ -142,7 +142,7 @@ class _Plan:
 class FlatPlan(_Plan):
     """A reduce-scatter in the shard group into this rank's shard."""
 
-    def launch(
+    def issue_collectives(
         self,
         spec: ReduceSpec,
         streams: CommStreams | None,
@@ -169,7 +169,7 @@ class NoShardPlan(_Plan):
     """``no_shard``: an all-reduce of the whole buffer (never held: no transport reads it in
     place), moved into the gradients once it landed."""
 
-    def launch(
+    def issue_collectives(
         self,
         spec: ReduceSpec,
         streams: CommStreams | None,
@@ -215,7 +215,7 @@ class HSDPPlan(_AcrossReplicas):
     inside the shard group; the one that ends it reduces the whole shard across the
     replicas, so each replica's accumulated gradient crosses them once per cycle."""
 
-    def launch(
+    def issue_collectives(
         self,
         spec: ReduceSpec,
         streams: CommStreams | None,
@@ -282,7 +282,7 @@ class HFSDPPlan(_AcrossReplicas):
         self.drop_partial()
         self._collector.clear()
 
-    def launch(
+    def issue_collectives(
         self,
         spec: ReduceSpec,
         streams: CommStreams | None,

@@ -58,16 +58,16 @@ class ReductionQueue:
         self._reap_early = reap_early
         self._in_flight: deque[PendingReduction] = deque()
 
-    def launch(
+    def enqueue(
         self, reducer: GradReducer, streams: CommStreams | None, *, ends_cycle: bool = True
     ) -> None:
-        """Launch ``reducer``'s reduction, keeping at most ``window`` in flight."""
+        """Start ``reducer``'s reduction and queue it, keeping at most ``window`` in flight."""
         self.settle(reducer)
         observer = _OBSERVER
         span = None
         if observer is not None:
             span = observer.reduction_span(reducer, streams, waiting=False)
-        pending = reducer.launch(streams, ends_cycle=ends_cycle)
+        pending = reducer.start_reduction(streams, ends_cycle=ends_cycle)
         if span is not None:
             span.end()
         if not self._overlap:

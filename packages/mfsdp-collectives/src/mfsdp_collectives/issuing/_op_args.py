@@ -1,0 +1,136 @@
+"""Argument checks and routing shared by the collective ops (local, no communication)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mfsdp_buffers import FlatPieces
+
+from ..core._checks import check_flat, check_group, check_same_device
+from ..core.naming import group_name
+from ..host.shm import SharedMemoryTransport
+from ._reduce import ReduceSpec, Reduction, reduce_op
+from .streams import CommStreams
+
+
+def membership(group: object, arg: str) -> tuple[dist.ProcessGroup, int, int]:
+    """``(group, rank in group, group size)``; this rank must belong to ``group``."""
+    pg = check_group(group, arg)
+    rank = dist.get_rank(pg)
+    if rank < 0:
+        raise ValueError(
+            f"this rank (global rank {dist.get_rank()}) is not a member of {arg}; "
+            "only call the op on the ranks of the group"
+        )
+    return pg, rank, dist.get_world_size(pg)
+
+
+def side_stream(stream: object, role: str, device: torch.device) -> torch.Stream | None:
+    if stream is None:
+        return None
+    if not isinstance(stream, CommStreams):
+        raise TypeError(f"stream must be a CommStreams or None, got {type(stream).__name__}")
+    if not stream.active:
+        return None
+    if stream.device.type != device.type:
+        raise ValueError(
+            f"stream holds {stream.device.type} streams but the tensors are on {device}; "
+            "build CommStreams(topology.device)"
+        )
+    side: torch.Stream | None = getattr(stream, role)
+    return side
+
+
+def reduce_spec(x: torch.Tensor | FlatPieces, x_arg: str, spec: object) -> Reduction:
+    """``spec`` resolved for the input ``x`` (a ``ReduceSpec`` checked its own fields)."""
+    if not isinstance(spec, ReduceSpec):
+        raise TypeError(
+            f"spec must be a mfsdp_collectives.ReduceSpec, got {type(spec).__name__}; pass "
+            "spec=ReduceSpec(average=..., reduce_dtype=...)"
+        )
+    return spec.resolve(x.dtype, x_arg)
+
+
+def check_shard_sizes(
+    full_numel: int, full_arg: str, shard: torch.Tensor, shard_arg: str, size: int
+) -> None:
+    if full_numel != shard.numel() * size:
+        raise ValueError(
+            f"{full_arg} has {full_numel} elements but {shard_arg} has {shard.numel()} and "
+            f"the group has {size} ranks: need {full_arg}.numel() == {shard_arg}.numel() * "
+            f"{size}; pad the flat buffer to a multiple of the group size"
+        )
+
+
+def host_route(
+    transport: SharedMemoryTransport | None, group: dist.ProcessGroup, x: torch.Tensor
+) -> SharedMemoryTransport | None:
+    """The transport that carries a collective of ``x`` over ``group``; None means c10d.
+
+    Only CPU tensors travel over shared memory, and a transport closed by
+    ``disable_host_transport`` has handed its group back to c10d.
+    """
+    if transport is None or x.device.type != "cpu" or transport.closed:
+        return None
+    if transport.group is not group:
+        raise ValueError(
+            f"transport serves group {group_name(transport.group)}, not the collective's group "
+            f"{group_name(group)}: pass the transport enable_host_transport returned for it"
+        )
+    return transport
+
+
+def routed_reduce_op(
+    route: SharedMemoryTransport | None, group: dist.ProcessGroup, reduction: Reduction
+) -> tuple[dist.ReduceOp.RedOpType, float]:
+    """``reduce_op`` for a reduction that ``route`` may carry: the shared-memory transport
+    averages the output chunk itself, so nothing is owed afterwards (unless ``sum_only``)."""
+    if route is not None and not reduction.sum_only:
+        return (dist.ReduceOp.AVG if reduction.average else dist.ReduceOp.SUM), 1.0
+    return reduce_op(group, reduction.average, sum_only=reduction.sum_only)
+
+
+def check_pieces(pieces: FlatPieces, arg: str, out: torch.Tensor, out_arg: str) -> FlatPieces:
+    if pieces.device != out.device:
+        raise ValueError(
+            f"{arg} is on {pieces.device} but {out_arg} is on {out.device}; move both to one device"
+        )
+    return pieces
+
+
+@dataclass(frozen=True)
+class ReduceScatterArgs:
+    """A reduce-scatter's arguments after the local checks."""
+
+    inp: torch.Tensor | FlatPieces
+    out: torch.Tensor
+    group: dist.ProcessGroup
+    spec: Reduction
+    numel: int  # elements of the (padded) input
+
+
+def check_reduce_scatter(
+    unsharded_grad: object,
+    out_shard: object,
+    group: object,
+    group_arg: str,
+    spec: object,
+    *,
+    out_arg: str = "out_shard",
+) -> ReduceScatterArgs:
+    """Check a reduce-scatter's arguments on this rank, raising before anything is issued."""
+    out = check_flat(out_shard, out_arg)
+    inp: torch.Tensor | FlatPieces
+    if isinstance(unsharded_grad, FlatPieces):
+        inp = check_pieces(unsharded_grad, "unsharded_grad", out, out_arg)
+    else:
+        inp = check_flat(unsharded_grad, "unsharded_grad")
+        check_same_device(inp, "unsharded_grad", out, out_arg)
+    pg, _, size = membership(group, group_arg)
+    reduction = reduce_spec(inp, "unsharded_grad", spec)
+    numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
+    check_shard_sizes(numel, "unsharded_grad", out, out_arg, size)
+    return ReduceScatterArgs(inp, out, pg, reduction, numel)

@@ -1,0 +1,137 @@
+"""Check at wrap time that every rank is about to do the same thing.
+
+Collectives pair up by order: if one rank wraps another model, other ``fsdp_unit_modules``
+or another strategy, its first differing collective meets a different one on its peers,
+and the job hangs or, worse, trains on garbage. A single small exchange before the first
+collective of a wrap turns that into an error on every rank that names what differs.
+
+The same exchange tells each rank its peers' processes (``liveness``), so that a rank that
+later dies is named by the survivors on every transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import cast
+
+import torch.distributed as dist
+
+from ..core.naming import group_name
+from .liveness import ProcessIdentity, naming_dead_peers, record_identities
+
+__all__ = ["RankFacts", "RankMismatchError", "check_ranks_agree"]
+
+_SHOWN_VALUE_CHARS = 160
+
+RankFacts = tuple[int, Mapping[str, str]]
+"""One rank's facts as ``check_ranks_agree`` gathered them: (global rank, facts)."""
+
+
+class RankMismatchError(ValueError):
+    """The ranks of a group were asked to do different things (raised on every rank)."""
+
+
+def _short(value: str) -> str:
+    return value if len(value) <= _SHOWN_VALUE_CHARS else value[:_SHOWN_VALUE_CHARS] + "..."
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _camps(values: Sequence[object], ranks: Sequence[int]) -> list[list[int]]:
+    """The ranks grouped by equal value, in order of each camp's first rank."""
+    camps: dict[object, list[int]] = {}
+    for value, rank in zip(values, ranks, strict=True):
+        camps.setdefault(value, []).append(rank)
+    return list(camps.values())
+
+
+def _who_differs(reports: Sequence[RankFacts]) -> str:
+    """Which ranks differ: from the largest camp of ranks with identical facts (on a tie,
+    the camp of the group's first rank), so one odd rank out of eight is named as such."""
+    keyed = [tuple(sorted(facts.items())) for _, facts in reports]
+    camps = _camps(keyed, [rank for rank, _ in reports])
+    main = max(camps, key=len)  # max keeps the first of equal sizes: the first rank's camp
+    others = sorted(rank for camp in camps if camp is not main for rank in camp)
+    verb = "differs" if len(others) == 1 else "differ"
+    tie = " (as many ranks on each side: either may be the one to fix)" * (
+        len(camps) == 2 and len(others) == len(main)
+    )
+    return f"{_ranks(others)} {verb} from {_ranks(main)}{tie}"
+
+
+def _first_difference(key: str, items: Sequence[Sequence[str]], ranks: Sequence[int]) -> str:
+    """The first item of ``key``'s itemised form (``details``) that differs, per rank."""
+    length = max(len(rank_items) for rank_items in items)
+    for index in range(length):
+        values = [
+            rank_items[index] if index < len(rank_items) else "<none>" for rank_items in items
+        ]
+        if len(set(values)) > 1:
+            shown = "; ".join(
+                f"{_ranks(camp)}: {_short(values[ranks.index(camp[0])])}"
+                for camp in _camps(values, ranks)
+            )
+            return f"    first difference in {key}, item {index}: {shown}"
+    return f"    the items of {key} are equal but ordered or counted differently"
+
+
+def _differences(
+    reports: Sequence[RankFacts], details: Sequence[Mapping[str, Sequence[str]]]
+) -> list[str]:
+    ranks = [rank for rank, _ in reports]
+    keys = sorted({k for _, rank_facts in reports for k in rank_facts})
+    lines = []
+    for key in keys:
+        values = [rank_facts.get(key, "<missing>") for _, rank_facts in reports]
+        if len(set(values)) == 1:
+            continue
+        by_rank = "; ".join(
+            f"{_ranks(camp)}: {_short(values[ranks.index(camp[0])])}"
+            for camp in _camps(values, ranks)
+        )
+        lines.append(f"  {key}: {by_rank}")
+        if all(key in rank_details for rank_details in details):
+            lines.append(_first_difference(key, [d[key] for d in details], ranks))
+    return lines
+
+
+def check_ranks_agree(
+    group: dist.ProcessGroup,
+    facts: Mapping[str, str],
+    *,
+    what: str,
+    details: Mapping[str, Sequence[str]] | None = None,
+    explain: Callable[[Sequence[RankFacts]], str | None] | None = None,
+) -> None:
+    """Raise ``RankMismatchError`` on every rank unless all ranks of ``group`` pass equal
+    ``facts`` (collective over ``group``; one ``all_gather_object``).
+
+    ``what`` names the call being checked ("fully_shard(Block)"); the error lists each
+    differing fact with the value every rank gave, and which ranks differ from the most.
+    ``details`` (exchanged, not compared) itemises a fact that is a digest, so that the
+    error names its first differing item (a parameter's name and shape) and not only two
+    digests. ``explain`` turns every rank's facts into a sentence saying what the
+    difference means (e.g. that the ranks' models have different numbers of units).
+    """
+    mine = (ProcessIdentity.of_this_process(), dict(facts), dict(details or {}))
+    found: list[object] = [None] * dist.get_world_size(group)
+    with naming_dead_peers(f"the agreement check of {what}", group):
+        dist.all_gather_object(found, mine, group=group)
+    gathered = cast("list[tuple[ProcessIdentity, dict[str, str], dict[str, list[str]]]]", found)
+    ranks = [dist.get_global_rank(group, r) for r in range(len(gathered))]
+    record_identities({ranks[r]: ident for r, (ident, _, _) in enumerate(gathered)})
+    reports: list[RankFacts] = [(ranks[r], f) for r, (_, f, _) in enumerate(gathered)]
+    differing = _differences(reports, [d for _, _, d in gathered])
+    if not differing:
+        return
+    meaning = explain(reports) if explain is not None else None
+    raise RankMismatchError(
+        f"{what}: the ranks of group {group_name(group)} disagree on\n"
+        + "\n".join(differing)
+        + f"\n{_who_differs(reports)}"
+        + (f"\n{meaning}" if meaning else "")
+        + "\nEvery rank must build the same model and call the same wrapping functions "
+        "with the same arguments in the same order; fix the rank(s) that differ"
+    )
