@@ -30,6 +30,7 @@ from .comms.quantized import (
     quantized_reduce_scatter_into,
 )
 from .comms.quantized_comms import QuantizedAllGather, QuantizedReduceScatter
+from .core.fake import is_fake, real_tensors
 from .core.naming import group_name, register_group_name
 from .host.collective_worker import BackgroundWork, CollectiveWorker
 from .host.host_transport import (
@@ -122,6 +123,8 @@ __all__ = [
     "enable_host_transport",
     "exchange_identities",
     "group_name",
+    "is_fake",
+    "real_tensors",
     "hfsdp_reduce_scatter_into",
     "host_transport_of",
     "hsdp_reduce_scatter_into",

@@ -12,6 +12,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from .fake import is_fake
+
 __all__ = [
     "check_dtype",
     "check_flat",
@@ -79,8 +81,8 @@ def check_scale(value: object, arg: str) -> float | None:
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two (contiguous) tensors share any byte of memory."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
+    if a.numel() == 0 or b.numel() == 0 or is_fake(a) or is_fake(b):
+        return False  # fake tensors (a planning run) hold no memory: their data_ptr is 0
     if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()

@@ -16,6 +16,7 @@ from typing import cast
 
 import torch.distributed as dist
 
+from ..core.fake import real_tensors
 from ..core.naming import group_name
 from .liveness import ProcessIdentity, naming_dead_peers, record_identities
 
@@ -117,7 +118,7 @@ def check_ranks_agree(
     """
     mine = (ProcessIdentity.of_this_process(), dict(facts), dict(details or {}))
     found: list[object] = [None] * dist.get_world_size(group)
-    with naming_dead_peers(f"the agreement check of {what}", group):
+    with naming_dead_peers(f"the agreement check of {what}", group), real_tensors():
         dist.all_gather_object(found, mine, group=group)
     gathered = cast("list[tuple[ProcessIdentity, dict[str, str], dict[str, list[str]]]]", found)
     ranks = [dist.get_global_rank(group, r) for r in range(len(gathered))]

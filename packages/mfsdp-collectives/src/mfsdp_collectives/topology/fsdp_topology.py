@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..core._compat import concatenate_meshes
+from ..core.fake import real_tensors
 from ..core.naming import group_name, register_group_name
 from ..host.host_transport import check_host_transport, enable_host_transport, host_transport_of
 from ..host.shm import SharedMemoryTransport
@@ -386,5 +387,6 @@ class FSDPTopology:
         (initialising the default group from a launcher's environment if need be)."""
         dev = _as_device(device)
         init_default_group(dev)
-        mesh = init_device_mesh(dev.type, (dist.get_world_size(),), mesh_dim_names=(DP_SHARD,))
+        with real_tensors():  # under FakeTensorMode (a planning run) too
+            mesh = init_device_mesh(dev.type, (dist.get_world_size(),), mesh_dim_names=(DP_SHARD,))
         return dataclasses.replace(cls.from_mesh(mesh, dp_shard_dim=DP_SHARD), device=dev)

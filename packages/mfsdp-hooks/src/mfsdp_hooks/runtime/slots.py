@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from mfsdp_collectives import is_fake
+
 __all__ = [
     "UNIT_ATTR",
     "Slot",
@@ -89,7 +91,10 @@ def unit_named_parameters(member: nn.Module, prefix: str) -> list[tuple[str, nn.
 
 
 def _is_plain(param: torch.Tensor) -> bool:
-    return type(param) is nn.Parameter or type(param) is torch.Tensor or type(param) is DTensor
+    """A tensor with no state beside its values: a fake one (a planning run under
+    ``FakeTensorMode``) stands for a plain one."""
+    plain = type(param) is nn.Parameter or type(param) is torch.Tensor or type(param) is DTensor
+    return plain or is_fake(param)
 
 
 def check_parameters_supported(

@@ -1,0 +1,33 @@
+"""The engine on torch's fake tensors: what a planning run needs from this layer.
+
+A planning run builds the real sharded model for one rank of a world on torch's fake process
+group, under ``FakeTensorMode`` (tensors with shapes and dtypes, and no memory), and steps it
+once, so that what the engine holds can be read off it rather than restated (issue 52). Two
+things differ from a real run, and the engine asks here about both:
+
+* a fake tensor has no memory: its ``data_ptr`` is 0 for all of them, so a check of whether
+  two tensors overlap must not read it (:func:`is_fake`);
+* object collectives (``all_gather_object`` of the wrap-time agreement) and the device mesh's
+  setup turn Python values into tensors and back with ``.item()``, which a fake tensor cannot
+  answer: they run on real tensors (:func:`real_tensors`), a few bytes each.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+__all__ = ["is_fake", "real_tensors"]
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is one of ``FakeTensorMode``'s (it holds no memory)."""
+    return isinstance(tensor, FakeTensor)
+
+
+def real_tensors() -> AbstractContextManager[Any]:
+    """Real tensors inside, even under ``FakeTensorMode`` (a no-op outside it)."""
+    return unset_fake_temporarily()
