@@ -174,3 +174,12 @@ def test_a_matrix_split_over_tensor_parallel_is_refused_by_name() -> None:
     message = run_distributed(_refuses_tensor_parallel, 2)[0]
     assert "'layers.0.proj.weight'" in message and "tensor or expert parallel" in message
     assert "element-wise optimizer" in message
+
+
+def test_a_group_given_as_a_generator_keeps_its_parameters() -> None:
+    model = _model()
+    matrices, rest = _split(model)
+    optimizer = Muon([{"params": iter(matrices)}, {"params": rest, "use_muon": False}])
+    assert optimizer.param_groups[0]["params"] == matrices
+    _train(model, [optimizer], steps=1)
+    assert all("momentum_buffer" in optimizer.state[p] for p in matrices)

@@ -328,11 +328,24 @@ class FlatLayout:
         """``(row_start, row_end)`` of the parameter on every rank, in rank order.
 
         This is the per-rank split of dimension 0, which is what uneven DTensor
-        metadata (and DCP) need; it costs no communication.
+        metadata (and DCP) need; it costs no communication. Ranks whose shards end before
+        the parameter hold ``(0, 0)``, those starting after it ``(rows, rows)``: only the
+        few shards it spans are worked out (``local_piece``'s rule), so a wrap over a world
+        of thousands stays cheap.
         """
-        return tuple(
-            (piece.row_start, piece.row_end)
-            for piece in (self.local_piece(param_index, r) for r in range(self.world_size))
+        p = self.placements[param_index]
+        if p.row_numel == 0 or p.numel == 0 or self.shard_numel == 0:
+            return tuple(
+                (piece.row_start, piece.row_end)
+                for piece in (self.local_piece(param_index, r) for r in range(self.world_size))
+            )
+        first = min(p.offset // self.shard_numel, self.world_size - 1)
+        last = min((p.offset + p.numel - 1) // self.shard_numel, self.world_size - 1)
+        spanned = (self.local_piece(param_index, r) for r in range(first, last + 1))
+        return (
+            ((0, 0),) * first
+            + tuple((piece.row_start, piece.row_end) for piece in spanned)
+            + ((p.num_rows, p.num_rows),) * (self.world_size - last - 1)
         )
 
     def padding_gaps(self) -> tuple[tuple[int, int], ...]:

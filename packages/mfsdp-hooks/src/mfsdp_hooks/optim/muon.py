@@ -52,7 +52,9 @@ def newton_schulz(
     ``torch.optim.Muon`` runs it: bfloat16, the wide side kept as columns, normalised by the
     Frobenius norm), returned in bfloat16."""
     a, b, c = coefficients
-    x = matrix.to(_NS_DTYPE)
+    # A copy even in bfloat16: torch's normalises a bfloat16 update in place, which is the
+    # momentum buffer itself without Nesterov; here the buffer never changes, sharded or not.
+    x = matrix.to(_NS_DTYPE, copy=True)
     tall = matrix.size(0) > matrix.size(1)
     if tall:
         x = x.T
@@ -111,8 +113,9 @@ class Muon(torch.optim.Muon):
     """``torch.optim.Muon``, exact on parameters sharded by any entry point (module doc).
 
     Same arguments and defaults as torch's; a param group may say ``use_muon=False`` to step
-    as AdamW. Reads ``.grad``; a matrix split over tensor parallelism is refused at the
-    first step, by name.
+    as AdamW. Reads ``.grad``; a matrix split over tensor parallelism is refused by name when
+    the optimizer is built on it, or at the first step (before any state changes) when it is
+    sharded after.
     """
 
     use_decoupled_grad = False  # it reads .grad (the engine refuses decoupled gradients)
@@ -154,6 +157,7 @@ class Muon(torch.optim.Muon):
         else:
             params = param_group["params"]
             params = [params] if isinstance(params, torch.Tensor) else list(params)
+            param_group["params"] = params  # a generator is read once, here
             flat = [p for p in params if p.ndim != 2]
             if flat:
                 raise ValueError(

@@ -117,8 +117,8 @@ class ShardCuts:
         indices = self._optim_indices.get(id(mesh))
         if indices is None:
             indices = self._optim_indices[id(mesh)] = self.topology.optim_indices_along(mesh)
-        pieces = [self.optim_layout.local_piece(index, i) for i in indices]
-        return tuple((piece.row_start, piece.row_end) for piece in pieces)
+        every_rank = self.optim_layout.row_ranges(index)
+        return tuple(every_rank[i] for i in indices)
 
     def dist_params(
         self,
