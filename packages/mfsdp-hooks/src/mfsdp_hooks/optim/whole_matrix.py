@@ -26,6 +26,7 @@ dim (tensor parallelism) is refused by name: its columns lie on other ranks.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -92,12 +93,12 @@ def rows_of(tensor: torch.Tensor, name: str) -> MatrixRows:
 def plan_owners(costs: Sequence[int], size: int) -> list[int]:
     """An owner rank for each cost: largest first, each to the least loaded rank so far
     (ties: the lower index, then the lower rank), the same on every rank."""
-    load = [0] * size
+    least_loaded = [(0, rank) for rank in range(size)]  # a heap of (work so far, rank)
     owners = [0] * len(costs)
     for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        rank = min(range(size), key=lambda r: (load[r], r))
+        load, rank = heapq.heappop(least_loaded)
         owners[index] = rank
-        load[rank] += costs[index]
+        heapq.heappush(least_loaded, (load + costs[index], rank))
     return owners
 
 
@@ -119,16 +120,19 @@ class _Exchange:
     group: dist.ProcessGroup
     result_dtype: torch.dtype
 
-    def counts(self, rank: int, of: int, *, to_owner: bool) -> int:
-        """Elements ``rank`` sends ``of`` (``to_owner``: rows of ``of``'s matrices; else
-        ``rank``'s results for ``of``'s rows)."""
-        total = 0
+    def counts(self, rank: int, size: int) -> tuple[list[int], list[int]]:
+        """Elements ``rank`` sends each rank and receives from each when the rows go to
+        their owners (the results come back the other way: the same counts swapped)."""
+        send, recv = [0] * size, [0] * size
         for (_, matrix), owner in zip(self.matrices, self.owners, strict=True):
-            holder, dest = (rank, of) if to_owner else (of, rank)
-            if owner == dest and holder != dest:
-                start, end = matrix.ranges[holder]
-                total += (end - start) * _row_numel(matrix)
-        return total
+            if owner != rank:
+                start, end = matrix.ranges[rank]
+                send[owner] += (end - start) * _row_numel(matrix)
+                continue
+            for holder, (start, end) in enumerate(matrix.ranges):
+                if holder != rank:
+                    recv[holder] += (end - start) * _row_numel(matrix)
+        return send, recv
 
 
 def _wholes(exchange: _Exchange, rank: int, size: int) -> list[torch.Tensor | None]:
@@ -144,8 +148,7 @@ def _wholes(exchange: _Exchange, rank: int, size: int) -> list[torch.Tensor | No
         ]
         or [exchange.matrices[0][1].local.new_empty(0)]
     )
-    send_counts = [exchange.counts(rank, q, to_owner=True) for q in range(size)]
-    recv_counts = [exchange.counts(s, rank, to_owner=True) for s in range(size)]
+    send_counts, recv_counts = exchange.counts(rank, size)
     recv = send.new_empty(sum(recv_counts))
     all_to_all_into(send[: sum(send_counts)], send_counts, recv, recv_counts, exchange.group)
     offsets = [sum(recv_counts[:s]) for s in range(size)]
@@ -182,8 +185,7 @@ def _scatter_results(
     ]
     dtype = exchange.result_dtype
     send = torch.cat(pieces) if pieces else exchange.matrices[0][1].local.new_empty(0, dtype=dtype)
-    send_counts = [exchange.counts(rank, q, to_owner=False) for q in range(size)]
-    recv_counts = [exchange.counts(s, rank, to_owner=False) for s in range(size)]
+    recv_counts, send_counts = exchange.counts(rank, size)  # the way back
     recv = send.new_empty(sum(recv_counts))
     all_to_all_into(send, send_counts, recv, recv_counts, exchange.group)
     offsets = [sum(recv_counts[:s]) for s in range(size)]
