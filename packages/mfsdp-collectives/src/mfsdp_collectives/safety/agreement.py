@@ -7,22 +7,35 @@ collective of a wrap turns that into an error on every rank that names what diff
 
 The same exchange tells each rank its peers' processes (``liveness``), so that a rank that
 later dies is named by the survivors on every transport.
+
+At a thousand ranks, an object all-gather per unit is most of a wrap's time (each rank
+unpickles every rank's facts). So each rank sends a digest of its facts first, in one
+fixed-size all-gather, with a flag saying it has not learned this group's processes yet;
+only when the digests or flags differ do the ranks exchange the facts themselves (the same
+error text as ever) and their processes. Every rank sees the same gathered digests, so every
+rank takes the same branch and the collectives stay paired even though what each rank knows
+(``identities_known``) is its own state.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
+import torch
 import torch.distributed as dist
 
+from ..core._compat import all_gather_single, backend_name
 from ..core.fake import real_tensors
 from ..core.naming import group_name
-from .liveness import ProcessIdentity, naming_dead_peers, record_identities
+from .liveness import ProcessIdentity, identities_known, naming_dead_peers, record_identities
 
 __all__ = ["RankFacts", "RankMismatchError", "check_ranks_agree"]
 
 _SHOWN_VALUE_CHARS = 160
+_DIGEST_BYTES = 16  # blake2b: a collision of differing facts is out of reach at 128 bits
 
 RankFacts = tuple[int, Mapping[str, str]]
 """One rank's facts as ``check_ranks_agree`` gathered them: (global rank, facts)."""
@@ -98,6 +111,42 @@ def _differences(
     return lines
 
 
+def _facts_digest(facts: Mapping[str, str]) -> bytes:
+    """Equal bytes for equal facts in every process (never ``hash()``, salted per process):
+    blake2b of the facts as JSON with sorted keys. A value that is not JSON counts by its
+    ``repr``; should that differ between equal values, the facts are compared in full."""
+    text = json.dumps(dict(facts), sort_keys=True, ensure_ascii=False, default=repr)
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=_DIGEST_BYTES).digest()
+
+
+def _exchange_device(group: dist.ProcessGroup) -> torch.device:
+    """Where the digests travel: CPU where the backend carries CPU tensors (gloo, torch's
+    fake group, a "cpu:gloo,cuda:nccl" pair), else this rank's accelerator (nccl)."""
+    name = backend_name(group)
+    if "cpu:" in name or "cpu" in dist.Backend.backend_capability.get(name, ["cpu"]):
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def _digests_agree(group: dist.ProcessGroup, facts: Mapping[str, str], what: str) -> bool:
+    """Whether every rank has facts of the same digest and knows the processes of ``group``
+    already (one all-gather of a few bytes per rank, whatever the facts weigh). The answer
+    is read off the gathered bytes, equal on every rank: every rank returns the same."""
+    sent = [0 if identities_known(group) else 1, *_facts_digest(facts)]
+    size = dist.get_world_size(group)
+    # Real tensors: under FakeTensorMode (a planning run) the bytes must be compared.
+    with naming_dead_peers(f"the agreement check of {what}", group), real_tensors():
+        device = _exchange_device(group)
+        every = torch.empty(size * len(sent), dtype=torch.uint8, device=device)
+        mine = torch.tensor(sent, dtype=torch.uint8, device=device)
+        all_gather_single(every, mine, group, async_op=False)
+        rows = every.view(size, len(sent))
+        return bool((rows == rows[0]).all()) and int(rows[0, 0]) == 0
+
+
 def check_ranks_agree(
     group: dist.ProcessGroup,
     facts: Mapping[str, str],
@@ -107,7 +156,8 @@ def check_ranks_agree(
     explain: Callable[[Sequence[RankFacts]], str | None] | None = None,
 ) -> None:
     """Raise ``RankMismatchError`` on every rank unless all ranks of ``group`` pass equal
-    ``facts`` (collective over ``group``; one ``all_gather_object``).
+    ``facts`` (collective over ``group``: one all-gather of a digest, then one
+    ``all_gather_object`` only when the digests differ or the group is new to a rank).
 
     ``what`` names the call being checked ("fully_shard(Block)"); the error lists each
     differing fact with the value every rank gave, and which ranks differ from the most.
@@ -116,13 +166,15 @@ def check_ranks_agree(
     digests. ``explain`` turns every rank's facts into a sentence saying what the
     difference means (e.g. that the ranks' models have different numbers of units).
     """
+    if _digests_agree(group, facts, what):
+        return
     mine = (ProcessIdentity.of_this_process(), dict(facts), dict(details or {}))
     found: list[object] = [None] * dist.get_world_size(group)
     with naming_dead_peers(f"the agreement check of {what}", group), real_tensors():
         dist.all_gather_object(found, mine, group=group)
     gathered = cast("list[tuple[ProcessIdentity, dict[str, str], dict[str, list[str]]]]", found)
     ranks = [dist.get_global_rank(group, r) for r in range(len(gathered))]
-    record_identities({ranks[r]: ident for r, (ident, _, _) in enumerate(gathered)})
+    record_identities({ranks[r]: ident for r, (ident, _, _) in enumerate(gathered)}, group)
     reports: list[RankFacts] = [(ranks[r], f) for r, (_, f, _) in enumerate(gathered)]
     differing = _differences(reports, [d for _, _, d in gathered])
     if not differing:

@@ -8,8 +8,8 @@ ranks' processes are gone. On Linux a process on this host can answer that for a
 process it can see, from ``/proc/<pid>/stat``, and a (pid, start time) pair cannot be
 fooled by pid reuse.
 
-Each rank therefore learns every peer's ``ProcessIdentity`` once, at wrap time, in a
-collective that happens anyway (the wrap-time agreement check, the shared-memory setup).
+Each rank therefore learns every peer's ``ProcessIdentity`` once per group, at wrap time, in
+a collective that happens anyway (the wrap-time agreement check, the shared-memory setup).
 From then on ``dead_ranks`` is a local question, cheap enough for a waiting loop to ask
 twice a second. Peers on other hosts (or other pid namespaces) cannot be checked: for them
 a failure stays the backend's own error.
@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -34,6 +35,7 @@ __all__ = [
     "call_watching_peers",
     "dead_ranks",
     "exchange_identities",
+    "identities_known",
     "naming_dead_peers",
     "peer_died_error",
     "record_identities",
@@ -104,6 +106,12 @@ class ProcessIdentity:
 _THIS_HOST = _host_key()
 _lock = threading.Lock()
 _known: dict[int, ProcessIdentity] = {}  # global rank -> its process
+# The groups whose members' processes were learned. Weak: a group object lives as long as
+# c10d registers it (its ``_world`` maps hold it until ``destroy_process_group``), and a world
+# destroyed and initialised again is made of new group objects, so its ranks (perhaps other
+# processes now) are exchanged again. An ``id()`` could be reused by a new group once the old
+# one is freed; a weak reference dies with its group instead.
+_groups_known: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
 
 
 class PeerDiedError(RuntimeError):
@@ -117,10 +125,22 @@ class PeerDiedError(RuntimeError):
         return (type(self), (self.ranks, str(self)))
 
 
-def record_identities(identities: Mapping[int, ProcessIdentity]) -> None:
-    """Remember the processes of these global ranks (what an exchange learned)."""
+def record_identities(
+    identities: Mapping[int, ProcessIdentity], group: dist.ProcessGroup | None = None
+) -> None:
+    """Remember the processes of these global ranks (what an exchange learned), and that
+    those of ``group`` (all its ranks, when given) are known (``identities_known``)."""
     with _lock:
         _known.update(identities)
+        if group is not None:
+            _groups_known.add(group)
+
+
+def identities_known(group: dist.ProcessGroup) -> bool:
+    """Whether this process learned the processes of every rank of ``group`` (this process
+    only: ranks may differ, so a collective deciding on it must exchange the answer)."""
+    with _lock:
+        return group in _groups_known
 
 
 def exchange_identities(group: dist.ProcessGroup) -> None:
@@ -132,7 +152,8 @@ def exchange_identities(group: dist.ProcessGroup) -> None:
             dist.get_global_rank(group, r): ident
             for r, ident in enumerate(found)
             if isinstance(ident, ProcessIdentity)
-        }
+        },
+        group,
     )
 
 
