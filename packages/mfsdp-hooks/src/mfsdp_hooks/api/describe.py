@@ -114,8 +114,9 @@ class ShardingSummary:
 def describe(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> ShardingSummary:
     """The ``ShardingSummary`` of every unit in ``model`` (a sharded module, or a root wrapper:
     unit names then start with its ``module.``); ``optimizer`` adds its state's bytes."""
+    counted: set[int] = set()  # state storages already counted (a step counter may be shared)
     groups = [
-        _summarise(group, path, type(unit.module).__name__, optimizer)
+        _summarise(group, path, type(unit.module).__name__, optimizer, counted)
         for path, unit in unit_paths(model)
         for group in unit.groups
     ]
@@ -135,6 +136,7 @@ def _summarise(
     unit: str,
     unit_class: str,
     optimizer: torch.optim.Optimizer | None,
+    counted: set[int],
 ) -> GroupSummary:
     layout = group.model.layout
     gathered = layout.padded_numel * group.compute_dtype.itemsize if group.model.sharded else 0
@@ -142,7 +144,7 @@ def _summarise(
         "compute_weights": held_bytes(group.model),
         "main_weights": held_bytes(group.main),
         "gradients": group_bytes_per_rank(group)[1],
-        "optimizer_state": _optimizer_bytes(group, optimizer),
+        "optimizer_state": _optimizer_bytes(group, optimizer, counted),
         "gathered_weights": gathered,
     }
     return GroupSummary(
@@ -160,15 +162,22 @@ def _summarise(
     )
 
 
-def _optimizer_bytes(group: ParameterGroup, optimizer: torch.optim.Optimizer | None) -> int:
+def _optimizer_bytes(
+    group: ParameterGroup, optimizer: torch.optim.Optimizer | None, counted: set[int]
+) -> int:
+    """The bytes of the state storages of the group's parameters not ``counted`` yet: the
+    contiguous step keeps one step counter for a run of parameters, and its moments are
+    views of one buffer per run."""
     if optimizer is None:
         return 0
     total = 0
     for param in group.dist_params:
         for value in optimizer.state.get(param, {}).values():
             if isinstance(value, torch.Tensor):
-                local = local_tensor(value)
-                total += local.numel() * local.element_size()
+                storage = local_tensor(value).untyped_storage()
+                if id(storage) not in counted:
+                    counted.add(id(storage))
+                    total += storage.nbytes()
     return total
 
 
