@@ -36,9 +36,6 @@ FULL_ONLY = frozenset(
         # torch.compile over our units: CI keeps per-block per_module and whole-model seed
         "test_megatron_fsdp_compile.py::test_compile_compiles_the_blocks_and_trains_as_eager[per_block-seed]",
         "test_megatron_fsdp_compile.py::test_compile_compiles_the_blocks_and_trains_as_eager[whole_model-per_module]",
-        # pipelining beside FSDP2: CI keeps 1f1b per_module and gpipe seed
-        "test_megatron_fsdp_pipelining_fsdp2.py::test_same_collectives_and_losses_as_fsdp2_on_the_same_schedule[1f1b-seed]",
-        "test_megatron_fsdp_pipelining_fsdp2.py::test_same_collectives_and_losses_as_fsdp2_on_the_same_schedule[gpipe-per_module]",
         # a lossy gather under ZeRO-2: CI keeps seed, model_optimizer and per_module
         "test_megatron_fsdp_quantized_comms.py::test_a_lossy_gather_leaves_the_weights_the_zero2_optimizer_steps[class]",
         "test_megatron_fsdp_quantized_comms.py::test_a_lossy_gather_leaves_the_weights_the_zero2_optimizer_steps[mcore]",
@@ -54,6 +51,9 @@ FULL_ONLY = frozenset(
     )
 ) | frozenset(
     {
+        # pipelining beside FSDP2: CI keeps 1f1b per_module and gpipe root_wrapper
+        "packages/mfsdp-hooks/tests/test_hooks_pipelining_fsdp2.py::test_same_collectives_and_losses_as_fsdp2_on_the_same_schedule[1f1b-root_wrapper]",
+        "packages/mfsdp-hooks/tests/test_hooks_pipelining_fsdp2.py::test_same_collectives_and_losses_as_fsdp2_on_the_same_schedule[gpipe-per_module]",
         # FSDP2's all-reduce hook and force-sum beside quantized reduce-scatters (the comm
         # hooks' own tests keep both in CI)
         "packages/mfsdp-hooks/tests/test_hooks_quantized_comms.py::test_quantized_reduce_scatters_take_the_all_reduce_hook_and_force_sum",

@@ -113,7 +113,7 @@ def _bad_input(rank: int, world: int, case: str) -> str:
         ("contiguous_step", "TypeError: contiguous_step: RMSprop is not one of the elementwise"),
         ("step_chunk_numel", "ValueError: step_chunk_numel must be a positive int"),
         ("hsdp", "ValueError: dp_outer_dim was given without hybrid_fsdp_group"),
-        ("meta", "ValueError: init_model_with_meta_device=True with sharding_strategy=0"),
+        ("meta", "ValueError: init_model_with_meta_device=True with zero_dp_strategy=0"),
         ("nccl_ub", "NotImplementedError: nccl_ub=True: NCCL user buffers"),
     ],
 )

@@ -262,19 +262,19 @@ def test_suggested_communication_unit_size_bounds_what_is_gathered_ahead(
 
 
 def test_fine_grained_units_skip_tied_leaves_and_need_zero3() -> None:
-    from mfsdp_hooks import fine_grained_units
+    from mfsdp_hooks import ShardingStrategy, fine_grained_units
     from mfsdp_hooks.testing import make_model
 
     model = make_model()
     units = [*reversed(list(model.blocks)), model]
-    order = fine_grained_units(model, units, 3)
+    order = fine_grained_units(model, units, ShardingStrategy.OPTIM_GRADS_PARAMS)
     names = {id(m): n for n, m in model.named_modules()}
     got = [names[id(m)] for m in order]
     # Each block's leaves before it; the root's untied leaves; the tied embed/head stay put.
     assert got[:4] == ["blocks.2.norm", "blocks.2.fc1", "blocks.2.fc2", "blocks.2"], got
     assert got[-3:] == ["frozen", "value", ""] and "embed" not in got and "head" not in got
     with pytest.raises(ValueError, match="zero_dp_strategy=3"):
-        fine_grained_units(model, units, 2)
+        fine_grained_units(model, units, ShardingStrategy.OPTIM_GRADS)
 
 
 SMALL_BLOCK = 2 * 16 + (16 * 32 + 32) + (32 * 16 + 16)  # a small block's elements

@@ -13,11 +13,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from mfsdp_collectives import FSDPTopology, mesh_has_dim
+from mfsdp_collectives import FSDPTopology, mesh_has_dim, real_tensors
 
-__all__ = ["hybrid_topology", "parse_outer_strategy"]
+__all__ = ["hybrid_topology", "names_hfsdp", "parse_outer_strategy"]
 
 _OUTER_STRATEGIES = {0: "no_shard", "no_shard": "no_shard", 1: "optim", "optim": "optim"}
+
+
+def names_hfsdp(value: object) -> bool:
+    """Whether ``outer_dp_sharding_strategy`` is 1/"optim" (HFSDP) for ``parse_outer_strategy``."""
+    return not isinstance(value, bool) and _OUTER_STRATEGIES.get(value) == "optim"
 
 
 def parse_outer_strategy(value: object, zero_dp_strategy: int) -> str:
@@ -40,8 +45,9 @@ def parse_outer_strategy(value: object, zero_dp_strategy: int) -> str:
 def _dp_ranks(mesh: DeviceMesh, dims: tuple[str, str]) -> list[int]:
     """The global ranks of this rank's ``(dp_outer, dp_shard)`` submesh: the ranks its
     flattened group must hold (the shard dim may itself be flattened, e.g. DP x CP)."""
-    ranks: torch.Tensor = mesh[dims].mesh
-    return sorted(int(r) for r in ranks.flatten().tolist())
+    with real_tensors():  # a planning run's wrap runs under FakeTensorMode
+        ranks: torch.Tensor = mesh[dims].mesh
+        return sorted(int(r) for r in ranks.flatten().tolist())
 
 
 def _names_a_dim(mesh: DeviceMesh, dim: str | None) -> bool:

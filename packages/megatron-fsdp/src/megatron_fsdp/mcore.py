@@ -35,12 +35,13 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_fsdp.ddp_config import DistributedDataParallelConfig
+from megatron_fsdp.hybrid import names_hfsdp
 from megatron_fsdp.mcore_groups import data_parallel_index
 from megatron_fsdp.unsupported import refuse_unsupported
 from megatron_fsdp.wrapper import MegatronFSDP
 from mfsdp_checkpoint import enable_dcp
 from mfsdp_checkpoint.wrapper_prefix import WRAPPER_PREFIX
-from mfsdp_hooks import MixedPrecisionPolicy, UnitSpec
+from mfsdp_hooks import MixedPrecisionPolicy, ShardingStrategy, UnitSpec, parse_strategy
 
 __all__ = ["FullyShardedDataParallel", "MCoreFSDPModel"]
 
@@ -101,7 +102,7 @@ class MCoreFSDPModel(nn.Module):
         self.megatron_fsdp_dist_index = data_parallel_index(
             config,
             int(ddp_config.num_distributed_optimizer_instances),
-            ddp_config.outer_dp_sharding_strategy in ("optim", 1),
+            names_hfsdp(ddp_config.outer_dp_sharding_strategy),
             pg_collection,
             device_type,
         )
@@ -260,7 +261,9 @@ def _default_units(
     """Megatron-Core's defaults: its layer classes (none under ``no_shard``)."""
     if specs is not None:
         return specs
-    if ddp_config.data_parallel_sharding_strategy in ("no_shard", 0):
+    field = "ddp_config.data_parallel_sharding_strategy"
+    strategy = parse_strategy(ddp_config.data_parallel_sharding_strategy, field)
+    if strategy == ShardingStrategy.NO_SHARD:
         return []
     try:
         importlib.import_module("megatron.core")

@@ -18,6 +18,7 @@ from torch import nn
 from megatron_fsdp.ddp_config import DistributedDataParallelConfig
 from megatron_fsdp.dist_index import FSDPDistributedIndex
 from megatron_fsdp.engine_options import grad_buffer_choice, sharding_options
+from megatron_fsdp.hybrid import names_hfsdp
 from mfsdp_hooks import MixedPrecisionPolicy, ShardingOptions, UnitSpec
 from mfsdp_te import convert_for_float8_param_gather
 
@@ -154,7 +155,7 @@ def _check_hsdp_fields(
             + f": give FSDPDistributedIndex a dp_outer_dim of size {instances}, or leave "
             "num_distributed_optimizer_instances at 1"
         )
-    outer_sharded = config.outer_dp_sharding_strategy in ("optim", 1)
+    outer_sharded = names_hfsdp(config.outer_dp_sharding_strategy)
     if dist_index.hsdp_outer_dp_shard != outer_sharded:
         raise ValueError(
             f"FSDPDistributedIndex(hsdp_outer_dp_shard={dist_index.hsdp_outer_dp_shard}) "

@@ -13,8 +13,10 @@ timeline.save("step.json")         # open in ui.perfetto.dev
 Works on any sharded model: what ``fully_shard(model, optimizer)``/``fully_shard_model``
 return (``MegatronFSDP``), or the root of per-module ``fully_shard`` calls. The recording
 itself is layer 3's (``mfsdp_hooks.record_timeline``: opt-in host timestamps at the units'
-lifecycle points, free when off); this module turns it into a Chrome trace and a report.
-Each rank records itself; nothing is communicated. See ``docs/timeline.md``.
+lifecycle points, free when off), and so are the Chrome trace and the report made from it
+(``mfsdp_hooks.chrome_trace``, ``mfsdp_hooks.build_overlap_report``); this module is the
+user's handle on them. Each rank records itself; nothing is communicated. See
+``docs/timeline.md``.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_fsdp.trace_chrome import chrome_trace
-from megatron_fsdp.trace_report import OverlapReport, build_overlap_report
 from mfsdp_hooks import (
+    OverlapReport,
     TimelineRecorder,
     TimelineStep,
+    build_overlap_report,
+    chrome_trace,
     fsdp_units,
     optimizer_groups,
     record_timeline,

@@ -9,7 +9,7 @@ record, ``mfsdp_hooks.ShardingOptions``, so the two entry points build the same 
 (``options=``). A keyword that contradicts the config raises instead of being dropped.
 
 Beyond the engine wrapper's ``no_sync``/``finish_grad_sync``/``zero_grad_buffer``/
-``install_optimized_model_weights``: ``broadcast_params``, ``scale_gradients``, ``sync``,
+``install_optimized_model_weights``/``broadcast_params``/``scale_gradients``: ``sync``,
 ``set_model_auto_sync``, ``is_last_microbatch``, ``microbatch_count``, ``start_grad_sync``
 and ``start_param_sync``, as the reference has them; ``save_pretrained`` for a wrapped Hugging
 Face model (collective, what ``from_pretrained`` loads). ``mixed_precision_context`` comes
@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import mfsdp_hooks
@@ -32,7 +31,7 @@ from megatron_fsdp.ddp_config import DistributedDataParallelConfig
 from megatron_fsdp.dist_index import FSDPDistributedIndex
 from megatron_fsdp.hf_export import save_pretrained
 from megatron_fsdp.reference_options import ConfigKeywords, reference_options
-from mfsdp_hooks import MixedPrecisionPolicy, ShardingOptions, UnitSpec, fsdp_units
+from mfsdp_hooks import MixedPrecisionPolicy, ShardingOptions, UnitSpec
 
 __all__ = ["MegatronFSDP"]
 
@@ -175,29 +174,6 @@ class MegatronFSDP(mfsdp_hooks.FSDPRootWrapper):
         """Backward passes since the last ``finish_grad_sync`` (0 while auto-sync is on)."""
         root = self.root_unit_module.fsdp_root
         return 0 if root is None else root.microbatch_count
-
-    def broadcast_params(self) -> None:
-        """Every rank's weights from data-parallel rank 0 (``--data-parallel-random-init``):
-        the main weights over each group's DP group, then the compute weights re-installed."""
-        for unit in fsdp_units(self.module):
-            for group in unit.groups:
-                topology = group.topology
-                source = group.main if group.main is not None else group.model
-                if not source.sharded and topology.shard_size > 1:
-                    first = dist.get_global_rank(topology.shard_group, 0)
-                    dist.broadcast(source.materialize(), first, group=topology.shard_group)
-                outer = topology.outer_group
-                if outer is not None and source.has_persistent_shard:
-                    dist.broadcast(source.shard, dist.get_global_rank(outer, 0), group=outer)
-                group.mark_weights_dirty()
-
-    def scale_gradients(self, scaling_factor: float) -> None:
-        """Multiply every reduced gradient by ``scaling_factor`` (Megatron-Core's loss scaling
-        and per-token normalisation call this after the reduction)."""
-        for unit in fsdp_units(self.module):
-            for group in unit.groups:
-                if group.grads is not None and group.grads.storage is not None:
-                    group.grads.storage.mul_(scaling_factor)
 
     def save_pretrained(
         self, save_directory: str | Path, *, dtype: torch.dtype | None = None, **unsupported: Any

@@ -1,5 +1,7 @@
 """mfsdp_hooks: the FSDP unit lifecycle, mixed precision and optimizer integration."""
 
+from typing import TYPE_CHECKING
+
 from mfsdp_hooks.api.comm_quantization import quantize_communication
 from mfsdp_hooks.api.describe import (
     MODEL_STATE_CATEGORIES,
@@ -54,12 +56,14 @@ from mfsdp_hooks.runtime.elementwise_optimizers import (
 )
 from mfsdp_hooks.runtime.observe import format_bytes
 from mfsdp_hooks.runtime.timeline import TimelineRecorder, record_timeline
+from mfsdp_hooks.runtime.timeline_chrome import chrome_trace
 from mfsdp_hooks.runtime.timeline_events import (
     HOST_CATEGORIES,
     EventKind,
     TimelineEvent,
     TimelineStep,
 )
+from mfsdp_hooks.runtime.timeline_report import OverlapReport, UnitTimes, build_overlap_report
 from mfsdp_hooks.runtime.training_state import TrainingState
 from mfsdp_hooks.runtime.unit import FSDPUnit
 from mfsdp_hooks.weights.lookup import (
@@ -145,6 +149,10 @@ __all__ = [
     "TimelineRecorder",
     "TimelineStep",
     "record_timeline",
+    "OverlapReport",
+    "UnitTimes",
+    "build_overlap_report",
+    "chrome_trace",
 ]
 
 # The root wrapper under the name that says what it is, and the options record it takes.
@@ -152,3 +160,19 @@ from mfsdp_hooks.api.root_wrapper import FSDPRootWrapper
 from mfsdp_hooks.config.sharding_options import ShardingOptions
 
 __all__ += ["FSDPRootWrapper", "ShardingOptions"]
+
+# Pipeline stages: torch.distributed.pipelining takes about a second to import, and every
+# spawned rank imports this package, so they load on first use.
+if TYPE_CHECKING:
+    from mfsdp_hooks.api.pipelining import PipelineStage, sharded_roots
+else:
+
+    def __getattr__(name: str) -> object:
+        if name in ("PipelineStage", "sharded_roots"):
+            from mfsdp_hooks.api import pipelining
+
+            return getattr(pipelining, name)
+        raise AttributeError(f"module 'mfsdp_hooks' has no attribute {name!r}")
+
+
+__all__ += ["PipelineStage", "sharded_roots"]

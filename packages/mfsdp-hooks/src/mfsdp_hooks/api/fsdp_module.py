@@ -29,6 +29,7 @@ from mfsdp_hooks.api.module_conversion import managed_params_hidden
 from mfsdp_hooks.api.precision_region import mixed_precision_context
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
+from mfsdp_hooks.config.unit_options import RootOptions
 from mfsdp_hooks.runtime.root import FSDPRoot, root_of
 from mfsdp_hooks.runtime.unit import FSDPUnit, unit_of, units_under
 
@@ -86,7 +87,7 @@ class FSDPModule(FSDP2CommHooks, FSDP2Refusals, RefusesDDP, TorchFSDPModule):
 
     @property
     def sync_model_each_microbatch(self) -> bool:
-        return self._mfsdp_unit().options.root.sync_model_each_microbatch
+        return self._root_options().sync_model_each_microbatch
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -216,12 +217,18 @@ class FSDPModule(FSDP2CommHooks, FSDP2Refusals, RefusesDDP, TorchFSDPModule):
 
     @property
     def reduce_scatter_in_no_sync(self) -> bool:
-        return self._mfsdp_unit().options.root.reduce_scatter_in_no_sync
+        return self._root_options().reduce_scatter_in_no_sync
+
+    def _root_options(self) -> RootOptions:
+        """The root-level options this unit runs under: its root's once the first forward
+        built it, until then what its ``fully_shard`` call was given."""
+        root = root_of(self)  # type: ignore[arg-type]
+        return self._mfsdp_unit().options.root if root is None else root.root_options
 
     def _set_root_option(self, setter: str, **change: bool) -> None:
         """One root-level option changed for the whole tree (``setter`` names the caller)."""
         root = self._root_only(setter)
-        options = dataclasses.replace(self._mfsdp_unit().options.root, **change)
+        options = dataclasses.replace(self._root_options(), **change)
         if root is not None:
             root.set_root_options(options)
             return

@@ -23,7 +23,7 @@ from mfsdp_hooks.api.precision_region import mixed_precision_context, wrap_time_
 from mfsdp_hooks.config.grad_allocator import make_grad_allocator
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.config.sharding_options import ShardingOptions
-from mfsdp_hooks.config.strategy import ShardingStrategy, parse_strategy
+from mfsdp_hooks.config.strategy import ShardingStrategy
 from mfsdp_hooks.runtime.unit import unit_of
 from mfsdp_hooks.weights.lookup import set_owning_model
 from mfsdp_hooks.weights.meta_init import (
@@ -32,6 +32,7 @@ from mfsdp_hooks.weights.meta_init import (
     materialize_in_order,
     modules_in_scope,
 )
+from mfsdp_hooks.weights.param_group import broadcast_from_first_rank
 
 UnitSpec = type[nn.Module] | str
 
@@ -177,6 +178,21 @@ class FSDPRootWrapper(RefusesDDP, nn.Module):
     def zero_grad_buffer(self) -> None:
         self.root_unit_module.zero_grad_buffer()
 
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiply every reduced gradient by ``scaling_factor`` in place (Megatron-Core's loss
+        scaling and per-token normalisation call this after the reduction)."""
+        for unit in fsdp_units(self.module):
+            for group in unit.groups:
+                group.scale_main_grads(scaling_factor)
+
+    def broadcast_params(self) -> None:
+        """Every rank's weights from data-parallel rank 0 (Megatron-Core's
+        ``--data-parallel-random-init``); the compute weights follow at the next unshard.
+        Collective: call it on every rank."""
+        for unit in fsdp_units(self.module):
+            for group in unit.groups:
+                broadcast_from_first_rank(group)
+
     def install_optimized_model_weights(self) -> None:
         self.root_unit_module.install_optimized_model_weights()
 
@@ -219,11 +235,12 @@ def _shard_unit(
 
 
 def fine_grained_units(
-    module: nn.Module, units: list[nn.Module], strategy: ShardingStrategy | int | str
+    module: nn.Module, units: list[nn.Module], strategy: ShardingStrategy
 ) -> list[nn.Module]:
     """``units`` (children first) with each one's parameter-holding leaf modules before it,
-    as units of their own (``ShardingOptions.fine_grained_param_gather``)."""
-    if parse_strategy(strategy, "zero_dp_strategy") != ShardingStrategy.OPTIM_GRADS_PARAMS:
+    as units of their own (``ShardingOptions.fine_grained_param_gather``; ``strategy`` is
+    its ``zero_dp_strategy``)."""
+    if strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
         raise ValueError(
             "enable_fine_grained_param_gather=True splits the per-forward all-gathers of "
             "ZeRO-3 units; with another zero_dp_strategy nothing is gathered per forward: use "
@@ -272,8 +289,8 @@ def _init_from_meta_and_shard(
     unit as soon as its last module is done (``meta_init``)."""
     if options.zero_dp_strategy == ShardingStrategy.NO_SHARD:
         raise ValueError(
-            "init_model_with_meta_device=True with sharding_strategy=0 (no_shard) would "
-            "materialise the whole model on every rank: use sharding_strategy 1, 2 or 3"
+            "init_model_with_meta_device=True with zero_dp_strategy=0 (no_shard) would "
+            "materialise the whole model on every rank: use zero_dp_strategy 1, 2 or 3"
         )
     modules = modules_in_scope(module, skip=lambda m: False)
     check_initialisable(modules, "init_model_with_meta_device")

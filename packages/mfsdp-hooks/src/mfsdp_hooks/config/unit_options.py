@@ -2,8 +2,10 @@
 
 ``RootOptions`` are read for the whole tree by its root (the reduction queue, when a
 backward waits, the NaN check, prefetch depth). Every unit carries the ones its
-``fully_shard`` call was given; when the root is built, a non-root unit given other values
-than the root's is refused (they would be ignored without a word).
+``fully_shard`` call was given; once the root is built, the root unit's are the tree's, the
+one copy its setters change and its ``ExecutionOrder`` and ``GradSync`` read
+(``FSDPRoot.root_options``). A non-root unit given other values than the root's is refused
+then (they would be ignored without a word).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class UnitOptions:
     reshard_after_backward: bool = True
     overlap_param_gather: bool = True
     root: RootOptions = RootOptions()
+    """The root-level options this unit's call was given; the tree runs under its root's."""
     backward_prefetch_grad_fraction: float = 0.5
     grad_allocator: Allocator | None = None
     codec: ParamCodec = IDENTITY

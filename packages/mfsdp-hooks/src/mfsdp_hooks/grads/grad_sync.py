@@ -21,7 +21,7 @@ How far one unit's backward reduces (``Reach``), for a reducer of strategy ``s``
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -73,8 +73,9 @@ def reach_of(flags: SyncFlags, strategy: ShardingStrategy, options: RootOptions)
 class GradSync:
     """Reductions in flight, when a backward reduces and waits, and the replica hop."""
 
-    def __init__(self, options: RootOptions, *, reap_early: bool) -> None:
-        self.options = options
+    def __init__(self, root_options: Callable[[], RootOptions], *, reap_early: bool) -> None:
+        self._root_options = root_options  # read where they live: a setter counts at once
+        options = root_options()
         self.reductions = ReductionQueue(
             options.max_inflight_reductions,
             overlap=options.overlap_grad_reduce,
@@ -86,6 +87,10 @@ class GradSync:
         # Reducers launched since the gradients were last agreed on, in launch order (the
         # same on every rank): ``grad_presence`` gives None to what no rank had a gradient for.
         self._launched: dict[int, GradReducer] = {}
+
+    @property
+    def options(self) -> RootOptions:
+        return self._root_options()
 
     def _queue_reduction(
         self, reducer: GradReducer, streams: CommStreams | None, *, ends_cycle: bool

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from mfsdp_hooks.config.unit_options import RootOptions
+
 __all__ = ["ExecutionOrder"]
 
 
@@ -26,24 +28,25 @@ class ExecutionOrder(Generic[U]):
     def __init__(
         self,
         root_unit: U,
-        depth: int,
+        root_options: Callable[[], RootOptions],
         *,
-        numel_limit: int | None = None,
         numel_of: Callable[[U], int] = lambda _: 0,
-        coalesce: bool = False,
     ) -> None:
-        """``numel_limit`` (not None): the targets are instead the next (previous) units
-        while their ``numel_of`` sums to at most it. ``coalesce``: a window's targets are
-        gathered together, once it has drained (``gather_ahead``)."""
-        self.coalesce = coalesce
+        """``root_options`` reads the root's options where they live: ``prefetch_depth``
+        units ahead, or with ``prefetch_numel`` the next (previous) units while their
+        ``numel_of`` sums to at most it; ``coalesce_prefetch`` gathers a window's targets
+        together, once it has drained (``gather_ahead``)."""
         self._root_unit = root_unit
-        self._depth = depth
-        self._numel_limit = numel_limit
+        self._root_options = root_options
         self._numel_of = numel_of
         self._order: list[U] = []
         self.final = False
         self._next: dict[int, list[U]] = {}
         self._previous: dict[int, list[U]] = {}
+
+    @property
+    def coalesce(self) -> bool:
+        return self._root_options().coalesce_prefetch
 
     def record(self, unit: U) -> None:
         """A unit's forward began (recorded once, until the order is final)."""
@@ -54,7 +57,7 @@ class ExecutionOrder(Generic[U]):
         """The first backward ended: fix the prefetch targets from the recorded order."""
         if self.final:
             return
-        order, depth = self._order, self._depth
+        order, depth = self._order, self._root_options().prefetch_depth
         self._next = {
             id(u): self._window(order[i + 1 : i + 1 + depth], order[i + 1 :])
             for i, u in enumerate(order)
@@ -73,12 +76,13 @@ class ExecutionOrder(Generic[U]):
 
     def _window(self, by_depth: list[U], ahead: list[U]) -> list[U]:
         """``by_depth``, or with a numel limit the first of ``ahead`` that fit in it."""
-        if self._numel_limit is None:
+        limit = self._root_options().prefetch_numel
+        if limit is None:
             return by_depth
         taken, total = [], 0
         for unit in ahead:
             total += self._numel_of(unit)
-            if total > self._numel_limit:
+            if total > limit:
                 break
             taken.append(unit)
         return taken

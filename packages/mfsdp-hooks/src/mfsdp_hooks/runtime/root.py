@@ -61,10 +61,8 @@ class FSDPRoot:
         self.streams = CommStreams(self.options.topology.device)
         self.order = ExecutionOrder(
             root_unit,
-            self.options.root.prefetch_depth,
-            numel_limit=self.options.root.prefetch_numel,
+            lambda: self.root_options,
             numel_of=lambda unit: sum(g.layout.data_numel for g in unit.groups),
-            coalesce=self.options.root.coalesce_prefetch,
         )
         # The root's own state: True from the first pre-backward hook of an iteration until
         # its final callback has ended every unit's backward (a forward in between raises).
@@ -72,15 +70,16 @@ class FSDPRoot:
         # Finishing reductions as soon as they land would make a pool's free order vary,
         # and frees nothing from a pool.
         self.grad_sync = GradSync(
-            self.options.root,
+            lambda: self.root_options,
             reap_early=not any(pools_memory(u.options.grad_allocator) for u in self.units),
         )
 
     def _refuse_ignored_root_options(self) -> None:
-        """A root-level option given to a non-root unit must equal the root's, or it would be
-        ignored without a word (local and identical on every rank: no collective)."""
+        """Every ``fully_shard`` call takes the root-level options, but only the root's are
+        read: one given to a non-root unit must equal the root's, or it would be ignored
+        without a word (local and identical on every rank: no collective)."""
         for unit in self.units:
-            for name, mine, roots in unit.options.root.differences(self.options.root):
+            for name, mine, roots in unit.options.root.differences(self.root_options):
                 raise ValueError(
                     f"{name}={mine!r} was given to fully_shard({unit.name}), but {name} is a "
                     f"root-level option and the root fully_shard({self.root_unit.name}) has "
@@ -92,11 +91,15 @@ class FSDPRoot:
         """The root unit's options."""
         return self.root_unit.options
 
+    @property
+    def root_options(self) -> RootOptions:
+        """The tree's root-level options: the root unit's, their one owner (its ``order``
+        and ``grad_sync`` read them here; other units' are what their calls were given)."""
+        return self.root_unit.options.root
+
     def set_root_options(self, options: RootOptions) -> None:
         """A root-level setter (``set_sync_model_each_microbatch``): from the next backward."""
-        for unit in self.units:
-            unit.options = dataclasses.replace(unit.options, root=options)
-        self.grad_sync.options = options
+        self.root_unit.options = dataclasses.replace(self.root_unit.options, root=options)
 
     @property
     def microbatch_count(self) -> int:
@@ -157,7 +160,7 @@ class FSDPRoot:
             waited = self.grad_sync.end_backward(
                 self._reducers(synced_units), any_synced=bool(synced_units), streams=self.streams
             )
-            if waited and self.options.root.report_nan_in_param_grad:
+            if waited and self.root_options.report_nan_in_param_grad:
                 self.check_grads_finite()
             if synced_units:
                 self._open_step_windows()
@@ -198,7 +201,7 @@ class FSDPRoot:
     def finish_grad_sync(self) -> None:
         """Reduce whatever is still local (``no_sync`` windows) and wait for every reduction."""
         self.grad_sync.finish(self._reducers(), self.streams)
-        if self.options.root.report_nan_in_param_grad:
+        if self.root_options.report_nan_in_param_grad:
             self.check_grads_finite()
         self._open_step_windows()
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mfsdp_buffers import Allocator, FlatLayout, PlainAllocator
@@ -353,10 +354,30 @@ class ParameterGroup:
         if self.reducer is not None:
             self.reducer.drop_partial()
 
+    def scale_main_grads(self, factor: float) -> None:
+        """Multiply the reduced gradients in place, if the parameters still hold them."""
+        if self.grads is not None and self.grads.storage is not None:
+            self.grads.storage.mul_(factor)
+
     def grad_nan_flags(self) -> torch.Tensor:
         """One flag per parameter: 1 when its local reduced gradient holds NaN or Inf."""
         assert self.grads is not None
         return self.grads.nonfinite_flags()
+
+
+def broadcast_from_first_rank(group: ParameterGroup) -> None:
+    """The optimizer-facing weights of data-parallel rank 0 on every rank: over the shard
+    group where each rank holds them whole, then this rank's shard over the outer (HSDP)
+    group; the compute weights are re-installed at the next unshard. Collective over both."""
+    topology = group.topology
+    source = group.main if group.main is not None else group.model
+    if not source.sharded and topology.shard_size > 1:
+        first = dist.get_global_rank(topology.shard_group, 0)
+        dist.broadcast(source.materialize(), first, group=topology.shard_group)
+    outer = topology.outer_group
+    if outer is not None and source.has_persistent_shard:
+        dist.broadcast(source.shard, dist.get_global_rank(outer, 0), group=outer)
+    group.mark_weights_dirty()
 
 
 def _reducer(

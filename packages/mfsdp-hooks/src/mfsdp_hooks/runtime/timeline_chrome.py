@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from mfsdp_hooks import TimelineEvent, TimelineStep
+from mfsdp_hooks.runtime.timeline_events import TimelineEvent, TimelineStep
 
 __all__ = ["LANES", "chrome_trace"]
 

@@ -1,7 +1,7 @@
 """Shared by the pipeline-parallelism tests (issue 28): the toy model cut into pipeline
 stages, each sharded over its data-parallel ranks (a ``dp_shard`` pair, or HSDP's
 ``(dp_outer, dp_shard)`` square), trained with torch's schedules through
-``megatron_fsdp.pipelining.PipelineStage`` and compared with one process on the whole model.
+``mfsdp_hooks.PipelineStage`` and compared with one process on the whole model.
 """
 
 from __future__ import annotations
@@ -25,14 +25,12 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor
 
 import mfsdp_hooks
-from megatron_fsdp import MegatronFSDP, fully_shard_model, fully_shard_optimizer
-from megatron_fsdp.pipelining import PipelineStage, sharded_roots
 from mfsdp_buffers import LiveTensorTracker
-from mfsdp_checkpoint import gather_full_state_dict
 from mfsdp_collectives import CommTracer
-from mfsdp_hooks import ShardingOptions
+from mfsdp_hooks import FSDPRootWrapper, PipelineStage, ShardingOptions, sharded_roots
 from mfsdp_hooks.testing import (
     Block,
     ToyModel,
@@ -65,11 +63,13 @@ SCHEDULES: dict[str, tuple[Any, int]] = {
 SPLIT_BACKWARD = {"interleaved_zb", "zbv"}
 V_SHAPED = {"zbv"}  # rank r holds stages r and 2 * PP - 1 - r (else r and r + PP)
 # per_module: mfsdp_hooks.fully_shard on each block, then the stage root.
-# seed: megatron_fsdp.fully_shard_model (its Megatron-FSDP no_sync would reduce-scatter each
-#   micro-batch under ZeRO-2/3; the PipelineStage keeps gradients to the step's end instead).
-# seed_class_rs_each_mb: the seed's MegatronFSDP class with PipelineStage(...,
-#   reduce_scatter_each_microbatch=True): ZeRO-2/3 reduce-scatter every micro-batch.
-RS_EACH_MB = "seed_class_rs_each_mb"
+# root_wrapper: FSDPRootWrapper over the stage with ShardingOptions, what the seed API's
+#   fully_shard_model builds (its Megatron-FSDP no_sync would reduce-scatter each micro-batch
+#   under ZeRO-2/3; the PipelineStage keeps gradients to the step's end instead), and an
+#   attached optimizer (what fully_shard_optimizer attaches).
+# root_wrapper_rs_each_mb: the same with PipelineStage(..., reduce_scatter_each_microbatch=
+#   True): ZeRO-2/3 reduce-scatter every micro-batch.
+RS_EACH_MB = "root_wrapper_rs_each_mb"
 
 
 @dataclass(frozen=True)
@@ -115,21 +115,11 @@ def shard_stage(
         for block in stage.blocks:
             mfsdp_hooks.fully_shard(block, mesh=dp.mesh, sharding_strategy=zero, **options)
         return mfsdp_hooks.fully_shard(stage, mesh=dp.mesh, sharding_strategy=zero, **options)  # type: ignore[no-any-return]
-    hsdp: dict[str, Any] = {}
-    if dp.hsdp:
-        hsdp = {
-            "dp_shard_dim": "dp_shard",
-            "dp_outer_dim": "dp_outer",
-            "hybrid_fsdp_group": dp.group,
-        }
-    if api == "seed":
-        return fully_shard_model(
-            stage, fsdp_unit_modules=[Block], zero_dp_strategy=zero, device_mesh=dp.mesh, **hsdp
-        )
-    if api != RS_EACH_MB:
+    if api not in ("root_wrapper", RS_EACH_MB):
         raise ValueError(f"unknown api {api!r}")
-    options_record = ShardingOptions(zero_dp_strategy=zero, device_mesh=dp.mesh, **hsdp)
-    return MegatronFSDP(stage, fsdp_unit_modules=[Block], options=options_record)
+    # A 2-D (dp_outer, dp_shard) mesh is HSDP here too.
+    options_record = ShardingOptions(zero_dp_strategy=zero, device_mesh=dp.mesh)
+    return FSDPRootWrapper(stage, fsdp_unit_modules=[Block], options=options_record)
 
 
 class Stage(nn.Module):
@@ -257,7 +247,8 @@ def pipeline_worker(
         # One optimizer per stage model (the seed's optimizer checkpoints belong to one model).
         optimizers = [_adamw([p for p in m.parameters() if p.requires_grad]) for m in built.models]
         if api != "per_module":
-            optimizers = [fully_shard_optimizer(o) for o in optimizers]
+            for optimizer in optimizers:
+                mfsdp_hooks.attach_optimizer(optimizer)
         schedule_cls, per_rank = SCHEDULES[schedule_name]
         stages: Any = built.stages[0] if per_rank == 1 else built.stages
         schedule = schedule_cls(stages, n_microbatches=micro, loss_fn=loss_fn)
@@ -328,8 +319,9 @@ def final_weights(built: RankStages) -> dict[str, list[Any]]:
     lists: tensors sent back from a rank would die with it). Collective over the DP ranks."""
     weights: dict[str, list[Any]] = {}
     for model, names in zip(built.models, built.names, strict=True):
-        full = gather_full_state_dict(model, rank0_only=False)
-        weights.update({names[k]: v.float().tolist() for k, v in full.items()})
+        for key, value in model.state_dict().items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            weights[names[key]] = full.float().tolist()
     return weights
 
 

@@ -1,4 +1,6 @@
-"""``Timeline.overlap_report()``: per unit and per step, where the host's time went.
+"""The overlap report of a recorded timeline (``megatron_fsdp``'s ``Timeline.overlap_report()``):
+per unit and per step, where the host's time went. It reads the timeline's data alone
+(``timeline_events``).
 
 Two kinds of numbers, kept apart because they answer different questions:
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mfsdp_hooks import HOST_CATEGORIES, EventKind, TimelineStep
+from mfsdp_hooks.runtime.timeline_events import HOST_CATEGORIES, EventKind, TimelineStep
 
 __all__ = ["OverlapReport", "UnitTimes", "build_overlap_report"]
 

@@ -2,7 +2,7 @@
 
 4 gloo ranks as pp=2 x dp=2: the toy model (4 blocks, its head untied from the embedding, as a
 split puts them on different stages) cut into stages, each stage sharded over its DP pair and
-wrapped in ``megatron_fsdp.pipelining.PipelineStage``. Each case trains ``STEPS`` AdamW steps
+wrapped in ``mfsdp_hooks.PipelineStage``. Each case trains ``STEPS`` AdamW steps
 on the same global batches as one process training the whole model, and must match its loss
 each step and its final full weights within 1e-5 relative, with exactly one reduce-scatter
 per unit per step (counted with ``CommTracer``; nothing all-reduced).
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pipeline_cases import (
+from hooks_pipeline_cases import (
     FULL,
     PP,
     RS_EACH_MB,
@@ -33,12 +33,12 @@ from pipeline_cases import (
 from mfsdp_collectives.testing import run_distributed
 
 DP = 2
-APIS = ("per_module", "seed", RS_EACH_MB)
+APIS = ("per_module", "root_wrapper", RS_EACH_MB)
 STRATEGIES = (1, 2, 3)
 CI_CASES = {
-    ("gpipe", 3, "seed", 4),
+    ("gpipe", 3, "root_wrapper", 4),
     ("1f1b", 3, "per_module", 4),
-    ("interleaved1f1b", 2, "seed", 8),
+    ("interleaved1f1b", 2, "root_wrapper", 8),
     ("1f1b", 2, RS_EACH_MB, 4),
     ("zbv", 3, "per_module", 4),
 }

@@ -1,6 +1,6 @@
 """Pipeline parallelism side by side with FSDP2 (issue 28): the same stages, schedule and
 data under torch's ``fully_shard`` with torch's ``PipelineStage`` and under megatron-fsdp
-with ``megatron_fsdp.pipelining.PipelineStage``; per step, the same reduce-scatters and
+with ``mfsdp_hooks.PipelineStage``; per step, the same reduce-scatters and
 all-gathers (calls and bytes) and the same losses.
 
 4 gloo ranks as pp=2 x dp=2, with shapes neither layout pads: FSDP2 pads each parameter's
@@ -24,8 +24,6 @@ from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 import mfsdp_hooks
-from megatron_fsdp import fully_shard_model
-from megatron_fsdp.pipelining import PipelineStage
 from mfsdp_collectives import C10dTracer, CommLog, CommTracer
 from mfsdp_collectives.testing import run_distributed
 
@@ -81,14 +79,14 @@ def _sharded_stage(impl: str, index: int, mesh: Any) -> tuple[nn.Module, type[An
             fully_shard(block, mesh=mesh)
         fully_shard(stage, mesh=mesh)
         return stage, TorchPipelineStage
-    if impl == "seed":
-        return fully_shard_model(
-            stage, fsdp_unit_modules=[EvenBlock], device_mesh=mesh
-        ), PipelineStage
+    if impl == "root_wrapper":  # what the seed API's fully_shard_model builds
+        options = mfsdp_hooks.ShardingOptions(device_mesh=mesh)
+        wrapped = mfsdp_hooks.FSDPRootWrapper(stage, fsdp_unit_modules=[EvenBlock], options=options)
+        return wrapped, mfsdp_hooks.PipelineStage
     for block in stage.blocks:
         mfsdp_hooks.fully_shard(block, mesh=mesh)
     mfsdp_hooks.fully_shard(stage, mesh=mesh)
-    return stage, PipelineStage
+    return stage, mfsdp_hooks.PipelineStage
 
 
 def _side_by_side_worker(rank: int, world: int, impl: str, schedule: str) -> dict[str, Any]:
@@ -125,7 +123,7 @@ def _side_by_side_worker(rank: int, world: int, impl: str, schedule: str) -> dic
     return {"per_step": per_step, "losses": losses}
 
 
-@pytest.mark.parametrize("impl", ["per_module", "seed"])
+@pytest.mark.parametrize("impl", ["per_module", "root_wrapper"])
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_same_collectives_and_losses_as_fsdp2_on_the_same_schedule(
     schedule: str, impl: str

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pipeline_cases import (
+from hooks_pipeline_cases import (
     FULL,
     PP,
     TIMEOUT,
@@ -26,10 +26,10 @@ WORLD = PP * 4
 CASES = [
     (schedule, zero, api)
     for schedule in ("gpipe", "1f1b", "interleaved1f1b", "zbv")
-    for api in ("per_module", "seed")
+    for api in ("per_module", "root_wrapper")
     for zero in ((1, 2, 3) if schedule == "1f1b" else (3,))
 ]
-CI_CASES = {("1f1b", 3, "seed"), ("zbv", 3, "per_module")}
+CI_CASES = {("1f1b", 3, "root_wrapper"), ("zbv", 3, "per_module")}
 
 
 def _cases() -> list[Any]:
