@@ -3,7 +3,7 @@
 from megatron_fsdp.api import fully_shard, fully_shard_model, fully_shard_optimizer
 from megatron_fsdp.ddp_config import DistributedDataParallelConfig
 from megatron_fsdp.dist_index import FSDPDistributedIndex
-from megatron_fsdp.plan import MemoryPlan, ModelStatesPlan, plan_memory, plan_model_states
+from megatron_fsdp.plan import MemoryPlan, plan_memory, plan_model_states
 from megatron_fsdp.trace import OverlapReport, Timeline, trace
 from megatron_fsdp.wrapper import MegatronFSDP
 from mfsdp_collectives import BlockQuantization, QuantizationErrorLog
@@ -27,7 +27,6 @@ __all__ = [
     "MixedPrecisionPolicy",
     "Muon",
     "MemoryPlan",
-    "ModelStatesPlan",
     "ShardingStrategy",
     "__version__",
     "declare_elementwise_optimizer",

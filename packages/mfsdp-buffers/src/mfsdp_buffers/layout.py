@@ -286,6 +286,20 @@ class FlatLayout:
         """Elements that belong to parameters (no padding)."""
         return sum(p.numel for p in self.placements)
 
+    def data_numel_per_rank(self) -> tuple[int, ...]:
+        """Elements of parameters (no padding) in each rank's shard, in rank order: what
+        sets a rank's optimizer state apart from its peers' (the shards are equal in size).
+        Each parameter touches only the shards it spans, so a world of 1024 costs little."""
+        counts = [0] * self.world_size
+        size = self.shard_numel
+        for p in self.placements:
+            if size == 0 or p.numel == 0:
+                continue
+            for shard in range(p.offset // size, (p.end - 1) // size + 1):
+                start, stop = shard * size, (shard + 1) * size
+                counts[shard] += min(stop, p.end) - max(start, p.offset)
+        return tuple(counts)
+
     def shard_range(self, rank: int) -> tuple[int, int]:
         """``[start, end)`` of ``rank``'s shard in the unsharded buffer."""
         self._check_rank(rank)

@@ -35,7 +35,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveTensorTracker", "PhaseMark"]
+__all__ = ["LiveTensorTracker", "PhaseMark", "SiteNamer"]
+
+SiteNamer = Callable[[str, str], str]
+"""``(file path, function name) -> site``: how an attributing tracker names where a storage
+was made (a planner sorts them into its categories this way)."""
 
 _patch_lock = threading.Lock()
 _open_trackers: list[LiveTensorTracker] = []
@@ -66,12 +70,15 @@ _SKIP_PARTS = (
 _KEEP_PARTS = ("/torch/distributed/fsdp/", "/torch/optim/", "/torch/nn/modules/")
 
 
-def _allocation_site(skip: tuple[str, ...]) -> str:
-    """``dir/file.py:function`` of the innermost frame that is not torch plumbing."""
+def _allocation_site(skip: tuple[str, ...], name_site: SiteNamer | None) -> str:
+    """``dir/file.py:function`` of the innermost frame that is not torch plumbing, or what
+    ``name_site`` calls that frame's file and function."""
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
         if any(k in path for k in _KEEP_PARTS) or not any(k in path for k in skip):
+            if name_site is not None:
+                return name_site(path, frame.f_code.co_name)
             parts = path.replace("\\", "/").split("/")
             return f"{'/'.join(parts[-2:])}:{frame.f_code.co_name}"
         frame = frame.f_back  # type: ignore[assignment]
@@ -132,14 +139,27 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """
 
     def __init__(
-        self, attribute: bool = False, skip_sites: Sequence[str] = (), *, fake: bool = False
+        self,
+        attribute: bool = False,
+        skip_sites: Sequence[str] = (),
+        *,
+        fake: bool = False,
+        name_site: SiteNamer | None = None,
+        granularity: int = 1,
     ) -> None:
         """``attribute``: record allocation sites; ``skip_sites``: more file-name parts to look
         past when attributing (e.g. another dispatch mode stacked on this one); ``fake``:
         count meta storages too, which back ``FakeTensorMode``'s tensors, to measure a run
-        that allocates nothing (open the tracker inside the fake mode)."""
+        that allocates nothing (open the tracker inside the fake mode); ``name_site``: how
+        sites are named (default ``dir/file.py:function``); ``granularity``: count each
+        storage rounded up to a multiple of this many bytes (CUDA's caching allocator hands
+        out 512-byte blocks, and ``max_memory_allocated`` counts the blocks)."""
         super().__init__()  # type: ignore[no-untyped-call]
+        if isinstance(granularity, bool) or not isinstance(granularity, int) or granularity < 1:
+            raise ValueError(f"granularity={granularity!r}: give a positive int of bytes")
         self.attribute = attribute
+        self._name_site = name_site
+        self._granularity = granularity
         self._count_meta = fake
         self._snapshot_sites = attribute
         # Held, so that their ids stay theirs.
@@ -180,8 +200,12 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        for tensor in _plain_tensors(out):
-            self._observe_storage(tensor.untyped_storage())
+        if isinstance(out, torch.Tensor) and not is_traceable_wrapper_subclass(out):
+            if out.device.type != "meta":  # most ops: one tensor, no pytree walk
+                self._observe_storage(out.untyped_storage())
+        elif isinstance(out, torch.Tensor | list | tuple | dict):  # not a device, size, None
+            for tensor in _plain_tensors(out):
+                self._observe_storage(tensor.untyped_storage())
         return out
 
     def ignore(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -209,13 +233,13 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if self._ignored.get(id(storage)) is storage:
             return
         key = id(storage)
-        nbytes = storage.nbytes()
+        nbytes = -(-storage.nbytes() // self._granularity) * self._granularity
         with self._lock:
             old = self._sizes.get(key)
             if old is None:
                 weakref.finalize(storage, self._release, key)
                 if self.attribute:
-                    self._site_of[key] = _allocation_site(self._skip)
+                    self._site_of[key] = _allocation_site(self._skip, self._name_site)
                 old = 0
             elif old == nbytes:
                 return

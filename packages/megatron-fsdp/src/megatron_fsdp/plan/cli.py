@@ -4,7 +4,7 @@ The model is named as ``module:callable`` (a function or class building it, call
 arguments under ``torch.device("meta")``) or as a Hugging Face config (``--hf-config``, a
 ``config.json`` or a directory holding one; ``AutoModelForCausalLM.from_config``). Units are
 class names found in the model (``--unit LlamaDecoderLayer``); ``--seq-len``/``--batch``
-give an example input of token ids, for the activations.
+give the example input of token ids the planned step runs.
 """
 
 from __future__ import annotations
@@ -38,11 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--zero", type=int, default=3, choices=(0, 1, 2, 3))
     parser.add_argument("--outer-dp-size", type=int, default=1, help="HSDP replicas")
     parser.add_argument("--hfsdp", action="store_true", help="outer_dp_sharding_strategy=optim")
-    parser.add_argument("--tp-size", type=int, default=1, help="the model is one TP rank's")
-    parser.add_argument("--ep-size", type=int, default=1, help="its experts are one EP rank's")
     parser.add_argument("--compute-dtype", choices=sorted(_DTYPES), default="fp32")
     parser.add_argument("--optimizer", default="adamw", choices=("adam", "adamw", "sgd"))
-    parser.add_argument("--seq-len", type=int, help="example input: tokens per sequence")
+    parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=1, help="example input: sequences")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     return parser
@@ -81,23 +79,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     units = _units(model, args.unit)
     dtype = _DTYPES[args.compute_dtype]
     policy = MixedPrecisionPolicy(param_dtype=dtype)
-    example: dict[str, Any] = {}
-    if args.seq_len:
-        tokens = torch.zeros(args.batch, args.seq_len, dtype=torch.long, device="meta")
-        example = {"example_inputs": (tokens,), "loss_fn": _loss}
+    tokens = torch.zeros(args.batch, args.seq_len, dtype=torch.long, device="meta")
     for world in args.world_size:
         plan = plan_memory(
             model,
             world_size=world,
+            example_inputs=(tokens,),
+            loss_fn=_loss,
             optimizer=args.optimizer,
             fsdp_unit_modules=units,
             zero_dp_strategy=args.zero,
             mixed_precision_policy=policy,
             outer_dp_size=args.outer_dp_size,
             outer_dp_sharding_strategy="optim" if args.hfsdp else 0,
-            tp_size=args.tp_size,
-            ep_size=args.ep_size,
             device=args.device,
-            **example,
         )
         print(plan)

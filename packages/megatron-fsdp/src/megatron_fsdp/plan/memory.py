@@ -1,26 +1,22 @@
-"""``plan_memory``: each rank's peak bytes through a training step, and where it occurs,
-before a run: no process group, no parameter memory, any world size.
+"""``plan_memory``: a rank's peak bytes through a training step, and where it occurs, before
+a run: no process group, no parameter memory, any world size.
 
-The plan follows one steady-state training step (forward, backward, optimizer step; the
-gradients freed by the previous ``zero_grad()``):
+The plan is not a model of the engine: it is the engine, run for one rank of the world on
+torch's fake process group and fake tensors (``fake_run``), so every option
+``fully_shard_model`` takes is planned by what it does. The categories of a segment's peak:
 
-* the model states (``model_states.py``): compute and main weights and optimizer state,
-  live throughout, packed into the layouts ``fully_shard_model`` builds (HSDP, HFSDP, TP,
-  EP and float8 codec groups included);
-* forward and backward: one pass of the example input on a fake copy of the model
-  (``fake_step.py``) counts the activations, and at every unit boundary ``ledger.py``
-  charges the engine's buffers into the same count by the engine's rules (gathered
-  weights at the prefetch depth, codec temporaries, unreduced gradients in the reduction
-  window, gradient shards as reductions launch), so both peak together in the order they
-  really interleave. Without an input the units run in registration order and the
-  activations are absent;
-* the optimizer step: every gradient, the state and the update's temporaries (three
-  chunk-sized tensors for Adam/AdamW: the contiguous step's chunks on a CPU, a whole run on
-  accelerators).
+* ``compute_weights``, ``main_weights``, ``optimizer_state``: what the engine's buffers and
+  the optimizer hold from step to step (``describe`` of the rank), and ``other_states`` for
+  the rest of what persists (the model's buffers, the engine's small state);
+* ``engine_buffers``: what the engine's own code allocated during the step and still holds
+  then: gathered weights, the gradients' reduce buffers and shards, codec temporaries;
+* ``activations``: what the model's code and autograd allocated during the step: the
+  activations, autograd's gradients before the engine takes them, the optimizer's
+  temporaries.
 
-The peak is the largest phase total on the largest rank (ranks differ only in their
-optimizer-state rows). Refused by name: fine-grained gathers, double buffers, NCCL user
-buffers; an example input with DTensor or torchao float8 weights (plan those without one).
+Ranks differ only in how many parameter elements their shards hold (the shards are equal
+in size); the plan runs the rank holding the most, found on the engine's layouts after a
+first run of rank 0 (``rank=`` plans a given one).
 """
 
 from __future__ import annotations
@@ -30,81 +26,38 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from megatron_fsdp.hybrid import parse_outer_strategy
-from megatron_fsdp.plan.fake_step import LossFn, StepEvents, run_fake_step
-from megatron_fsdp.plan.ledger import (
-    CODEC,
-    GATHERED,
-    GRADIENTS,
-    UNREDUCED,
-    EngineLedger,
-    UnitBuffers,
+from megatron_fsdp.plan.fake_run import (
+    ENGINE,
+    MODEL,
+    ModelSource,
+    OptimizerSpec,
+    RankRun,
+    check_optimizer,
+    run_rank,
+    run_route,
 )
-from megatron_fsdp.plan.model_states import (
-    MODEL_STATE_CATEGORIES,
-    ExpertPredicate,
-    ModelStatesPlan,
-    PlannedUnit,
-    StateBytes,
-    Topology,
-    owned_parameters,
-    plan_bytes,
-    plan_model_states,
-    topology_of,
-)
-from mfsdp_buffers import FlatLayout, LiveTensorTracker, PhaseMark
-from mfsdp_collectives import check_post_forward_size
-from mfsdp_hooks import (
-    MixedPrecisionPolicy,
-    UnitSpec,
-    is_megatron_expert,
-    local_tensor,
-    parse_strategy,
-)
+from mfsdp_buffers import PhaseMark
+from mfsdp_hooks import ShardingSummary, format_bytes
 
-__all__ = ["MEMORY_CATEGORIES", "MemoryPlan", "PhaseBytes", "plan_memory"]
+__all__ = ["MEMORY_CATEGORIES", "MemoryPlan", "PhaseBytes", "plan_memory", "plan_model_states"]
 
-MEMORY_CATEGORIES = (
-    *MODEL_STATE_CATEGORIES,
-    GATHERED,
-    CODEC,
-    UNREDUCED,
-    "optimizer_temporaries",
-    "activations",
-)
-"""The model states held between steps, then what lives only within a step."""
+_STATES = ("compute_weights", "main_weights", "optimizer_state")
+MEMORY_CATEGORIES = (*_STATES, "other_states", "engine_buffers", "activations")
+"""What persists from step to step, then what lives only within a step (module docstring)."""
 
-CPU_STEP_CHUNK = 1 << 18
-"""Elements per chunk of the contiguous optimizer step on a CPU (``mfsdp_hooks``)."""
-
-# fully_shard_model arguments that change nothing the plan counts.
-_MEMORY_NEUTRAL = frozenset(
-    {
-        "average_in_collective",
-        "gradient_scaling_factor",
-        "calculate_per_token_loss",
-        "report_nan_in_param_grad",
-        "preproc_state_dict_for_dcp_ckpt",
-        "use_decoupled_grad",
-        "sync_model_each_microbatch",
-        "init_model_with_meta_device",
-        "overlap_grad_reduce",
-        "device_mesh",
-        "dp_shard_dim",
-        "dp_outer_dim",
-        "hybrid_fsdp_group",
-    }
-)
+# Built by plan_memory on the fake world: a user's mesh or groups belong to another world.
+_BUILT_HERE = ("device_mesh", "hybrid_fsdp_group", "expt_device_mesh")
 
 
 @dataclass(frozen=True)
 class PhaseBytes:
-    """The planned bytes of one segment of the step on the largest rank."""
+    """The peak of one segment of the step (``forward of blocks.0 (Block)``,
+    ``backward of ...``, ``optimizer step``), by category."""
 
     phase: str
-    """``forward of blocks.0``, ``backward of <root>``, ``optimizer step``..."""
     categories: dict[str, int]
 
     @property
@@ -114,11 +67,15 @@ class PhaseBytes:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Per-rank peak of a training step; ``str()`` is a table."""
+    """One rank's peak through a training step; ``str()`` is a table."""
 
-    states: ModelStatesPlan
+    world_size: int
+    rank: int
+    states: ShardingSummary
+    """What the rank holds between steps, unit by unit (``describe``)."""
     phases: tuple[PhaseBytes, ...]
-    has_activations: bool
+    between_steps_bytes: int
+    """Every live byte after ``optimizer.step()``: weights, gradients, optimizer state."""
 
     @property
     def _peak(self) -> PhaseBytes:
@@ -126,7 +83,7 @@ class MemoryPlan:
 
     @property
     def peak_bytes(self) -> int:
-        """The highest live bytes on the largest rank."""
+        """The highest live bytes of the rank through the step."""
         return self._peak.total
 
     @property
@@ -135,306 +92,137 @@ class MemoryPlan:
 
     @property
     def categories(self) -> dict[str, int]:
-        """Bytes by category at the peak (``activations`` only with an example input)."""
+        """Bytes by category at the peak."""
         return dict(self._peak.categories)
 
-    @property
-    def between_steps_bytes(self) -> int:
-        """After ``optimizer.step()``: weights, gradients and optimizer state."""
-        return self.states.between_steps_bytes
-
     def __str__(self) -> str:
-        s = self.states
         lines = [
-            f"memory per rank at world size {s.world_size}, ZeRO-{s.strategy} "
-            f"(largest: rank {s.largest_rank})",
-            f"  peak {plan_bytes(self.peak_bytes)} in {self.peak_phase}:",
+            f"memory of rank {self.rank} of {self.world_size}",
+            f"  peak {format_bytes(self.peak_bytes, 2)} in {self.peak_phase}:",
         ]
         for name, nbytes in self.categories.items():
-            lines.append(f"    {name:<22} {plan_bytes(nbytes)}")
-        lines.append(f"  between steps {plan_bytes(self.between_steps_bytes)}")
+            lines.append(f"    {name:<18} {format_bytes(nbytes, 2)}")
+        lines.append(f"  between steps {format_bytes(self.between_steps_bytes, 2)}")
         return "\n".join(lines)
 
 
 def plan_memory(
-    module: nn.Module | Callable[[], nn.Module],
+    module: ModelSource,
     *,
     world_size: int,
-    optimizer: str | StateBytes = "adamw",
     example_inputs: Sequence[Any] | None = None,
     example_kwargs: dict[str, Any] | None = None,
-    loss_fn: LossFn | None = None,
-    fsdp_unit_modules: Sequence[UnitSpec] | None = None,
-    zero_dp_strategy: int | str = 3,
-    mixed_precision_policy: MixedPrecisionPolicy | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: OptimizerSpec = "adamw",
     outer_dp_size: int = 1,
-    outer_dp_sharding_strategy: int | str = 0,
-    overlap_param_gather: bool = True,
-    backward_prefetch_grad_fraction: float = 0.5,
-    tp_size: int = 1,
-    ep_size: int = 1,
-    is_expert: ExpertPredicate = is_megatron_expert,
     device: torch.device | str = "cuda",
-    host_transport: str = "auto",
-    reshard_after_forward_group_size: int | None = None,
+    rank: int | None = None,
+    after_wrap: Callable[[nn.Module], object] | None = None,
     **fully_shard_model_arguments: Any,
 ) -> MemoryPlan:
-    """Plan the peak of ``module`` trained with ``fully_shard_model(module, ...)`` on each of
-    ``world_size`` ranks (``outer_dp_size`` replicas of ``world_size / outer_dp_size`` for
-    HSDP, HFSDP with ``outer_dp_sharding_strategy="optim"``).
+    """Plan the peak of ``module`` trained with ``fully_shard_model(module, ...)`` on one
+    rank of ``world_size``: the largest (module docstring), or ``rank``.
 
-    ``module``: a model, best on the meta device, or a function building one (called under
-    ``torch.device("meta")``). ``example_inputs``/``example_kwargs``: one rank's batch (real
-    or meta tensors); with them the activations are measured on a fake copy and
-    ``loss_fn(output)`` (default: the sum of the floating outputs) is backpropagated;
-    without them the plan has no activation category and assumes the units run in the
-    order they are registered. ``tp_size``/``ep_size``/``is_expert``: tensor and expert
-    parallelism, with ``module`` the model one rank holds (``plan_model_states``).
-    ``reshard_after_forward_group_size``: each unit keeps ``1/size`` of its gathered weights
-    from its forward to its backward (counted as gathered weights).
-    ``device``: where the ranks train (``"cuda"``: gradients reduced through a buffer;
-    ``"cpu"``: in place through shared memory unless ``host_transport="gloo"``).
+    ``module``: a model, best on the meta device, or a function the fake world runs to build
+    it as the training script does: it returns the model, or the model and the
+    ``fully_shard_model`` arguments that go with it (``device_mesh=`` and ``tp_dim=`` of
+    the mesh it parallelised the model over, ``expt_device_mesh=``...; build meshes on
+    ``"cpu"``). ``example_inputs``/``example_kwargs``: one rank's batch (meta or real
+    tensors; integer meta tensors become zeros); ``loss_fn(output)`` gives the loss (default:
+    the output's ``loss``, else the sum of its floating-point tensors). ``optimizer``:
+    ``"adamw"``, ``"adam"``, ``"sgd"`` or a function of the parameters.
+    ``outer_dp_size``: HSDP, ``outer_dp_size`` replicas of ``world_size / outer_dp_size``
+    ranks (with ``outer_dp_sharding_strategy="optim"``: HFSDP). ``device``: where the ranks
+    train (``"cuda"`` or ``"cpu"``; see ``fake_run.run_route``). ``after_wrap(model)``: what
+    the training script does to the sharded model before building its optimizer
+    (``quantize_communication``...). Every other keyword goes to ``fully_shard_model``.
     """
-    _check_arguments(fully_shard_model_arguments)
-    if not isinstance(module, nn.Module):
-        with torch.device("meta"):
-            module = module()
-    strategy = int(parse_strategy(zero_dp_strategy, "zero_dp_strategy"))
-    outer = parse_outer_strategy(outer_dp_sharding_strategy, strategy)
-    topology = topology_of(world_size, outer_dp_size, outer, tp_size, ep_size)
-    _check_group_size(reshard_after_forward_group_size, topology, strategy)
-    policy = mixed_precision_policy or MixedPrecisionPolicy()
-    states = plan_model_states(
+    _check(world_size, rank, outer_dp_size, fully_shard_model_arguments)
+    check_optimizer(optimizer)
+    if example_inputs is None and example_kwargs is None:
+        raise ValueError(
+            "plan_memory runs one real training step: pass example_inputs (and/or "
+            "example_kwargs), one rank's batch; meta tensors are fine"
+        )
+    arguments = dict(fully_shard_model_arguments)
+    mesh_shape = None
+    if outer_dp_size > 1:
+        mesh_shape = (("dp_outer", outer_dp_size), ("dp_shard", world_size // outer_dp_size))
+        arguments.update(dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
+    transport = arguments.pop("host_transport", "auto")
+    run = _runner(
         module,
         world_size=world_size,
-        fsdp_unit_modules=fsdp_unit_modules,
-        zero_dp_strategy=strategy,
-        mixed_precision_policy=policy,
+        mesh_shape=mesh_shape,
         optimizer=optimizer,
-        outer_dp_size=outer_dp_size,
-        outer_dp_sharding_strategy=outer,
-        tp_size=tp_size,
-        ep_size=ep_size,
-        is_expert=is_expert,
+        inputs=(tuple(example_inputs or ()), dict(example_kwargs or {})),
+        loss_fn=loss_fn,
+        route=run_route(torch.device(device), transport),
+        wrap_arguments=arguments,
+        after_wrap=after_wrap,
     )
-    target = torch.device(device)
-    in_place = target.type == "cpu" and strategy != 0 and host_transport != "gloo"
-    owners = owned_parameters(module, fsdp_unit_modules)
-    sizes = {
-        unit.name: _unit_buffers(unit, params, topology, strategy, policy)
-        for unit, (_, params) in zip(states.units, owners, strict=True)
-    }
-
-    with_input = example_inputs is not None or example_kwargs is not None
-    run = _step_runner(module, owners, example_inputs, example_kwargs, policy, loss_fn, target)
-    # Prefetch follows the order the units ran in the previous step: start from the
-    # registration order, and run again in the order seen if the model runs otherwise.
-    forward = [name for name, _ in reversed(owners)]
-    backward = ["", *reversed(forward[1:])]
-    for _ in range(2):
-        walked = EngineLedger(
-            LiveTensorTracker(fake=True),
-            sizes,
-            forward_order=forward,
-            backward_order=backward,
-            overlap=overlap_param_gather,
-            in_place=in_place,
-            prefetch_fraction=backward_prefetch_grad_fraction,
-            post_forward_size=reshard_after_forward_group_size,
-        )
-        run(walked, walked.tracker)
-        if (walked.forward_seen, walked.backward_seen) == (forward, backward):
-            break
-        forward, backward = walked.forward_seen, walked.backward_seen
-    phases = [_phase_bytes(name, mark, states, with_input) for name, mark in walked.phases]
-    phases += _optimizer_phases(states, sizes, optimizer, target, with_input)
-    return MemoryPlan(states, tuple(phases), has_activations=with_input)
+    planned = run(0 if rank is None else rank)
+    if rank is None and planned.largest_rank != planned.rank:
+        planned = run(planned.largest_rank)
+    return _plan(planned, world_size)
 
 
-StepRunner = Callable[[StepEvents, LiveTensorTracker], None]
+def plan_model_states(module: ModelSource, *, world_size: int, **arguments: Any) -> ShardingSummary:
+    """What the planned rank holds between steps, unit by unit: ``plan_memory``'s ``states``
+    (the same arguments)."""
+    return plan_memory(module, world_size=world_size, **arguments).states
 
 
-def _step_runner(
-    module: nn.Module,
-    owners: Sequence[tuple[str, Sequence[nn.Parameter]]],
-    example_inputs: Sequence[Any] | None,
-    example_kwargs: dict[str, Any] | None,
-    policy: MixedPrecisionPolicy,
-    loss_fn: LossFn | None,
-    device: torch.device,
-) -> StepRunner:
-    """One step's events: from a fake run of the example input, or without one from the
-    units' registration order."""
-    if example_inputs is None and example_kwargs is None:
-        return lambda events, tracker: _registered_step(events, module, owners)
-
-    def run(events: StepEvents, tracker: LiveTensorTracker) -> None:
-        run_fake_step(
-            module,
-            owners,
-            tuple(example_inputs or ()),
-            example_kwargs,
-            policy=policy,
-            loss_fn=loss_fn,
-            device=_fake_device(device),
-            events=events,
-            tracker=tracker,
-        )
+def _runner(module: Any, **common: Any) -> Callable[[int], RankRun]:
+    def run(rank: int) -> RankRun:
+        return run_rank(module, rank=rank, **common)
 
     return run
 
 
-def _fake_device(device: torch.device) -> torch.device:
-    """Where the fake step runs: ``device``, or the CPU where this torch cannot fake it (a
-    CPU-only build aborts on fake CUDA autograd); the shapes, hence the bytes, are the same
-    but for kernels that save device-specific tensors (attention)."""
-    if device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available()):
-        return device
-    return torch.device("cpu")
-
-
-def _check_group_size(size: int | None, topology: Topology, strategy: int) -> None:
-    if size is None:
-        return
-    check_post_forward_size(size, topology.shard, "reshard_after_forward_group_size")
-    if strategy != 3 or topology.ep > 1:
-        raise NotImplementedError(
-            "plan_memory with reshard_after_forward_group_size plans ZeRO-3 without expert "
-            "parallelism only (the engine keeps no slices otherwise): drop one of them"
-        )
-
-
-def _check_arguments(arguments: dict[str, Any]) -> None:
-    unplanned = sorted(set(arguments) - _MEMORY_NEUTRAL)
-    if unplanned:
-        raise NotImplementedError(
-            f"plan_memory does not take {unplanned}: tensor and expert parallelism are "
-            "planned from sizes (tp_size=, ep_size=, with the model one rank holds), and "
-            "FP8 weights, fine-grained gathers, double buffers and NCCL user buffers are not "
-            "modelled yet: plan without them, or measure with mfsdp_buffers.LiveTensorTracker"
-        )
-
-
-def _unit_buffers(
-    unit: PlannedUnit,
-    params: Sequence[nn.Parameter],
-    topology: Topology,
-    strategy: int,
-    policy: MixedPrecisionPolicy,
-) -> UnitBuffers:
-    gathered = reduce_buffer = shard = partial = scratch = 0
-    for group in unit.groups:
-        layout = group.layout(topology)
-        compute = group.compute_dtype(policy)
-        if strategy == 3:
-            gathered += layout.padded_numel * compute.itemsize
-            if group.wire_dtype is not None:  # abs() in the main dtype, then the bytes
-                rows = _largest_piece(layout)
-                main = policy.optimizer_dtype(group.dtype).itemsize
-                scratch = max(scratch, rows * (main + group.wire_dtype.itemsize))
-        if not group.requires_grad:
-            continue
-        reduce_buffer += layout.padded_numel * policy.grad_reduce_dtype(group.dtype).itemsize
-        optim_layout = group.optim_layout(topology)
-        numel = optim_layout.shard_numel if strategy >= 1 else optim_layout.padded_numel
-        shard += numel * policy.grad_dtype(group.dtype).itemsize
-        if topology.hfsdp:
-            partial += layout.shard_numel * policy.grad_dtype(group.dtype).itemsize
-    grads = [local_tensor(p).numel() for p in params if p.requires_grad]  # TP: this rank's
-    itemsizes = [policy.compute_dtype(p.dtype).itemsize for p in params if p.requires_grad]
-    return UnitBuffers(
-        gathered=gathered,
-        grad_bytes=tuple(n * size for n, size in zip(grads, itemsizes, strict=True)),
-        grad_elements=tuple(grads),
-        reduce_buffer=reduce_buffer,
-        grad_shard=shard,
-        partial=partial,
-        codec_scratch=scratch,
+def _plan(run: RankRun, world_size: int) -> MemoryPlan:
+    totals = run.states.totals()
+    states = {name: totals[name] for name in _STATES}
+    states["other_states"] = run.start.live - sum(states.values())
+    phases = tuple(
+        PhaseBytes(mark.name, {**states, **_transient(mark, run.start)}) for mark in run.segments
     )
+    return MemoryPlan(world_size, run.rank, run.states, phases, run.between_steps)
 
 
-def _largest_piece(layout: FlatLayout) -> int:
-    """The most elements of one parameter in one rank's shard."""
-    size = layout.shard_numel
-    if size == 0:
-        return 0
-    return max(
-        (min(size, p.numel, p.end - (p.offset // size) * size) for p in layout.placements),
-        default=0,
-    )
+def _transient(mark: PhaseMark, start: PhaseMark) -> dict[str, int]:
+    """What the step allocated and still held at the segment's peak, by who allocated it."""
+    at_peak, before = mark.peak_by_site or {}, start.peak_by_site or {}
+    engine = at_peak.get(ENGINE, 0) - before.get(ENGINE, 0)
+    model = at_peak.get(MODEL, 0) - before.get(MODEL, 0)
+    unnamed = mark.peak - start.live - engine - model  # storages of no site: none expected
+    return {"engine_buffers": engine, "activations": model + unnamed}
 
 
-def _registered_step(
-    events: StepEvents, module: nn.Module, owners: Sequence[tuple[str, Sequence[nn.Parameter]]]
+def _check(
+    world_size: int,
+    rank: int | None,
+    outer_dp_size: int,
+    arguments: dict[str, Any],
 ) -> None:
-    """With no input: the root's forward around each unit's in registration order, then the
-    backward in reverse. The root's gradients registered before every unit's (an input
-    embedding's) arrive last, the others (an output head's) first."""
-    inner = [name for name, _ in reversed(owners) if name]
-    position = {id(p): i for i, p in enumerate(module.parameters())}
-    unit_positions = [position[id(p)] for name, params in owners if name for p in params]
-    first_unit = min(unit_positions, default=len(position))
-    root = list(enumerate(p for p in dict(owners)[""] if p.requires_grad))
-    late = [i for i, p in root if position[id(p)] < first_unit]
-    events.forward_start("")
-    for name in inner:
-        events.forward_start(name)
-        events.forward_end(name)
-    events.forward_end("")
-    events.loss_start()
-    events.backward_start("")
-    for index, _ in root:
-        if index not in late:
-            events.grad_arrived("", index)
-    for name, params in owners[:-1]:
-        events.backward_start(name)
-        for index in range(sum(p.requires_grad for p in params)):
-            events.grad_arrived(name, index)
-    for index in late:
-        events.grad_arrived("", index)
-    events.backward_end()
-
-
-def _phase_bytes(
-    name: str, mark: PhaseMark, states: ModelStatesPlan, with_activations: bool
-) -> PhaseBytes:
-    """A phase's peak by category: the model states, what the ledger charged at that
-    moment, and the rest of the tracker's count, the activations."""
-    by_site = mark.peak_by_site or {}
-    charged = {site: by_site.get(site, 0) for site in (GATHERED, CODEC, UNREDUCED, GRADIENTS)}
-    model = states.categories
-    categories = {
-        "compute_weights": model["compute_weights"],
-        "main_weights": model["main_weights"],
-        "optimizer_state": model["optimizer_state"],
-        "gradients": charged[GRADIENTS],
-        "gathered_weights": charged[GATHERED],
-        "codec_buffers": charged[CODEC],
-        "unreduced_gradients": charged[UNREDUCED],
-        "optimizer_temporaries": 0,
-    }
-    if with_activations:
-        categories["activations"] = mark.peak - sum(charged.values())
-    return PhaseBytes(name, categories)
-
-
-def _optimizer_phases(
-    states: ModelStatesPlan,
-    sizes: dict[str, UnitBuffers],
-    optimizer: str | StateBytes,
-    device: torch.device,
-    with_activations: bool,
-) -> list[PhaseBytes]:
-    """The step: every gradient, the state (the first step creates it chunk by chunk, its
-    peak is the later steps') and the update's temporaries."""
-    model = states.categories
-    run = max((s.grad_shard // 4 for s in sizes.values()), default=0)
-    stateless = isinstance(optimizer, str) and optimizer.lower() == "sgd"
-    chunk = min(run, CPU_STEP_CHUNK) if device.type == "cpu" else run
-    categories = {name: model[name] for name in MODEL_STATE_CATEGORIES}
-    categories["gathered_weights"] = categories["unreduced_gradients"] = 0
-    categories["codec_buffers"] = 0
-    categories["optimizer_temporaries"] = 0 if stateless else 3 * chunk * 4
-    if with_activations:
-        categories["activations"] = 0
-    return [PhaseBytes("optimizer step", categories)]
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: give the number of ranks, an int >= 1")
+    if rank is not None and not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r}: give a rank in [0, {world_size}) or None (the largest)")
+    if outer_dp_size < 1 or world_size % outer_dp_size:
+        raise ValueError(
+            f"outer_dp_size={outer_dp_size!r} must divide world_size={world_size} (HSDP: that "
+            "many replicas of world_size / outer_dp_size ranks)"
+        )
+    given = sorted(name for name in _BUILT_HERE if name in arguments)
+    if given:
+        raise ValueError(
+            f"plan_memory runs on a fake world of its own, where {given} do not exist: give "
+            "outer_dp_size= for HSDP, or pass a function building the model that returns "
+            "(model, dict(device_mesh=..., ...)) made inside that world"
+        )
+    if dist.is_initialized():
+        raise RuntimeError(
+            "plan_memory runs the engine on torch's fake process group, in this process: call "
+            "it before init_process_group, or from another process (python -m megatron_fsdp.plan)"
+        )

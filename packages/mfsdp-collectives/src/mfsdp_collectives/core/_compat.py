@@ -41,7 +41,8 @@ _NEW_REDUCE_SCATTER: Any = getattr(dist, "reduce_scatter_single", None)
 # Backends whose collectives implement ReduceOp.AVG. Gloo gained it in torch 2.8
 # (pytorch#149781) and this layer needs torch >= 2.11. Anything else (MPI, UCC,
 # custom backends) takes the portable path: SUM, then divide the output shard.
-_AVG_BACKENDS = frozenset({"nccl", "gloo"})
+# torch's fake group (a planning run) stands for gloo or nccl: it takes their route.
+_AVG_BACKENDS = frozenset({"nccl", "gloo", "fake"})
 
 
 def all_gather_single(

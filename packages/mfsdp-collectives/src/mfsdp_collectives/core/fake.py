@@ -18,9 +18,10 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-__all__ = ["is_fake", "real_tensors"]
+__all__ = ["is_fake", "is_fake_group", "real_tensors"]
 
 
 def is_fake(tensor: torch.Tensor) -> bool:
@@ -31,3 +32,9 @@ def is_fake(tensor: torch.Tensor) -> bool:
 def real_tensors() -> AbstractContextManager[Any]:
     """Real tensors inside, even under ``FakeTensorMode`` (a no-op outside it)."""
     return unset_fake_temporarily()
+
+
+def is_fake_group(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` belongs to torch's fake process group (a planning run): its peers
+    report nothing, so what a rank would learn from them is worked out locally."""
+    return str(dist.get_backend(group)).lower() == "fake"

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ..core.fake import is_fake_group
 from ..core.naming import group_name
 from ..safety.liveness import ProcessIdentity, record_identities
 from . import _futex
+from .fake_transport import FakeHostTransport
 from .shm import DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT_S, LANES, SharedMemoryTransport
 from .shm_lane import ALIGN, MailboxFile
 
@@ -109,7 +111,9 @@ def enable_host_transport(
     it when every rank of ``group`` is on this host (same machine and boot), the
     CPU is x86-64, the backend is gloo and a shared-memory directory is writable,
     and otherwise quietly keeps gloo. Every rank reaches the same decision.
-    Calling it again for a group that already has a transport returns that one.
+    Calling it again for a group that already has a transport returns that one. A group
+    of torch's fake process group (a planning run) gets ``FakeHostTransport``: the route a
+    real host takes, with nothing exchanged.
     """
     check_host_transport(transport)
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 4096:
@@ -119,6 +123,10 @@ def enable_host_transport(
     existing = host_transport_of(group)
     if existing is not None:
         return existing
+    if is_fake_group(group):  # a planning run: the route of a real host, no memory shared
+        with _registry_lock:
+            fake = _transports.setdefault(group, FakeHostTransport(group))
+        return fake
     backend = str(dist.get_backend(group)).lower()
     if backend != "gloo":
         if transport == "shm":

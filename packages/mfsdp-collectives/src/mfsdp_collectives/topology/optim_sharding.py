@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..core._compat import concatenate_meshes, flatten_mesh
+from ..core.fake import is_fake_group, real_tensors
 from ..core.naming import group_name, register_group_name
 from ..safety.liveness import naming_dead_peers
 
@@ -77,11 +78,13 @@ class OptimizerSharding:
         spans ``group``'s ranks), this rank's coordinates on its other dims fixed."""
         coordinate = mesh.get_coordinate()
         assert coordinate is not None, "this rank is not in the mesh"
-        ranks: torch.Tensor = mesh.mesh
-        for position in coordinate[1:]:
-            ranks = ranks[:, position]
+        with real_tensors():  # a planning run wraps under FakeTensorMode
+            ranks: torch.Tensor = mesh.mesh
+            for position in coordinate[1:]:
+                ranks = ranks[:, position]
+            listed = ranks.tolist()
         group_ranks = dist.get_process_group_ranks(self.group)
-        return tuple(self.index_of_group_rank[group_ranks.index(int(r))] for r in ranks.tolist())
+        return tuple(self.index_of_group_rank[group_ranks.index(int(r))] for r in listed)
 
     @classmethod
     def across_outer(
@@ -109,8 +112,15 @@ class OptimizerSharding:
             )
         mine = sub_shard_index(shard_rank, outer_rank, outer_size)
         found: list[object] = [None] * size
-        with naming_dead_peers("the HFSDP sub-shard exchange", group):
-            dist.all_gather_object(found, mine, group=group)
+        if is_fake_group(group):
+            # A planning run: the group plan_memory builds is the flattened (dp_outer,
+            # dp_shard) mesh, whose rank r is shard rank r % shard_size of replica r // it.
+            found = [
+                sub_shard_index(r % shard_size, r // shard_size, outer_size) for r in range(size)
+            ]
+        else:
+            with naming_dead_peers("the HFSDP sub-shard exchange", group):
+                dist.all_gather_object(found, mine, group=group)
         table = tuple(cast("list[int]", found))
         if sorted(table) != list(range(size)):
             raise ValueError(
@@ -121,5 +131,6 @@ class OptimizerSharding:
             )
         # A 1 x N or N x 1 mesh: the group is also the shard or outer group; keep that name.
         register_group_name(group, DP_OUTER_SHARD, replace=False)
-        mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=(DP_OUTER_SHARD,))
+        with real_tensors():  # a planning run wraps under FakeTensorMode
+            mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=(DP_OUTER_SHARD,))
         return cls(group=group, mesh=mesh, index=mine, index_of_group_rank=table)

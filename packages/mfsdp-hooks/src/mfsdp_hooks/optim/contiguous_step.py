@@ -85,7 +85,8 @@ class _Run:
         flat = flat_over([local_tensor(param) for param in self.params])
         return (
             flat is not None
-            and flat.data_ptr() == self.weights.data_ptr()
+            and flat.untyped_storage() is self.weights.untyped_storage()
+            and flat.storage_offset() == self.weights.storage_offset()
             and flat.numel() == self.numel
         )
 

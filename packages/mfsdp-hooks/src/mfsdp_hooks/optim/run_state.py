@@ -26,14 +26,15 @@ def flat_over(locals_: list[torch.Tensor]) -> torch.Tensor | None:
     if not nonempty:
         return None
     first = nonempty[0]
-    storage = first.untyped_storage().data_ptr()
+    # The storage object, not its address: fake tensors (a planning run) all have address 0.
+    storage = first.untyped_storage()
     cursor = first.storage_offset()
     for tensor in nonempty:
         if (
             tensor.dtype != first.dtype
             or tensor.device != first.device
             or not tensor.is_contiguous()
-            or tensor.untyped_storage().data_ptr() != storage
+            or tensor.untyped_storage() is not storage
             or tensor.storage_offset() != cursor
         ):
             return None

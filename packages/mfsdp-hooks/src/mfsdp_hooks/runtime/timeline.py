@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -59,6 +59,9 @@ ACTIVE: TimelineRecorder | None = None
 _now = time.perf_counter_ns
 _FLIGHT = {EventKind.ALL_GATHER_WAIT: EventKind.ALL_GATHER, EventKind.REDUCE_WAIT: EventKind.REDUCE}
 _ISSUE_ROLE = {EventKind.ALL_GATHER_ISSUE: "all_gather", EventKind.REDUCE_ISSUE: "reduce_scatter"}
+_COMPUTE = (EventKind.FORWARD, EventKind.BACKWARD, EventKind.RECOMPUTE, EventKind.OPTIMIZER)
+OUTSIDE_UNITS = "outside the units"
+"""The segment of a step in no unit's forward or backward (the loss, autograd's own work)."""
 
 
 class _Span:
@@ -113,9 +116,14 @@ class TimelineRecorder:
     steps so far. The methods below are what the instrumentation points call."""
 
     def __init__(
-        self, units: Sequence[ShownUnit], optimizer: torch.optim.Optimizer | None = None
+        self,
+        units: Sequence[ShownUnit],
+        optimizer: torch.optim.Optimizer | None = None,
+        on_segment: Callable[[str], None] | None = None,
     ) -> None:
         self._units = list(units)
+        self._on_segment = on_segment
+        self._segment: str | None = None
         self._traced = {id(unit) for unit in units}
         self._reducer_unit = {
             id(g.reducer): unit for unit in units for g in unit.groups if g.reducer is not None
@@ -265,7 +273,24 @@ class TimelineRecorder:
         self._advance(now)
         span = _Span(self, kind, owner, unit, now)
         self._stack.append(span)
+        self._segment_may_change()
         return span
+
+    def _segment_may_change(self) -> None:
+        """Tell ``on_segment`` when the compute segment changed: the innermost forward,
+        backward or recompute of a unit open now, the optimizer step, or none of them."""
+        if self._on_segment is None:
+            return
+        span = next((s for s in reversed(self._stack) if s.kind in _COMPUTE), None)
+        if span is None:
+            segment = OUTSIDE_UNITS if self._step is not None else None
+        elif span.kind is EventKind.OPTIMIZER:
+            segment = "optimizer step"
+        else:
+            segment = f"{span.kind.value} of {span.unit}"
+        if segment is not None and segment != self._segment:
+            self._on_segment(segment)
+        self._segment = segment
 
     def _advance(self, now: int) -> None:
         """The time since the last change belongs to the innermost open span, or to none."""
@@ -291,6 +316,7 @@ class TimelineRecorder:
         while self._stack[-1] is not span:
             self._finish(self._stack.pop(), now, keep=True)
         self._finish(self._stack.pop(), now, keep=keep)
+        self._segment_may_change()
 
     def _close_spans(self, now: int) -> None:
         if self._stack:
@@ -328,12 +354,18 @@ class TimelineRecorder:
 
 @contextlib.contextmanager
 def record_timeline(
-    units: Sequence[ShownUnit], optimizer: torch.optim.Optimizer | None = None
+    units: Sequence[ShownUnit],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    on_segment: Callable[[str], None] | None = None,
 ) -> Iterator[TimelineRecorder]:
     """Record ``units`` (one model's, its root among them) until the block ends.
 
     ``optimizer``: its steps end the steps (through torch's step hooks, removed at the end);
-    without one a step ends at the next forward of the root.
+    without one a step ends at the next forward of the root. ``on_segment(name)`` is called
+    on the compute thread as a step enters each segment (``"forward of blocks.0 (Block)"``,
+    ``"backward of ..."``, ``"optimizer step"``, ``OUTSIDE_UNITS``), before its work runs:
+    a memory planner closes a phase there.
     """
     global ACTIVE
     if not units:
@@ -342,7 +374,7 @@ def record_timeline(
         raise RuntimeError(
             "a timeline is already recording: traces run one at a time (end the other first)"
         )
-    recorder = TimelineRecorder(units, optimizer)
+    recorder = TimelineRecorder(units, optimizer, on_segment)
     hooks = []
     if optimizer is not None:
         hooks = [

@@ -1,0 +1,410 @@
+"""One rank of a world, run for real on fake tensors: what ``plan_memory`` reads its plan off.
+
+torch's fake process group stands in for the peers (every collective returns at once) and
+``FakeTensorMode`` for memory (tensors with shapes and dtypes, no bytes), so the real
+``fully_shard_model`` and the real training step run for one rank of any world size, on a
+laptop. ``LiveTensorTracker(fake=True)`` counts the storages that rank would allocate, in
+the order it would allocate and free them; the engine's timeline names the segment of the
+step (``forward of blocks.3 (Block)``) each count belongs to. Nothing here restates a rule
+of the engine: an option the engine takes changes the run, hence the plan.
+
+The step is run twice: the first creates the optimizer state (torch's optimizers create it
+lazily), the second is the steady state a training run repeats and is the one recorded.
+
+What a fake world cannot run is modelled in ``run_route``, the one place that does so.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
+
+import mfsdp_buffers
+import mfsdp_collectives
+import mfsdp_hooks
+from megatron_fsdp.api import fully_shard_model, fully_shard_optimizer
+from mfsdp_buffers import LiveTensorTracker, PhaseMark
+from mfsdp_hooks import ShardingSummary, describe, fsdp_units, record_timeline
+
+__all__ = [
+    "ENGINE",
+    "ModelSource",
+    "OptimizerSpec",
+    "RankRun",
+    "RunRoute",
+    "run_rank",
+    "run_route",
+]
+
+ModelSource = nn.Module | Callable[[], nn.Module | tuple[nn.Module, dict[str, Any]]]
+"""A model (meta or real: its tensors are copied as fake ones), or a function run in the
+fake world, under ``torch.device("meta")``, that builds it as the training script does: it
+returns the model, or the model and the ``fully_shard_model`` arguments it goes with (the
+meshes and groups it made: ``device_mesh``, ``expt_device_mesh``, ``tp_dim``...)."""
+
+OptimizerSpec = str | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+"""``"adamw"``, ``"adam"``, ``"sgd"`` (lr 1e-3, torch's defaults otherwise), or a function
+building the optimizer from the parameters (``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``)."""
+
+_OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
+}
+
+ENGINE = "engine"
+"""The site of every storage the engine's own code made (the other site is ``MODEL``)."""
+MODEL = "model"
+_ENGINE_PACKAGES = (mfsdp_buffers, mfsdp_collectives, mfsdp_hooks)
+_ENGINE_DIRS = tuple(str(Path(str(package.__file__)).parent) for package in _ENGINE_PACKAGES)
+
+
+def _site(path: str, function: str) -> str:
+    return ENGINE if path.startswith(_ENGINE_DIRS) else MODEL
+
+
+@dataclass(frozen=True)
+class RunRoute:
+    """How the run differs from one on ``device`` where a fake world cannot tell."""
+
+    run_device: torch.device
+    """Where the fake tensors live: ``device``, or the CPU where this torch cannot fake it
+    (a CPU-only build aborts on fake CUDA autograd); the shapes, hence the bytes, are the
+    same but for kernels that save device-specific tensors (attention)."""
+    host_transport: str
+    """The engine's CPU reductions on one host read the gradients in place through shared
+    memory (a fake world gets a transport that takes that route, moving nothing); on an
+    accelerator they go through a reduce buffer, the route c10d takes on a CPU too."""
+    granularity: int
+    """CUDA's caching allocator hands out 512-byte blocks (what ``max_memory_allocated``
+    counts); a CPU tensor takes its bytes."""
+
+
+def run_route(device: torch.device, host_transport: str) -> RunRoute:
+    """The one place that models what the engine does on ``device`` and a fake run cannot
+    see. Not modelled: streams holding a buffer past its last use on the host, the caching
+    allocator's fragmentation and its reserved-but-unallocated memory."""
+    if device.type == "cpu":
+        return RunRoute(device, host_transport, 1)
+    faked = device if device.type == "cuda" and torch.cuda.is_available() else torch.device("cpu")
+    return RunRoute(faked, "gloo", 512)
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """What one rank held through its recorded step."""
+
+    rank: int
+    start: PhaseMark
+    """Live bytes (and by site) as the step starts: what persists from step to step."""
+    segments: tuple[PhaseMark, ...]
+    """Each segment of the step, in order, with its peak (and by site at that peak)."""
+    between_steps: int
+    """Live bytes after ``optimizer.step()``, before ``zero_grad``."""
+    states: ShardingSummary
+    """``describe`` of the rank with its optimizer, after the step."""
+    largest_rank: int
+    """The rank holding the most parameter elements (the one to plan; ranks with equal
+    shards hold the same), read off the engine's layouts."""
+
+
+def run_rank(
+    module: ModelSource,
+    *,
+    rank: int,
+    world_size: int,
+    mesh_shape: Sequence[tuple[str, int]] | None,
+    optimizer: OptimizerSpec,
+    inputs: tuple[Sequence[Any], dict[str, Any]],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    route: RunRoute,
+    wrap_arguments: dict[str, Any],
+    after_wrap: Callable[[nn.Module], object] | None = None,
+) -> RankRun:
+    """Run two training steps of ``rank`` of ``world_size`` on fake tensors (see the module)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        mesh = _mesh(mesh_shape, route.run_device)
+        arguments = dict(wrap_arguments, host_transport=route.host_transport)
+        if mesh is not None:
+            arguments["device_mesh"] = mesh
+            if mesh.ndim == 2 and "dp_outer_dim" in arguments:  # HSDP over the whole world
+                arguments["hybrid_fsdp_group"] = dist.group.WORLD
+        model, made = _built(module)  # meshes on real tensors, before the fake mode
+        owned = not isinstance(module, nn.Module)
+        arguments.update(made)
+        with _FakeWhereFake(allow_non_fake_inputs=True) as mode:
+            tracker = LiveTensorTracker(
+                True, fake=True, name_site=_site, granularity=route.granularity
+            )
+            with tracker:
+                model = _fake_model(model, owned=owned, mode=mode, device=route.run_device)
+                if route.run_device.type != "cpu":  # the fake tensors are made there already
+                    arguments["device"] = route.run_device
+                sharded = fully_shard_model(model, **arguments)
+                del model
+                if after_wrap is not None:
+                    after_wrap(sharded)
+                built = _build_optimizer(optimizer, sharded.parameters())
+                attached = fully_shard_optimizer(built)
+                args, kwargs = _fake_inputs(inputs, mode, route.run_device)
+                step = _Step(sharded, attached, args, kwargs, loss_fn)
+                step.run()
+                attached.zero_grad()
+                gc.collect()
+                return _recorded_step(step, tracker, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+class _FakeWhereFake(FakeTensorMode):  # type: ignore[no-untyped-call]
+    """``FakeTensorMode`` for an op that touches a fake or floating-point tensor or makes a
+    new one; an op of real integer tensors alone runs for real: the rank tables of device
+    meshes (made, concatenated, flattened, read with ``.tolist()``), which a fake copy would
+    make unreadable. Whatever training computes stays fake."""
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
+    ) -> object:
+        kwargs = kwargs or {}
+        if func is not _DEVICE and _all_real_integers(args, kwargs):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+_DEVICE = torch.ops.prim.device.default  # autograd asks it of every tensor: keep it cheap
+
+
+def _all_real_integers(args: Sequence[object], kwargs: Mapping[str, object]) -> bool:
+    """Whether the op has tensors, all real and none floating (a mesh's rank table)."""
+    found = False
+    for value in (*args, *kwargs.values()):
+        for leaf in value if isinstance(value, list | tuple) else (value,):
+            if isinstance(leaf, torch.Tensor):
+                if isinstance(leaf, FakeTensor) or leaf.is_floating_point():
+                    return False
+                found = True
+    return found
+
+
+class _Step:
+    """One training step of the sharded model: forward, the loss, backward, the optimizer."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        loss_fn: Callable[[Any], torch.Tensor] | None,
+    ) -> None:
+        self.model, self.optimizer = model, optimizer
+        self._args, self._kwargs, self._loss_fn = args, kwargs, loss_fn or default_loss
+
+    def run(self) -> None:
+        try:
+            loss: torch.Tensor = self._loss_fn(self.model(*self._args, **self._kwargs))
+        except (DataDependentOutputException, DynamicOutputShapeException) as error:
+            raise NotImplementedError(
+                f"plan_memory: the model's forward makes a shape from the data ({error}; "
+                "e.g. a mixture of experts counting the tokens each expert gets), which a "
+                "run on fake tensors cannot know: plan it with routing of a fixed capacity, "
+                "or measure one real rank with mfsdp_buffers.LiveTensorTracker"
+            ) from error
+        torch.autograd.backward(loss)
+        self.optimizer.step()
+
+
+def _recorded_step(step: _Step, tracker: LiveTensorTracker, rank: int) -> RankRun:
+    tracker.reset_phase()  # the mark's peak is then now: its sites are what is live now
+    start = tracker.mark("before the step")
+    segments: list[PhaseMark] = []
+    current = ["before the step"]
+
+    def on_segment(name: str) -> None:
+        segments.append(tracker.mark(current[0]))
+        current[0] = name
+
+    units = fsdp_units(step.model)
+    with record_timeline(units, step.optimizer, on_segment=on_segment):
+        step.run()
+        segments.append(tracker.mark(current[0]))
+    between = tracker.live
+    states = describe(step.model, step.optimizer)
+    step.optimizer.zero_grad()
+    return RankRun(rank, start, tuple(segments[1:]), between, states, _largest_rank(units))
+
+
+def _largest_rank(units: Sequence[Any]) -> int:
+    """The global rank whose shards hold the most parameter elements, weighted by their
+    dtypes (the optimizer state is per element): the first of them on a tie."""
+    groups = [group for unit in units for group in unit.groups if group.model.sharded]
+    if not groups:
+        return dist.get_rank()
+    shard_group = groups[0].topology.shard_group
+    weights = [0] * groups[0].model.layout.world_size
+    for group in groups:
+        layout = group.model.layout if group.main is None else group.main.layout
+        itemsize = group.compute_dtype.itemsize if group.main is None else group.main.dtype.itemsize
+        for index, numel in enumerate(layout.data_numel_per_rank()):
+            if index < len(weights):
+                weights[index] += numel * itemsize
+    largest = max(range(len(weights)), key=lambda i: (weights[i], -i))
+    return dist.get_global_rank(shard_group, largest)
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss of a model's output when none is given: its ``loss`` (a Hugging Face model
+    given labels), else the sum of its floating-point tensors."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    leaves = [t for t in _tensors(output) if t.is_floating_point()]
+    if not leaves:
+        raise ValueError(
+            "loss_fn: the model's output holds no floating-point tensor to backpropagate; "
+            "pass loss_fn=lambda output: ... returning the loss"
+        )
+    return sum((t.float().sum() for t in leaves), torch.zeros(()))
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict) or hasattr(output, "values"):  # a ModelOutput too
+        items = list(output.values())
+    elif isinstance(output, list | tuple):
+        items = list(output)
+    else:
+        return []
+    return [tensor for item in items for tensor in _tensors(item)]
+
+
+def _build_optimizer(spec: OptimizerSpec, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    if isinstance(spec, str):
+        return _OPTIMIZERS[spec.lower()](params)
+    return spec(params)
+
+
+def check_optimizer(spec: object) -> None:
+    """Refuse an optimizer argument ``plan_memory`` cannot build, naming the choices."""
+    if isinstance(spec, str) and spec.lower() in _OPTIMIZERS:
+        return
+    if callable(spec) and not isinstance(spec, str):
+        return
+    raise ValueError(
+        f"optimizer={spec!r}: give one of {sorted(_OPTIMIZERS)} or a function building the "
+        "optimizer from the parameters (lambda params: torch.optim.AdamW(params, lr=3e-4))"
+    )
+
+
+def _mesh(shape: Sequence[tuple[str, int]] | None, device: torch.device) -> DeviceMesh | None:
+    if shape is None:
+        return None
+    names = tuple(name for name, _ in shape)
+    return init_device_mesh(device.type, tuple(size for _, size in shape), mesh_dim_names=names)
+
+
+def _built(module: ModelSource) -> tuple[nn.Module, dict[str, Any]]:
+    """The model, and the wrap arguments its builder made (``ModelSource``)."""
+    if isinstance(module, nn.Module):
+        return module, {}
+    with torch.device("meta"):
+        built = module()
+    if isinstance(built, nn.Module):
+        return built, {}
+    if (
+        isinstance(built, tuple)
+        and len(built) == 2
+        and isinstance(built[0], nn.Module)
+        and isinstance(built[1], dict)
+    ):
+        return built[0], dict(built[1])
+    raise TypeError(
+        f"module: the builder returned {type(built).__name__}; return the model, or "
+        "(model, dict of fully_shard_model arguments such as device_mesh=...)"
+    )
+
+
+def _fake_model(module: nn.Module, *, owned: bool, mode: Any, device: torch.device) -> nn.Module:
+    """``module`` with fake parameters and buffers of the same shapes (DTensors stay
+    DTensors: tensor parallelism keeps its layout), tied ones still tied. A model the caller
+    passed is copied first (its modules, not its tensors, meshes or groups) and left as it
+    was; one a builder made for the plan (``owned``) is changed in place."""
+    fakes: dict[int, torch.Tensor] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        fake = _fake_like(tensor, mode, device)
+        fakes[id(tensor)] = (
+            nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fake
+        )
+    if not owned:
+        memo: dict[int, Any] = dict(fakes)
+        for sub in module.modules():  # a process group does not copy: the copy shares it
+            for value in vars(sub).values():
+                if isinstance(value, dist.ProcessGroup | DeviceMesh):
+                    memo[id(value)] = value
+        module = copy.deepcopy(module, memo)
+        return module
+    for sub in module.modules():
+        for name, value in [
+            *sub.named_parameters(recurse=False),
+            *sub.named_buffers(recurse=False),
+        ]:
+            setattr(sub, name, fakes[id(value)])
+    return module
+
+
+def _fake_like(tensor: torch.Tensor, mode: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(tensor, DTensor):
+        local = _fake_like(tensor.to_local(), mode, device)
+        return DTensor.from_local(
+            local,
+            tensor.device_mesh,
+            tensor.placements,
+            run_check=False,
+            shape=tensor.shape,
+            stride=tensor.stride(),
+        )
+    if tensor.device.type == "meta":
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    fake: torch.Tensor = mode.from_tensor(tensor)
+    return fake.to(device)
+
+
+def _fake_inputs(
+    inputs: tuple[Sequence[Any], dict[str, Any]], mode: Any, device: torch.device
+) -> tuple[Sequence[Any], dict[str, Any]]:
+    def fake(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.device.type == "meta" and not value.is_floating_point():
+            return torch.zeros(value.shape, dtype=value.dtype, device=device)
+        return _fake_like(value, mode, device)
+
+    args, kwargs = inputs
+    return tree_map(fake, list(args)), tree_map(fake, dict(kwargs))
