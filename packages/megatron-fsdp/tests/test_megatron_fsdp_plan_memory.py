@@ -118,7 +118,9 @@ def _policy(bf16: bool) -> MixedPrecisionPolicy | None:
 
 
 def _after_wrap(case: Case) -> Any:
-    return (lambda model: quantize_communication(model)) if case.int8 else None
+    # On the training thread: a tracker (a dispatch mode, thread-local) cannot see the
+    # buffers a background worker allocates; the plan counts them either way.
+    return (lambda model: quantize_communication(model, background=False)) if case.int8 else None
 
 
 def _wrap(case: Case) -> nn.Module:

@@ -30,7 +30,7 @@ from .comms.quantized import (
     quantized_reduce_scatter_into,
 )
 from .comms.quantized_comms import QuantizedAllGather, QuantizedReduceScatter
-from .core.fake import is_fake, real_tensors
+from .core.fake import RealMeshesFakeMode, is_fake, real_tensors
 from .core.naming import group_name, register_group_name
 from .host.collective_worker import BackgroundWork, CollectiveWorker
 from .host.host_transport import (
@@ -125,6 +125,7 @@ __all__ = [
     "group_name",
     "is_fake",
     "real_tensors",
+    "RealMeshesFakeMode",
     "hfsdp_reduce_scatter_into",
     "host_transport_of",
     "hsdp_reduce_scatter_into",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import gc
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,14 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensor,
-    FakeTensorMode,
-    unset_fake_temporarily,
-)
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
@@ -42,6 +36,7 @@ import mfsdp_collectives
 import mfsdp_hooks
 from megatron_fsdp.api import fully_shard_model, fully_shard_optimizer
 from mfsdp_buffers import LiveTensorTracker, PhaseMark
+from mfsdp_collectives import RealMeshesFakeMode
 from mfsdp_hooks import ShardingSummary, describe, fsdp_units, record_timeline
 
 __all__ = [
@@ -131,7 +126,7 @@ def run_rank(
     *,
     rank: int,
     world_size: int,
-    mesh_shape: Sequence[tuple[str, int]] | None,
+    meshes: Callable[[str], dict[str, Any]] | None,
     optimizer: OptimizerSpec,
     inputs: tuple[Sequence[Any], dict[str, Any]],
     loss_fn: Callable[[Any], torch.Tensor] | None,
@@ -139,21 +134,18 @@ def run_rank(
     wrap_arguments: dict[str, Any],
     after_wrap: Callable[[nn.Module], object] | None = None,
 ) -> RankRun:
-    """Run two training steps of ``rank`` of ``world_size`` on fake tensors (see the module)."""
+    """Run two training steps of ``rank`` of ``world_size`` on fake tensors (see the module).
+    ``meshes(device_type)``: wrap arguments made in the fake world (HSDP's mesh)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        mesh = _mesh(mesh_shape, route.run_device)
         arguments = dict(wrap_arguments, host_transport=route.host_transport)
-        if mesh is not None:
-            arguments["device_mesh"] = mesh
-            if mesh.ndim == 2 and "dp_outer_dim" in arguments:  # HSDP over the whole world
-                arguments["hybrid_fsdp_group"] = dist.group.WORLD
+        arguments.update(meshes(route.run_device.type) if meshes is not None else {})
         model, made = _built(module)  # meshes on real tensors, before the fake mode
-        owned = not isinstance(module, nn.Module)
         arguments.update(made)
-        with _FakeWhereFake(allow_non_fake_inputs=True) as mode:
+        owned = not isinstance(module, nn.Module)
+        with RealMeshesFakeMode(allow_non_fake_inputs=True) as mode:
             tracker = LiveTensorTracker(
                 True, fake=True, name_site=_site, granularity=route.granularity
             )
@@ -175,41 +167,6 @@ def run_rank(
                 return _recorded_step(step, tracker, rank)
     finally:
         dist.destroy_process_group()
-
-
-class _FakeWhereFake(FakeTensorMode):  # type: ignore[no-untyped-call]
-    """``FakeTensorMode`` for an op that touches a fake or floating-point tensor or makes a
-    new one; an op of real integer tensors alone runs for real: the rank tables of device
-    meshes (made, concatenated, flattened, read with ``.tolist()``), which a fake copy would
-    make unreadable. Whatever training computes stays fake."""
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Sequence[type],
-        args: Sequence[object] = (),
-        kwargs: Mapping[str, object] | None = None,
-    ) -> object:
-        kwargs = kwargs or {}
-        if func is not _DEVICE and _all_real_integers(args, kwargs):
-            with unset_fake_temporarily():
-                return func(*args, **kwargs)
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-_DEVICE = torch.ops.prim.device.default  # autograd asks it of every tensor: keep it cheap
-
-
-def _all_real_integers(args: Sequence[object], kwargs: Mapping[str, object]) -> bool:
-    """Whether the op has tensors, all real and none floating (a mesh's rank table)."""
-    found = False
-    for value in (*args, *kwargs.values()):
-        for leaf in value if isinstance(value, list | tuple) else (value,):
-            if isinstance(leaf, torch.Tensor):
-                if isinstance(leaf, FakeTensor) or leaf.is_floating_point():
-                    return False
-                found = True
-    return found
 
 
 class _Step:
@@ -280,29 +237,16 @@ def _largest_rank(units: Sequence[Any]) -> int:
 
 def default_loss(output: Any) -> torch.Tensor:
     """The loss of a model's output when none is given: its ``loss`` (a Hugging Face model
-    given labels), else the sum of its floating-point tensors."""
+    given labels), else the output (or its first element) summed."""
     loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    leaves = [t for t in _tensors(output) if t.is_floating_point()]
-    if not leaves:
+    if loss is None:
+        loss = output[0] if isinstance(output, list | tuple) else output
+    if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
         raise ValueError(
-            "loss_fn: the model's output holds no floating-point tensor to backpropagate; "
-            "pass loss_fn=lambda output: ... returning the loss"
+            f"loss_fn: found no floating-point tensor to backpropagate in the model's output "
+            f"({type(output).__name__}); pass loss_fn=lambda output: ... returning the loss"
         )
-    return sum((t.float().sum() for t in leaves), torch.zeros(()))
-
-
-def _tensors(output: Any) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, dict) or hasattr(output, "values"):  # a ModelOutput too
-        items = list(output.values())
-    elif isinstance(output, list | tuple):
-        items = list(output)
-    else:
-        return []
-    return [tensor for item in items for tensor in _tensors(item)]
+    return loss.float().sum()
 
 
 def _build_optimizer(spec: OptimizerSpec, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -313,21 +257,12 @@ def _build_optimizer(spec: OptimizerSpec, params: Iterable[nn.Parameter]) -> tor
 
 def check_optimizer(spec: object) -> None:
     """Refuse an optimizer argument ``plan_memory`` cannot build, naming the choices."""
-    if isinstance(spec, str) and spec.lower() in _OPTIMIZERS:
-        return
-    if callable(spec) and not isinstance(spec, str):
+    if (spec.lower() in _OPTIMIZERS) if isinstance(spec, str) else callable(spec):
         return
     raise ValueError(
         f"optimizer={spec!r}: give one of {sorted(_OPTIMIZERS)} or a function building the "
         "optimizer from the parameters (lambda params: torch.optim.AdamW(params, lr=3e-4))"
     )
-
-
-def _mesh(shape: Sequence[tuple[str, int]] | None, device: torch.device) -> DeviceMesh | None:
-    if shape is None:
-        return None
-    names = tuple(name for name, _ in shape)
-    return init_device_mesh(device.type, tuple(size for _, size in shape), mesh_dim_names=names)
 
 
 def _built(module: ModelSource) -> tuple[nn.Module, dict[str, Any]]:
@@ -368,13 +303,10 @@ def _fake_model(module: nn.Module, *, owned: bool, mode: Any, device: torch.devi
             for value in vars(sub).values():
                 if isinstance(value, dist.ProcessGroup | DeviceMesh):
                     memo[id(value)] = value
-        module = copy.deepcopy(module, memo)
-        return module
+        return copy.deepcopy(module, memo)
     for sub in module.modules():
-        for name, value in [
-            *sub.named_parameters(recurse=False),
-            *sub.named_buffers(recurse=False),
-        ]:
+        own = [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]
+        for name, value in own:
             setattr(sub, name, fakes[id(value)])
     return module
 

@@ -21,6 +21,7 @@ first run of rank 0 (``rank=`` plans a given one).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp.plan.fake_run import (
     ENGINE,
@@ -40,11 +42,11 @@ from megatron_fsdp.plan.fake_run import (
     run_route,
 )
 from mfsdp_buffers import PhaseMark
-from mfsdp_hooks import ShardingSummary, format_bytes
+from mfsdp_hooks import MODEL_STATE_CATEGORIES, ShardingSummary, format_bytes
 
 __all__ = ["MEMORY_CATEGORIES", "MemoryPlan", "PhaseBytes", "plan_memory", "plan_model_states"]
 
-_STATES = ("compute_weights", "main_weights", "optimizer_state")
+_STATES = tuple(name for name in MODEL_STATE_CATEGORIES if name != "gradients")
 MEMORY_CATEGORIES = (*_STATES, "other_states", "engine_buffers", "activations")
 """What persists from step to step, then what lives only within a step (module docstring)."""
 
@@ -145,15 +147,12 @@ def plan_memory(
             "example_kwargs), one rank's batch; meta tensors are fine"
         )
     arguments = dict(fully_shard_model_arguments)
-    mesh_shape = None
-    if outer_dp_size > 1:
-        mesh_shape = (("dp_outer", outer_dp_size), ("dp_shard", world_size // outer_dp_size))
-        arguments.update(dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
     transport = arguments.pop("host_transport", "auto")
-    run = _runner(
+    run = functools.partial(
+        run_rank,
         module,
         world_size=world_size,
-        mesh_shape=mesh_shape,
+        meshes=_hsdp(outer_dp_size, world_size) if outer_dp_size > 1 else None,
         optimizer=optimizer,
         inputs=(tuple(example_inputs or ()), dict(example_kwargs or {})),
         loss_fn=loss_fn,
@@ -161,9 +160,9 @@ def plan_memory(
         wrap_arguments=arguments,
         after_wrap=after_wrap,
     )
-    planned = run(0 if rank is None else rank)
+    planned = run(rank=0 if rank is None else rank)
     if rank is None and planned.largest_rank != planned.rank:
-        planned = run(planned.largest_rank)
+        planned = run(rank=planned.largest_rank)
     return _plan(planned, world_size)
 
 
@@ -173,11 +172,20 @@ def plan_model_states(module: ModelSource, *, world_size: int, **arguments: Any)
     return plan_memory(module, world_size=world_size, **arguments).states
 
 
-def _runner(module: Any, **common: Any) -> Callable[[int], RankRun]:
-    def run(rank: int) -> RankRun:
-        return run_rank(module, rank=rank, **common)
+def _hsdp(outer: int, world_size: int) -> Callable[[str], dict[str, Any]]:
+    """HSDP's wrap arguments, made in the fake world: ``outer`` replicas of shard groups."""
 
-    return run
+    def meshes(device_type: str) -> dict[str, Any]:
+        shape, names = (outer, world_size // outer), ("dp_outer", "dp_shard")
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        return dict(
+            device_mesh=mesh,
+            dp_outer_dim=names[0],
+            dp_shard_dim=names[1],
+            hybrid_fsdp_group=dist.group.WORLD,
+        )
+
+    return meshes
 
 
 def _plan(run: RankRun, world_size: int) -> MemoryPlan:
@@ -200,10 +208,7 @@ def _transient(mark: PhaseMark, start: PhaseMark) -> dict[str, int]:
 
 
 def _check(
-    world_size: int,
-    rank: int | None,
-    outer_dp_size: int,
-    arguments: dict[str, Any],
+    world_size: int, rank: int | None, outer_dp_size: int, arguments: dict[str, Any]
 ) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: give the number of ranks, an int >= 1")

@@ -9,19 +9,22 @@ things differ from a real run, and the engine asks here about both:
   two tensors overlap must not read it (:func:`is_fake`);
 * object collectives (``all_gather_object`` of the wrap-time agreement) and the device mesh's
   setup turn Python values into tensors and back with ``.item()``, which a fake tensor cannot
-  answer: they run on real tensors (:func:`real_tensors`), a few bytes each.
+  answer: they run on real tensors (:func:`real_tensors`), a few bytes each. A planning run
+  uses :class:`RealMeshesFakeMode`, under which torch's own mesh code keeps its rank tables
+  real too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 
-__all__ = ["is_fake", "is_fake_group", "real_tensors"]
+__all__ = ["RealMeshesFakeMode", "is_fake", "is_fake_group", "real_tensors"]
 
 
 def is_fake(tensor: torch.Tensor) -> bool:
@@ -38,3 +41,38 @@ def is_fake_group(group: dist.ProcessGroup) -> bool:
     """Whether ``group`` belongs to torch's fake process group (a planning run): its peers
     report nothing, so what a rank would learn from them is worked out locally."""
     return str(dist.get_backend(group)).lower() == "fake"
+
+
+class RealMeshesFakeMode(FakeTensorMode):  # type: ignore[no-untyped-call]
+    """``FakeTensorMode`` for an op that touches a fake or floating-point tensor or makes a
+    new one; an op of real integer tensors alone runs for real: the rank tables of device
+    meshes (made, concatenated, flattened, read with ``.tolist()``), which a fake copy would
+    make unreadable. Whatever training computes stays fake."""
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
+    ) -> object:
+        kwargs = kwargs or {}
+        if func is not _DEVICE and _all_real_integers(args, kwargs):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+_DEVICE = torch.ops.prim.device.default  # autograd asks it of every tensor: keep it cheap
+
+
+def _all_real_integers(args: Sequence[object], kwargs: Mapping[str, object]) -> bool:
+    """Whether the op has tensors, all real and none floating (a mesh's rank table)."""
+    found = False
+    for value in (*args, *kwargs.values()):
+        for leaf in value if isinstance(value, list | tuple) else (value,):
+            if isinstance(leaf, torch.Tensor):
+                if isinstance(leaf, FakeTensor) or leaf.is_floating_point():
+                    return False
+                found = True
+    return found
