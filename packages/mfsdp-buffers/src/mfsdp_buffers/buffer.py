@@ -15,7 +15,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from mfsdp_buffers.allocators.protocol import Allocator, has_stable_storage
+from mfsdp_buffers.allocators.protocol import Allocator, allocate_checked, has_stable_storage
 from mfsdp_buffers.allocators.storage_resize import StorageResizeAllocator
 from mfsdp_buffers.layout import FlatLayout
 from mfsdp_buffers.poison import release_to
@@ -145,12 +145,7 @@ class DataParallelBuffer:
         if self._unsharded is not None:
             return self._unsharded
         numel = self.layout.padded_numel
-        tensor = self.allocator.allocate(self.alloc_key, numel, self.dtype, self.device)
-        if tensor.dim() != 1 or tensor.numel() != numel or tensor.dtype != self.dtype:
-            raise RuntimeError(
-                f"{type(self.allocator).__name__} returned shape {tuple(tensor.shape)} "
-                f"dtype {tensor.dtype}; expected ({numel},) {self.dtype}"
-            )
+        tensor = allocate_checked(self.allocator, self.alloc_key, numel, self.dtype, self.device)
         self._unsharded = tensor
         return tensor
 

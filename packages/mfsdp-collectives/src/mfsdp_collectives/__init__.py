@@ -54,6 +54,7 @@ from .ops.flat_ops import (
     reduce_scatter_into,
 )
 from .ops.hsdp_ops import hfsdp_reduce_scatter_into, hsdp_reduce_scatter_into
+from .ops.route import Route
 from .safety.agreement import RankMismatchError, check_ranks_agree
 from .safety.liveness import (
     PeerDiedError,
@@ -105,6 +106,7 @@ __all__ = [
     "PostForwardGroup",
     "RankMismatchError",
     "ReduceSpec",
+    "Route",
     "SharedMemoryTransport",
     "UserBufferPool",
     "__version__",

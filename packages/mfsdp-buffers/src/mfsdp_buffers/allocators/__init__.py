@@ -10,7 +10,7 @@ from mfsdp_buffers.allocators.interval_plan import (
 )
 from mfsdp_buffers.allocators.max_pool import MaxPoolAllocator
 from mfsdp_buffers.allocators.plain import PlainAllocator
-from mfsdp_buffers.allocators.protocol import Allocator, has_stable_storage
+from mfsdp_buffers.allocators.protocol import Allocator, allocate_checked, has_stable_storage
 from mfsdp_buffers.allocators.slot_pool import SlotFactory
 from mfsdp_buffers.allocators.storage_resize import StorageResizeAllocator
 from mfsdp_buffers.allocators.trace_pool import TracePhase, TracePoolAllocator
@@ -29,6 +29,7 @@ __all__ = [
     "StorageResizeAllocator",
     "TracePhase",
     "TracePoolAllocator",
+    "allocate_checked",
     "has_stable_storage",
     "peak_live_numel",
     "plan_offsets",

@@ -46,6 +46,36 @@ def has_stable_storage(allocator: Allocator) -> bool:
     return bool(getattr(allocator, "stable_storage", False))
 
 
+def allocate_checked(
+    allocator: Allocator, key: Hashable, numel: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``allocator.allocate(key, numel, dtype, device)``, its answer checked. The buffer goes
+    straight to collectives that trust the layout it was asked for (their checks ran once,
+    where the engine laid its buffers out); a buffer of another shape, dtype or device, or not
+    contiguous, would read or write the wrong bytes, so it raises here, naming the allocator."""
+    tensor = allocator.allocate(key, numel, dtype, device)
+    if (
+        not isinstance(tensor, torch.Tensor)
+        or tensor.dim() != 1
+        or tensor.numel() != numel
+        or tensor.dtype != dtype
+        or tensor.device.type != device.type
+        or (device.index is not None and tensor.device.index != device.index)
+        or not tensor.is_contiguous()
+    ):
+        got = (
+            f"shape {tuple(tensor.shape)} dtype {tensor.dtype} on {tensor.device}"
+            + ("" if tensor.is_contiguous() else ", not contiguous")
+            if isinstance(tensor, torch.Tensor)
+            else type(tensor).__name__
+        )
+        raise RuntimeError(
+            f"{type(allocator).__name__} returned {got}; expected ({numel},) {dtype} on "
+            f"{device}, contiguous"
+        )
+    return tensor
+
+
 def check_request(numel: int, dtype: torch.dtype, device: torch.device) -> None:
     """Reject malformed requests with a clear message before any memory is touched."""
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:

@@ -1,7 +1,14 @@
-"""Argument checks and routing shared by the collective ops (local, no communication)."""
+"""Argument checks and routing shared by the collective ops (local, no communication).
+
+The checks run where a caller hands the ops its arguments: on every call of the public
+functions, and once per group for an engine's ``Route`` (``Peers`` is what both learn about a
+group). What varies per call and is not an argument (a transport closed since, a device
+without shared memory) is routing, decided on each call (``carrier``, ``side_of``).
+"""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -15,17 +22,61 @@ from ..host.shm import SharedMemoryTransport
 from ._reduce import ReduceSpec, Reduction, reduce_op
 from .streams import CommStreams
 
+# A group's ranks never change: this rank's place in it is learned once, not per collective
+# (keyed by the group object, as under torch's threaded process group each thread has its own).
+_places: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[int, int]]
+_places = weakref.WeakKeyDictionary()
+
 
 def membership(group: object, arg: str) -> tuple[dist.ProcessGroup, int, int]:
     """``(group, rank in group, group size)``; this rank must belong to ``group``."""
     pg = check_group(group, arg)
-    rank = dist.get_rank(pg)
-    if rank < 0:
-        raise ValueError(
-            f"this rank (global rank {dist.get_rank()}) is not a member of {arg}; "
-            "only call the op on the ranks of the group"
+    place = _places.get(pg)
+    if place is None:
+        rank = dist.get_rank(pg)
+        if rank < 0:
+            raise ValueError(
+                f"this rank (global rank {dist.get_rank()}) is not a member of {arg}; "
+                "only call the op on the ranks of the group"
+            )
+        place = _places[pg] = (rank, dist.get_world_size(pg))
+    return pg, place[0], place[1]
+
+
+@dataclass(frozen=True)
+class Peers:
+    """A group this rank belongs to, its rank in it and the group's size, and the transport
+    that carries the group's CPU collectives (None: c10d): checked when built (``peers``)."""
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+    transport: SharedMemoryTransport | None = None
+
+    def carrier(self, x: torch.Tensor) -> SharedMemoryTransport | None:
+        """The transport that carries a collective of ``x`` now (None: c10d). Only CPU
+        tensors travel over shared memory, and a transport closed by ``disable_host_transport``
+        has handed its group back to c10d."""
+        transport = self.transport
+        if transport is None or x.device.type != "cpu" or transport.closed:
+            return None
+        return transport
+
+
+def peers(group: object, arg: str, transport: object = None) -> Peers:
+    """``group`` (named ``arg`` in errors) as ``Peers``, with ``transport`` (from
+    ``enable_host_transport``, or None) checked to serve it."""
+    pg, rank, size = membership(group, arg)
+    if transport is not None and not isinstance(transport, SharedMemoryTransport):
+        raise TypeError(
+            f"transport must be a SharedMemoryTransport or None, got {type(transport).__name__}"
         )
-    return pg, rank, dist.get_world_size(pg)
+    if transport is not None and transport.group is not pg:
+        raise ValueError(
+            f"transport serves group {group_name(transport.group)}, not the collective's group "
+            f"{group_name(pg)}: pass the transport enable_host_transport returned for it"
+        )
+    return Peers(pg, rank, size, transport)
 
 
 def side_stream(stream: object, role: str, device: torch.device) -> torch.Stream | None:
@@ -33,13 +84,18 @@ def side_stream(stream: object, role: str, device: torch.device) -> torch.Stream
         return None
     if not isinstance(stream, CommStreams):
         raise TypeError(f"stream must be a CommStreams or None, got {type(stream).__name__}")
-    if not stream.active:
-        return None
-    if stream.device.type != device.type:
+    if stream.active and stream.device.type != device.type:
         raise ValueError(
             f"stream holds {stream.device.type} streams but the tensors are on {device}; "
             "build CommStreams(topology.device)"
         )
+    return side_of(stream, role)
+
+
+def side_of(stream: CommStreams | None, role: str) -> torch.Stream | None:
+    """``stream``'s side stream for ``role`` (None: issue on the current stream)."""
+    if stream is None or not stream.active:
+        return None
     side: torch.Stream | None = getattr(stream, role)
     return side
 
@@ -63,24 +119,6 @@ def check_shard_sizes(
             f"the group has {size} ranks: need {full_arg}.numel() == {shard_arg}.numel() * "
             f"{size}; pad the flat buffer to a multiple of the group size"
         )
-
-
-def host_route(
-    transport: SharedMemoryTransport | None, group: dist.ProcessGroup, x: torch.Tensor
-) -> SharedMemoryTransport | None:
-    """The transport that carries a collective of ``x`` over ``group``; None means c10d.
-
-    Only CPU tensors travel over shared memory, and a transport closed by
-    ``disable_host_transport`` has handed its group back to c10d.
-    """
-    if transport is None or x.device.type != "cpu" or transport.closed:
-        return None
-    if transport.group is not group:
-        raise ValueError(
-            f"transport serves group {group_name(transport.group)}, not the collective's group "
-            f"{group_name(group)}: pass the transport enable_host_transport returned for it"
-        )
-    return transport
 
 
 def routed_reduce_op(
@@ -107,7 +145,7 @@ class ReduceScatterArgs:
 
     inp: torch.Tensor | FlatPieces
     out: torch.Tensor
-    group: dist.ProcessGroup
+    at: Peers
     spec: Reduction
     numel: int  # elements of the (padded) input
 
@@ -118,6 +156,7 @@ def check_reduce_scatter(
     group: object,
     group_arg: str,
     spec: object,
+    transport: object = None,
     *,
     out_arg: str = "out_shard",
 ) -> ReduceScatterArgs:
@@ -129,8 +168,8 @@ def check_reduce_scatter(
     else:
         inp = check_flat(unsharded_grad, "unsharded_grad")
         check_same_device(inp, "unsharded_grad", out, out_arg)
-    pg, _, size = membership(group, group_arg)
+    at = peers(group, group_arg, transport)
     reduction = reduce_spec(inp, "unsharded_grad", spec)
     numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
-    check_shard_sizes(numel, "unsharded_grad", out, out_arg, size)
-    return ReduceScatterArgs(inp, out, pg, reduction, numel)
+    check_shard_sizes(numel, "unsharded_grad", out, out_arg, at.size)
+    return ReduceScatterArgs(inp, out, at, reduction, numel)

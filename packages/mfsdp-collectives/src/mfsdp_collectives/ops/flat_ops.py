@@ -3,7 +3,9 @@
 Each op validates every argument locally first (so a mistake raises on the
 calling rank instead of hanging the others), records itself with the tracer,
 issues the collective (on a side stream when given active ``CommStreams``) and
-returns a ``CommHandle`` whose ``wait()`` also runs the post-processing.
+returns a ``CommHandle`` whose ``wait()`` also runs the post-processing. The issuing half
+of each op (``gather_checked``, ``reduce_scatter_checked``, ``all_reduce_checked``) is shared
+with ``Route``, whose arguments were checked once, where an engine built its buffers.
 Results are the collective's semantics exactly; see ``_reduce`` for the
 reduction rules (average in the collective, one copy at most, direct output), and
 ``coalescing`` for all-gathers queued to go out as one collective.
@@ -40,12 +42,14 @@ from ..core._compat import (
 from ..core.naming import group_name
 from ..host.shm import SharedMemoryTransport
 from ..issuing._op_args import (
+    Peers,
     check_reduce_scatter,
     check_shard_sizes,
-    host_route,
     membership,
+    peers,
     reduce_spec,
     routed_reduce_op,
+    side_of,
     side_stream,
 )
 from ..issuing._reduce import ReduceSpec, Reduction, finish_into, prepare_input, reduce_op
@@ -86,28 +90,44 @@ def all_gather_into(
     """
     shard = check_flat(shard, "shard")
     unsharded = check_flat(unsharded, "unsharded")
-    group, rank, size = membership(group, "group")
+    at = peers(group, "group", transport)
     check_same_device(shard, "shard", unsharded, "unsharded")
     if shard.dtype != unsharded.dtype:
         raise ValueError(
             f"shard has dtype {shard.dtype} but unsharded has {unsharded.dtype}; "
             "gather into a buffer of the shard's dtype and cast afterwards"
         )
-    check_shard_sizes(unsharded.numel(), "unsharded", shard, "shard", size)
-    n = shard.numel()
+    check_shard_sizes(unsharded.numel(), "unsharded", shard, "shard", at.size)
+    n, rank = shard.numel(), at.rank
     if overlaps(shard, unsharded) and shard.data_ptr() != unsharded[rank * n :].data_ptr():
         raise ValueError(
             "shard overlaps unsharded but is not this rank's slot; pass "
             f"unsharded[{rank * n}:{(rank + 1) * n}] or a separate tensor"
         )
-    side = side_stream(stream, "all_gather", shard.device)
+    side_stream(stream, "all_gather", shard.device)
     if comm is not None:
         check_comm(comm, "comm")
-    if n == 0:
+    return gather_checked(shard, unsharded, at, stream=stream, comm=comm, async_op=async_op)
+
+
+def gather_checked(
+    shard: torch.Tensor,
+    unsharded: torch.Tensor,
+    at: Peers,
+    *,
+    stream: CommStreams | None,
+    comm: AllGatherComm | None,
+    async_op: bool,
+) -> CommHandle:
+    """``all_gather_into`` once its arguments were checked (by it, or once by a ``Route``)."""
+    if shard.numel() == 0:
         return CommHandle.completed()
+    side = side_of(stream, "all_gather")
     if comm is not None:
-        return custom_all_gather(shard, unsharded, group, rank, comm, side=side, async_op=async_op)
-    route = GatherRoute(group, size, host_route(transport, group, shard), side)
+        return custom_all_gather(
+            shard, unsharded, at.group, at.rank, comm, side=side, async_op=async_op
+        )
+    route = GatherRoute(at.group, at.size, at.carrier(shard), side)
     queues = queued_gathers()
     if queues is not None and async_op:  # inside coalesced_gathers(): issued with others
         return queues.add(shard, unsharded, route)
@@ -221,31 +241,57 @@ def reduce_scatter_into(
     reduced chunk, in the reduce dtype, before any factor still owed is applied and before
     it is stored: where the collective averaged, the mean; under ``spec.sum_only``, the sum.
     """
-    args = check_reduce_scatter(unsharded_grad, out_shard, group, "group", spec)
-    inp, out, group, reduction, numel = args.inp, args.out, args.group, args.spec, args.numel
-    side = side_stream(stream, "reduce_scatter", out.device)
+    args = check_reduce_scatter(unsharded_grad, out_shard, group, "group", spec, transport)
+    side_stream(stream, "reduce_scatter", args.out.device)
     if comm is not None:
         check_comm(comm, "comm")
+    return reduce_scatter_checked(
+        args.inp,
+        args.out,
+        args.at,
+        args.spec,
+        stream=stream,
+        accumulate=bool(accumulate),
+        comm=comm,
+        after_reduce=after_reduce,
+        async_op=async_op,
+    )
+
+
+def reduce_scatter_checked(
+    inp: torch.Tensor | FlatPieces,
+    out: torch.Tensor,
+    at: Peers,
+    reduction: Reduction,
+    *,
+    stream: CommStreams | None,
+    accumulate: bool,
+    comm: ReduceScatterComm | None,
+    after_reduce: Callable[[torch.Tensor], None] | None,
+    async_op: bool,
+) -> CommHandle:
+    """``reduce_scatter_into`` once its arguments were checked (by it, or once by a
+    ``Route``): ``reduction`` is its ``spec`` resolved for ``inp``."""
     if out.numel() == 0:
         return CommHandle.completed()
-    alone = comm is None and numel == out.numel()  # a group of one rank
-    route = None if comm is not None or alone else host_route(transport, group, out)
+    group = at.group
+    numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
+    alone = comm is None and at.size == 1  # no collective, as FSDP2 at world size 1
+    route = None if comm is not None or alone else at.carrier(out)
     op, factor = routed_reduce_op(route, group, reduction)
     factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
     if not alone:
         record_comm("reduce_scatter", group_name(group), numel, reduction.reduce_dtype)
-    stage = ReduceScatterStage(
-        inp, out, reduction, group, op, bool(accumulate), route, comm, alone=alone
-    )
+    stage = ReduceScatterStage(inp, out, reduction, group, op, accumulate, route, comm, alone=alone)
 
     def finish() -> None:
         result = stage.result()
         if after_reduce is not None:
             after_reduce(result)
-        finish_into(result, out, factor=factor, accumulate=bool(accumulate))
+        finish_into(result, out, factor=factor, accumulate=accumulate)
 
     return issue_stages(
-        [(side, stage)],
+        [(side_of(stream, "reduce_scatter"), stage)],
         device=out.device,
         finish=finish,
         async_op=async_op,
@@ -282,16 +328,40 @@ def all_reduce_(
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_contiguous():
         raise ValueError("tensor must be contiguous; reduce a contiguous flat buffer")
-    group, _, size = membership(group, "group")
-    if outer_group is not None:
-        outer_group, _, _ = membership(outer_group, "outer_group")
-        if outer_group is group:
-            raise ValueError("outer_group must differ from group; pass outer_group=None")
+    at = peers(group, "group")
+    outer = None if outer_group is None else peers(outer_group, "outer_group")
+    if outer is not None and outer.group is at.group:
+        raise ValueError("outer_group must differ from group; pass outer_group=None")
     reduction = reduce_spec(tensor, "tensor", spec)
-    side = side_stream(stream, "reduce_scatter", tensor.device)
-    outer_side = side_stream(stream, "outer", tensor.device)
+    side_stream(stream, "reduce_scatter", tensor.device)  # checks the stream's device
+    return all_reduce_checked(
+        tensor,
+        at,
+        outer,
+        reduction,
+        stream=stream,
+        after_reduce=after_reduce,
+        record_as=record_as,
+        async_op=async_op,
+    )
+
+
+def all_reduce_checked(
+    tensor: torch.Tensor,
+    at: Peers,
+    outer: Peers | None,
+    reduction: Reduction,
+    *,
+    stream: CommStreams | None,
+    after_reduce: Callable[[torch.Tensor], None] | None,
+    record_as: str,
+    async_op: bool,
+) -> CommHandle:
+    """``all_reduce_`` once its arguments were checked (by it, or once by a ``Route``):
+    ``reduction`` is its ``spec`` resolved for ``tensor``."""
     if tensor.numel() == 0:
         return CommHandle.completed()
+    group, size = at.group, at.size
     op, factor = reduce_op(group, reduction.average, sum_only=reduction.sum_only)
     factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
     if size > 1:  # one rank: the reduction is the tensor itself, no collective
@@ -302,14 +372,17 @@ def all_reduce_(
         sent.append(prepare_input(tensor, reduction))
         return all_reduce_async(sent[0], op, group) if size > 1 else None
 
-    stages: list[Stage] = [(side, issue)]
-    if outer_group is not None:
+    stages: list[Stage] = [(side_of(stream, "reduce_scatter"), issue)]
+    if outer is not None:
+        outer_group = outer.group
         outer_op, outer_factor = reduce_op(
             outer_group, reduction.average, sum_only=reduction.sum_only
         )
         factor *= outer_factor
         record_comm(record_as, group_name(outer_group), tensor.numel(), reduction.reduce_dtype)
-        stages.append((outer_side, lambda: all_reduce_async(sent[0], outer_op, outer_group)))
+        stages.append(
+            (side_of(stream, "outer"), lambda: all_reduce_async(sent[0], outer_op, outer_group))
+        )
 
     def finish() -> None:
         result = sent.pop()

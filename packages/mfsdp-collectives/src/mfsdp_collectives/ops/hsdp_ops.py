@@ -13,17 +13,18 @@ import torch.distributed as dist
 
 from mfsdp_buffers import FlatPieces
 
-from ..comms.custom_comms import ReduceScatterComm
+from ..comms.custom_comms import ReduceScatterComm, check_comm
 from ..core._checks import check_flat, check_same_device, overlaps
 from ..core._compat import Work, all_reduce_async
 from ..core.naming import group_name
 from ..host.shm import SharedMemoryTransport
 from ..issuing._op_args import (
+    Peers,
     check_reduce_scatter,
     check_shard_sizes,
-    host_route,
-    membership,
+    peers,
     routed_reduce_op,
+    side_of,
     side_stream,
 )
 from ..issuing._reduce import ReduceSpec, Reduction, finish_into, reduce_op
@@ -75,28 +76,60 @@ def hsdp_reduce_scatter_into(
             comm=comm,
             after_reduce=after_reduce,
         )
-    args = check_reduce_scatter(unsharded_grad, out_shard, shard_group, "shard_group", spec)
-    inp, out, shard_group, numel = args.inp, args.out, args.group, args.numel
-    reduction = args.spec
-    outer_group, _, _ = membership(outer_group, "outer_group")
-    if outer_group is shard_group:
+    args = check_reduce_scatter(
+        unsharded_grad, out_shard, shard_group, "shard_group", spec, transport
+    )
+    outer = peers(outer_group, "outer_group")
+    if outer.group is args.at.group:
         raise ValueError("outer_group must differ from shard_group; pass outer_group=None")
-    rs_side = side_stream(stream, "reduce_scatter", out.device)
-    outer_side = side_stream(stream, "outer", out.device)
+    side_stream(stream, "reduce_scatter", args.out.device)
+    if comm is not None:
+        check_comm(comm, "comm")
+    return hsdp_reduce_scatter_checked(
+        args.inp,
+        args.out,
+        args.at,
+        outer,
+        args.spec,
+        accumulate=bool(accumulate),
+        stream=stream,
+        outer_reduces_output=outer_reduces_output,
+        comm=comm,
+        after_reduce=after_reduce,
+        async_op=async_op,
+    )
+
+
+def hsdp_reduce_scatter_checked(
+    inp: torch.Tensor | FlatPieces,
+    out: torch.Tensor,
+    at: Peers,
+    outer_at: Peers,
+    reduction: Reduction,
+    *,
+    accumulate: bool,
+    stream: CommStreams | None,
+    outer_reduces_output: bool,
+    comm: ReduceScatterComm | None,
+    after_reduce: Callable[[torch.Tensor], None] | None,
+    async_op: bool,
+) -> CommHandle:
+    """``hsdp_reduce_scatter_into`` with an outer group, once its arguments were checked (by
+    it, or once by a ``Route``): ``reduction`` is its ``spec`` resolved for ``inp``."""
     if out.numel() == 0:
         return CommHandle.completed()
+    shard_group, outer_group = at.group, outer_at.group
+    numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
     rs_op, rs_factor = reduce_op(shard_group, reduction.average, sum_only=reduction.sum_only)
     record_comm("reduce_scatter", group_name(shard_group), numel, reduction.reduce_dtype)
     record_comm("all_reduce", group_name(outer_group), out.numel(), reduction.reduce_dtype)
-    route = None if comm is not None else host_route(transport, shard_group, out)
-    stage = ReduceScatterStage(
-        inp, out, reduction, shard_group, rs_op, bool(accumulate), route, comm
-    )
-    outer = _OuterStage(stage, out, outer_group, reduction, rs_factor, bool(accumulate))
+    route = None if comm is not None else at.carrier(out)
+    stage = ReduceScatterStage(inp, out, reduction, shard_group, rs_op, accumulate, route, comm)
+    outer = _OuterStage(stage, out, outer_group, reduction, rs_factor, accumulate)
     outer.after_reduce = after_reduce
     run_outer, finish = outer.of_output if outer_reduces_output else outer.of_part
     return issue_stages(
-        [(rs_side, stage), (outer_side, run_outer)],
+        [(side_of(stream, "reduce_scatter"), stage), (side_of(stream, "outer"), run_outer)],
         device=out.device,
         finish=finish,
         async_op=async_op,
@@ -194,48 +227,74 @@ def hfsdp_reduce_scatter_into(
     the two groups).
     """
     args = check_reduce_scatter(
-        unsharded_grad, partial, shard_group, "shard_group", spec, out_arg="partial"
+        unsharded_grad, partial, shard_group, "shard_group", spec, transport, out_arg="partial"
     )
-    partial = args.out
-    inp, shard_group, reduction, numel = args.inp, args.group, args.spec, args.numel
     out = check_flat(out_sub_shard, "out_sub_shard")
-    check_same_device(out, "out_sub_shard", partial, "partial")
-    outer_group, _, outer_size = membership(outer_group, "outer_group")
-    if outer_group is shard_group:
+    check_same_device(out, "out_sub_shard", args.out, "partial")
+    outer = peers(outer_group, "outer_group", outer_transport)
+    if outer.group is args.at.group:
         raise ValueError("outer_group must differ from shard_group; use reduce_scatter_into")
-    check_shard_sizes(partial.numel(), "partial", out, "out_sub_shard", outer_size)
-    if overlaps(partial, out):
+    check_shard_sizes(args.out.numel(), "partial", out, "out_sub_shard", outer.size)
+    if overlaps(args.out, out):
         raise ValueError("partial and out_sub_shard overlap; pass separate tensors")
-    rs_side = side_stream(stream, "reduce_scatter", out.device)
-    outer_side = side_stream(stream, "outer", out.device)
+    side_stream(stream, "reduce_scatter", out.device)
+    return hfsdp_reduce_scatter_checked(
+        args.inp,
+        out,
+        args.at,
+        outer,
+        args.spec,
+        partial=args.out,
+        partial_accumulate=bool(partial_accumulate),
+        accumulate=bool(accumulate),
+        stream=stream,
+        async_op=async_op,
+    )
+
+
+def hfsdp_reduce_scatter_checked(
+    inp: torch.Tensor | FlatPieces,
+    out: torch.Tensor,
+    at: Peers,
+    outer_at: Peers,
+    reduction: Reduction,
+    *,
+    partial: torch.Tensor,
+    partial_accumulate: bool,
+    accumulate: bool,
+    stream: CommStreams | None,
+    async_op: bool,
+) -> CommHandle:
+    """``hfsdp_reduce_scatter_into`` once its arguments were checked (by it, or once by a
+    ``Route``): ``reduction`` is its ``spec`` resolved for ``inp``."""
     if out.numel() == 0:
         return CommHandle.completed()
-    route = host_route(transport, shard_group, partial)
+    shard_group, outer_group = at.group, outer_at.group
+    numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
+    route = at.carrier(partial)
     inner_op, inner_factor = routed_reduce_op(route, shard_group, reduction)
     inner_factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
-    outer_route = host_route(outer_transport, outer_group, out)
+    outer_route = outer_at.carrier(out)
     outer_op, outer_factor = routed_reduce_op(outer_route, outer_group, reduction)
     record_comm("reduce_scatter", group_name(shard_group), numel, reduction.reduce_dtype)
     record_comm("reduce_scatter", group_name(outer_group), partial.numel(), reduction.reduce_dtype)
     inner = ReduceScatterStage(
-        inp, partial, reduction, shard_group, inner_op, bool(partial_accumulate), route
+        inp, partial, reduction, shard_group, inner_op, partial_accumulate, route
     )
     outer_spec = Reduction(reduction.average, None, None, reduction.reduce_dtype)
     outer = ReduceScatterStage(
-        partial, out, outer_spec, outer_group, outer_op, bool(accumulate), outer_route
+        partial, out, outer_spec, outer_group, outer_op, accumulate, outer_route
     )
 
     def run_outer() -> Work | None:
-        finish_into(
-            inner.result(), partial, factor=inner_factor, accumulate=bool(partial_accumulate)
-        )
+        finish_into(inner.result(), partial, factor=inner_factor, accumulate=partial_accumulate)
         return outer()
 
     def finish() -> None:
-        finish_into(outer.result(), out, factor=outer_factor, accumulate=bool(accumulate))
+        finish_into(outer.result(), out, factor=outer_factor, accumulate=accumulate)
 
     return issue_stages(
-        [(rs_side, inner), (outer_side, run_outer)],
+        [(side_of(stream, "reduce_scatter"), inner), (side_of(stream, "outer"), run_outer)],
         device=out.device,
         finish=finish,
         async_op=async_op,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from mfsdp_buffers import Allocator, FlatLayout, FlatPieces, release_to
+from mfsdp_buffers import Allocator, FlatLayout, FlatPieces, allocate_checked, release_to
 
 __all__ = ["GradCollector"]
 
@@ -81,8 +81,12 @@ class GradCollector:
 
     def _allocate(self) -> torch.Tensor:
         if self._buffer is None:
-            self._buffer = self._allocator.allocate(
-                ("grad", id(self)), self.layout.padded_numel, self.reduce_dtype, self._device
+            self._buffer = allocate_checked(
+                self._allocator,
+                ("grad", id(self)),
+                self.layout.padded_numel,
+                self.reduce_dtype,
+                self._device,
             )
         return self._buffer
 

@@ -14,7 +14,9 @@ collective and says what to free once it landed (a ``Launched``). The plans:
   compute-shard buffer; the reduction that ends the cycle reduce-scatters the partial
   across ``dp_outer`` into the sub-shard the optimizer reads.
 
-The two plans that cross the replicas keep how far their shard got (``ReplicaSync``).
+The two plans that cross the replicas keep how far their shard got (``ReplicaSync``). A plan
+checks its groups once, when built (its ``Route``s): the buffers it reduces are laid out for
+them, so its reductions check nothing again.
 """
 
 from __future__ import annotations
@@ -28,16 +30,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from mfsdp_collectives import (
-    CommHandle,
-    CommStreams,
-    FSDPTopology,
-    ReduceSpec,
-    all_reduce_,
-    hfsdp_reduce_scatter_into,
-    hsdp_reduce_scatter_into,
-    reduce_scatter_into,
-)
+from mfsdp_collectives import CommHandle, CommStreams, FSDPTopology, ReduceSpec, Route
 from mfsdp_hooks.config.comm_hooks import CommHooks
 from mfsdp_hooks.config.strategy import ShardingStrategy
 from mfsdp_hooks.grads.grad_collector import GradCollector
@@ -129,7 +122,10 @@ class _Plan:
     def __init__(self, inputs: ReduceInputs) -> None:
         self._in = inputs
         self._collector = inputs.collector
-        self._topology = inputs.topology
+        topology = inputs.topology
+        self._route = Route(topology.shard_group, topology.host_transport)
+        outer = topology.outer_group
+        self._outer = None if outer is None else Route(outer, topology.outer_transport)
 
     @property
     def needs_outer_sync(self) -> bool:
@@ -151,14 +147,12 @@ class FlatPlan(_Plan):
         hooks: CommHooks = NO_HOOKS,
     ) -> Launched:
         target, accumulate = self._in.target()
-        handle = reduce_scatter_into(
+        handle = self._route.reduce_scatter_into(
             self._collector.collected(),
             target,
-            self._topology.shard_group,
             spec=spec,
             accumulate=accumulate,
             stream=streams,
-            transport=self._topology.host_transport,
             comm=hooks.reduce_scatter,
             after_reduce=hooks.after_reduce(),
         )
@@ -181,13 +175,7 @@ class NoShardPlan(_Plan):
         target, accumulate = self._in.target()
         buffer = self._collector.collected()
         assert isinstance(buffer, torch.Tensor)
-        handle = all_reduce_(
-            buffer,
-            self._topology.shard_group,
-            spec=spec,
-            stream=streams,
-            outer_group=self._topology.outer_group,
-        )
+        handle = self._route.all_reduce_(buffer, spec=spec, stream=streams, outer=self._outer)
         return Launched(handle, lambda: self._collector.clear(move_into=(target, accumulate)))
 
 
@@ -196,9 +184,8 @@ class _AcrossReplicas(_Plan):
 
     def __init__(self, inputs: ReduceInputs) -> None:
         super().__init__(inputs)
-        outer = inputs.topology.outer_group
-        assert outer is not None, f"{type(self).__name__} without an outer group"
-        self._outer = outer
+        assert self._outer is not None, f"{type(self).__name__} without an outer group"
+        self._outer_route: Route = self._outer
         self._state = ReplicaSync.EMPTY
 
     @property
@@ -229,26 +216,20 @@ class HSDPPlan(_AcrossReplicas):
         if not self._collector.has_grads and self._state is ReplicaSync.INNER_ONLY:
             # finish_grad_sync: only what no_sync kept is left, already in the shard
             outer_spec = ReduceSpec(average=spec.average, sum_only=spec.sum_only)
-            handle = all_reduce_(
-                target,
-                self._outer,
-                spec=outer_spec,
-                stream=streams,
-                after_reduce=hooks.after_reduce(),
+            handle = self._outer_route.all_reduce_(
+                target, spec=outer_spec, stream=streams, after_reduce=hooks.after_reduce()
             )
             self._state = ReplicaSync.COMPLETE
             return Launched(handle, _nothing)
         state = self._state
         defer = not ends_cycle and state is not ReplicaSync.COMPLETE
-        handle = hsdp_reduce_scatter_into(
+        handle = self._route.hsdp_reduce_scatter_into(
             self._collector.collected(),
             target,
-            self._topology.shard_group,
-            None if defer else self._outer,
+            None if defer else self._outer_route,
             spec=spec,
             accumulate=accumulate,
             stream=streams,
-            transport=self._topology.host_transport,
             outer_reduces_output=state is ReplicaSync.INNER_ONLY,
             comm=hooks.reduce_scatter,
             # FSDP2 calls it once the gradient crossed the replicas, not on a partial.
@@ -291,45 +272,37 @@ class HFSDPPlan(_AcrossReplicas):
         hooks: CommHooks = NO_HOOKS,
     ) -> Launched:
         _refuse_custom(hooks, "HFSDP")
-        topology = self._topology
         kept = self._state is ReplicaSync.INNER_ONLY
         if not ends_cycle:
-            handle = reduce_scatter_into(
+            handle = self._route.reduce_scatter_into(
                 self._collector.collected(),
                 self._partial_buffer(),
-                topology.shard_group,
                 spec=spec,
                 accumulate=kept,
                 stream=streams,
-                transport=topology.host_transport,
             )
             self._state = ReplicaSync.INNER_ONLY
             return Launched(handle, self._collector.clear)
         target, accumulate = self._in.target()
         self._state = ReplicaSync.COMPLETE
         if not self._collector.has_grads:  # finish_grad_sync: only what no_sync kept is left
-            handle = reduce_scatter_into(
+            handle = self._outer_route.reduce_scatter_into(
                 self._partial_buffer(),
                 target,
-                self._outer,
                 spec=dataclasses.replace(spec, post_scale=None),
                 accumulate=accumulate,
                 stream=streams,
-                transport=topology.outer_transport,
             )
             return Launched(handle, self.drop_partial)
-        handle = hfsdp_reduce_scatter_into(
+        handle = self._route.hfsdp_reduce_scatter_into(
             self._collector.collected(),
             target,
-            topology.shard_group,
-            self._outer,
+            self._outer_route,
             partial=self._partial_buffer(),
             partial_accumulate=kept,
             spec=spec,
             accumulate=accumulate,
             stream=streams,
-            transport=topology.host_transport,
-            outer_transport=topology.outer_transport,
         )
         return Launched(handle, self._release_all)
 

@@ -39,7 +39,7 @@ from mfsdp_collectives import (
     FSDPTopology,
     NonFiniteError,
     PostForwardGroup,
-    all_gather_into,
+    Route,
 )
 from mfsdp_hooks.config.codec import IDENTITY, ParamClassCodec, ParamCodec
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
@@ -127,6 +127,7 @@ class ParameterGroup:
     _post_forward: PostForwardShard | None = None
     """FSDP2's int ``reshard_after_forward``: this rank's slice of the gathered weights, held
     from ``reshard(onto=...)`` after forward to the next unshard, which gathers from it."""
+    _onto: Route | None = None  # the route of the group resharded onto after forward
     all_gather_comm: AllGatherComm | None = None  # set_custom_all_gather's: runs the gathers
 
     def __init__(
@@ -151,6 +152,11 @@ class ParameterGroup:
         self.root: GroupRoot | None = None
         self.full_names = list(names)  # under the root module, once one holds this group
         self.topology = topology
+        # The gathers' groups and transports, checked once: the buffers below are laid out
+        # for them, so the gathers of every step check nothing again.
+        self.shard_route = Route(topology.shard_group, topology.host_transport)
+        outer = topology.outer_group if topology.shards_optimizer_across_outer else None
+        self._outer_route = None if outer is None else Route(outer, topology.outer_transport)
         self.strategy = strategy
         self.requires_grad = params[0].requires_grad
         self.original_dtype = params[0].dtype
@@ -254,15 +260,14 @@ class ParameterGroup:
     def _refresh_compute_shard(self, streams: CommStreams | None) -> None:
         """HFSDP: rebuild the compute shard from the ``dp_outer`` peers' updated sub-shards
         (encoding this rank's main sub-shard into its slot first); a no-op otherwise."""
-        outer = self.topology.outer_group
-        if not self.topology.shards_optimizer_across_outer or outer is None:
+        outer = self._outer_route
+        if outer is None:
             return
         slot = self.cuts.sub_shard(self.model)
         if self.main is not None:
             with torch.no_grad():
                 self.codec.encode(self.main.shard, slot)
-        transport = self.topology.outer_transport
-        all_gather_into(slot, self.model.shard, outer, stream=streams, transport=transport).wait()
+        outer.all_gather_into(slot, self.model.shard, stream=streams).wait()
 
     def _gather(
         self, streams: CommStreams | None, post_forward: PostForwardShard | None = None
@@ -281,13 +286,8 @@ class ParameterGroup:
         if self.main is not None and not self.model.has_persistent_shard:
             with torch.no_grad():
                 self.codec.encode(self.main.shard, self.model.shard)
-        handle = all_gather_into(
-            self.model.shard,
-            unsharded,
-            self.topology.shard_group,
-            stream=streams,
-            transport=self.topology.host_transport,
-            comm=self.all_gather_comm,
+        handle = self.shard_route.all_gather_into(
+            self.model.shard, unsharded, stream=streams, comm=self.all_gather_comm
         )
         return self._decoded(handle, unsharded, senders=self.topology.shard_size)
 
@@ -316,7 +316,9 @@ class ParameterGroup:
         self._post_forward = None  # a plain reshard also drops one no backward came for
         gathered = self.model.unsharded
         if onto is not None and gathered is not None and onto.serves(self.topology.shard_group):
-            self._post_forward = PostForwardShard(gathered, onto)
+            if self._onto is None or self._onto.group is not onto.group:  # checked once
+                self._onto = Route(onto.group, onto.transport)
+            self._post_forward = PostForwardShard(gathered, self._onto)
         self.model.release()
 
     @property
@@ -417,13 +419,8 @@ def _install_whole(
             group.codec.encode(group.main.shard, slot)
     custom = group.all_gather_comm is not None
     kept = slot.clone() if custom and group.gathers_into_its_only_copy else None
-    handle = all_gather_into(
-        slot,
-        full,
-        group.topology.shard_group,
-        stream=streams,
-        transport=group.topology.host_transport,
-        comm=group.all_gather_comm,
+    handle = group.shard_route.all_gather_into(
+        slot, full, stream=streams, comm=group.all_gather_comm
     )
     landed = group._decoded(handle, full, senders=group.topology.shard_size)
     if kept is None:

@@ -16,14 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from mfsdp_collectives import (
-    AllGatherComm,
-    CommHandle,
-    CommStreams,
-    PostForwardGroup,
-    all_gather_into,
-    regathers_exactly,
-)
+from mfsdp_collectives import AllGatherComm, CommHandle, CommStreams, Route, regathers_exactly
 
 __all__ = ["PostForwardShard"]
 
@@ -31,7 +24,8 @@ __all__ = ["PostForwardShard"]
 class PostForwardShard:
     """This rank's slice of one group's gathered weights, held from forward to backward."""
 
-    def __init__(self, gathered: torch.Tensor, subgroup: PostForwardGroup) -> None:
+    def __init__(self, gathered: torch.Tensor, subgroup: Route) -> None:
+        """``subgroup``: the route of the ``PostForwardGroup`` (its group and transport)."""
         self.subgroup = subgroup
         with torch.no_grad():
             self._slice: torch.Tensor | None = self._slot(gathered).clone()
@@ -58,8 +52,5 @@ class PostForwardShard:
         with torch.no_grad():
             slot.copy_(held)
         del held
-        subgroup = self.subgroup
         through = comm if comm is not None and regathers_exactly(comm) else None
-        return all_gather_into(
-            slot, buffer, subgroup.group, stream=streams, transport=subgroup.transport, comm=through
-        )
+        return self.subgroup.all_gather_into(slot, buffer, stream=streams, comm=through)
