@@ -108,6 +108,7 @@ def _run_suite(session: nox.Session, env: dict[str, str]) -> None:
         "benchmarks/test_goals.py",
         "benchmarks/test_host_bound.py",
         "benchmarks/test_muon_step.py",
+        "benchmarks/test_plan_vs_measured.py",
     ]
     # --durations: the slowest tests, for keeping CI's cross-section under 25 minutes.
     session.run("python", "-m", "pytest", "--durations=25", *suite, *session.posargs, env=env)

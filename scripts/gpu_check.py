@@ -10,6 +10,8 @@ packages are imported from ``packages/*/src``. It runs
 2. one benchmark configuration against torch FSDP2 (default model, bf16, world 1);
 3. the launch-bound rows (``benchmarks/host_bound.py``: 32 small Llama layers, eager and
    compiled per layer, no sharding / FSDP2 / ours per-module / ours seed, world 1);
+4. ``plan_memory`` against ``max_memory_allocated`` of the same Llama trained on the GPU
+   (``benchmarks/plan_vs_measured.py``: 953M with 4x2048 tokens, and 29M of 32 layers);
 
 and writes ``gpu_report.md`` (and the logs) into ``--out``. Exit status: 0 when every step
 passed, 1 when one failed, 2 when there is no CUDA device.
@@ -135,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         host_bound += ["--world-sizes", "1", "--compile", "none", "block"]
         host_bound += ["--out", str(args.out / "host_bound.json")]
         steps.append(("host_bound_vs_fsdp2", host_bound, 240))
+        # Issue 52's rows: the planned peak and bytes between steps against the measured.
+        plan = [sys.executable, "-m", "benchmarks.plan_vs_measured", "--device", "cuda"]
+        plan += ["--models", "953m", "29m", "--out", str(args.out / "plan_vs_measured.json")]
+        steps.append(("plan_vs_measured", plan, 300))
     failed = False
     for name, cmd, timeout_s in steps:
         status, seconds, tail = _run(name, cmd, args.out, timeout_s)
