@@ -41,6 +41,7 @@ SiteNamer = Callable[[str, str], str]
 """``(file path, function name) -> site``: how an attributing tracker names where a storage
 was made (a planner sorts them into its categories this way)."""
 
+_DEVICE_OF = torch.ops.prim.device.default
 _patch_lock = threading.Lock()
 _open_trackers: list[LiveTensorTracker] = []
 _original_resize: Callable[..., Any] | None = None
@@ -199,6 +200,9 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if func is _DEVICE_OF:  # allocates nothing; autograd asks it of every fake tensor
+            device: torch.device = args[0].device
+            return device
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor) and not is_traceable_wrapper_subclass(out):
             if out.device.type != "meta":  # most ops: one tensor, no pytree walk

@@ -45,6 +45,7 @@ from mfsdp_hooks.dtensor.dtensor_views import dtensor_like, local_tensor
 from mfsdp_hooks.dtensor.load_rows import own_rows
 from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor, TorchChunkRowsDTensor, row_sharded
 from mfsdp_hooks.dtensor.tensor_parallel import TPSpec, tp_full_tensor
+from mfsdp_hooks.optim.contiguous_step import ACCELERATOR_CHUNK_NUMEL
 from mfsdp_hooks.optim.muon import Muon, newton_schulz, newton_schulz_cost
 from mfsdp_hooks.optim.optimizer import FSDPOptimizer, attach_optimizer, optimizer_groups
 from mfsdp_hooks.optim.whole_matrix import MatrixRows, map_whole_matrices, plan_owners, rows_of
@@ -78,6 +79,7 @@ from mfsdp_hooks.weights.param_group import DEFAULT_ALIGNMENT, ParameterGroup
 __version__ = "1.0.0"
 
 __all__ = [
+    "ACCELERATOR_CHUNK_NUMEL",
     "Muon",
     "DEFAULT_ALIGNMENT",
     "GroupSummary",

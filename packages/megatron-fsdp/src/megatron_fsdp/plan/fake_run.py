@@ -37,7 +37,13 @@ import mfsdp_hooks
 from megatron_fsdp.api import fully_shard_model, fully_shard_optimizer
 from mfsdp_buffers import LiveTensorTracker, PhaseMark
 from mfsdp_collectives import RealMeshesFakeMode
-from mfsdp_hooks import ShardingSummary, describe, fsdp_units, record_timeline
+from mfsdp_hooks import (
+    ACCELERATOR_CHUNK_NUMEL,
+    ShardingSummary,
+    describe,
+    fsdp_units,
+    record_timeline,
+)
 
 __all__ = [
     "ENGINE",
@@ -91,6 +97,9 @@ class RunRoute:
     granularity: int
     """CUDA's caching allocator hands out 512-byte blocks (what ``max_memory_allocated``
     counts); a CPU tensor takes its bytes."""
+    step_chunk_numel: int | None
+    """The contiguous optimizer step takes CPU tensors in cache-sized chunks, an
+    accelerator's runs whole: the fake run on a CPU takes the accelerator's choice."""
 
 
 def run_route(device: torch.device, host_transport: str) -> RunRoute:
@@ -98,9 +107,9 @@ def run_route(device: torch.device, host_transport: str) -> RunRoute:
     see. Not modelled: streams holding a buffer past its last use on the host, the caching
     allocator's fragmentation and its reserved-but-unallocated memory."""
     if device.type == "cpu":
-        return RunRoute(device, host_transport, 1)
+        return RunRoute(device, host_transport, 1, None)
     faked = device if device.type == "cuda" and torch.cuda.is_available() else torch.device("cpu")
-    return RunRoute(faked, "gloo", 512)
+    return RunRoute(faked, "gloo", 512, ACCELERATOR_CHUNK_NUMEL)
 
 
 @dataclass(frozen=True)
@@ -158,7 +167,7 @@ def run_rank(
                 if after_wrap is not None:
                     after_wrap(sharded)
                 built = _build_optimizer(optimizer, sharded.parameters())
-                attached = fully_shard_optimizer(built)
+                attached = fully_shard_optimizer(built, step_chunk_numel=route.step_chunk_numel)
                 args, kwargs = _fake_inputs(inputs, mode, route.run_device)
                 step = _Step(sharded, attached, args, kwargs, loss_fn)
                 step.run()

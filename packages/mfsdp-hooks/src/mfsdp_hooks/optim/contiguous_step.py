@@ -48,6 +48,8 @@ that list take torch's per-parameter loop.
 
 CPU_CHUNK_NUMEL = 1 << 18
 """Elements per chunk on CPU: 1 MiB of fp32, so each of the optimizer's passes hits cache."""
+ACCELERATOR_CHUNK_NUMEL = 1 << 62
+"""On an accelerator a run steps whole: one kernel per pass (launches, not cache, cost)."""
 
 
 def supports_contiguous_step(optimizer: torch.optim.Optimizer) -> bool:
@@ -304,7 +306,7 @@ class ContiguousStepper:
         if self.chunk_numel is not None:
             return self.chunk_numel
         on_cpu = all(local_tensor(p).device.type == "cpu" for p in params)
-        return CPU_CHUNK_NUMEL if on_cpu else 1 << 62
+        return CPU_CHUNK_NUMEL if on_cpu else ACCELERATOR_CHUNK_NUMEL
 
     def _plan(self, index: int, group: dict[str, Any]) -> _GroupPlan:
         params: list[torch.Tensor] = group["params"]
@@ -375,6 +377,7 @@ class ContiguousStepper:
 
 
 __all__ = [
+    "ACCELERATOR_CHUNK_NUMEL",
     "CPU_CHUNK_NUMEL",
     "CONTIGUOUS_STEP_OPTIMIZERS",
     "ContiguousStepper",
