@@ -32,7 +32,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from ..core._checks import check_flat
+from ..core._checks import check_flat, overlaps
 from ..core._compat import Work, all_gather_single
 from ..core.fake import is_fake
 from ..core.naming import group_name
@@ -155,7 +155,7 @@ class _ReduceScatterJob:
         """The pieces in rank order (the same sum every run), straight into the output when
         it is fp32 and apart from this rank's own chunk, else through one temporary."""
         out, own, n = self.out, self.own, self.out.numel()
-        direct = out.dtype == torch.float32 and not _overlap(out, own)
+        direct = out.dtype == torch.float32 and not overlaps(out, own)
         total = out if direct else torch.empty(n, dtype=torch.float32)
         for src in range(self.size):
             payload = recv[src, HEADER_BYTES:]
@@ -222,13 +222,6 @@ class QuantizedReduction:
             self._error = error
             raise
         return True
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    a_lo, b_lo = a.data_ptr(), b.data_ptr()
-    return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
 
 
 def quantized_reduce_scatter_into(

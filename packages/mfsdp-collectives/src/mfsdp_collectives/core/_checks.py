@@ -12,8 +12,6 @@ import math
 import torch
 import torch.distributed as dist
 
-from .fake import is_fake
-
 __all__ = [
     "check_dtype",
     "check_flat",
@@ -80,10 +78,9 @@ def check_scale(value: object, arg: str) -> float | None:
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two (contiguous) tensors share any byte of memory."""
-    if a.numel() == 0 or b.numel() == 0 or is_fake(a) or is_fake(b):
-        return False  # fake tensors (a planning run) hold no memory: their data_ptr is 0
-    if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    """Whether two (contiguous) tensors share any byte of memory: the same storage object
+    (fake tensors of a planning run too, whose addresses are all 0) and byte ranges that meet."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage() is not b.untyped_storage():
         return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
+    a0, b0 = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
     return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
