@@ -322,8 +322,7 @@ class FlatLayout:
             row_end = p.num_rows if rank >= owner else 0
             shard_offset = min(max(p.offset - shard_start, 0), self.shard_numel)
             return LocalPiece(param_index, rank, row_start, row_end, shard_offset, 0)
-        lo = min(max(shard_start - p.offset, 0), p.numel)
-        hi = min(max(shard_start + self.shard_numel - p.offset, 0), p.numel)
+        lo, hi = self._span_in_shard(p, shard_start)
         shard_offset = min(max(p.offset + lo - shard_start, 0), self.shard_numel)
         return LocalPiece(
             param_index=param_index,
@@ -333,6 +332,12 @@ class FlatLayout:
             shard_offset=shard_offset,
             numel=hi - lo,
         )
+
+    def _span_in_shard(self, p: ParamPlacement, shard_start: int) -> tuple[int, int]:
+        """``[lo, hi)``: the elements of ``p`` in the shard starting at ``shard_start``."""
+        lo = min(max(shard_start - p.offset, 0), p.numel)
+        hi = min(max(shard_start + self.shard_numel - p.offset, 0), p.numel)
+        return lo, hi
 
     def local_pieces(self, rank: int) -> tuple[LocalPiece, ...]:
         """One piece per parameter, in parameter order, empty pieces included."""
@@ -355,10 +360,10 @@ class FlatLayout:
             )
         first = min(p.offset // self.shard_numel, self.world_size - 1)
         last = min((p.offset + p.numel - 1) // self.shard_numel, self.world_size - 1)
-        spanned = (self.local_piece(param_index, r) for r in range(first, last + 1))
+        spans = (self._span_in_shard(p, r * self.shard_numel) for r in range(first, last + 1))
         return (
             ((0, 0),) * first
-            + tuple((piece.row_start, piece.row_end) for piece in spanned)
+            + tuple((lo // p.row_numel, hi // p.row_numel) for lo, hi in spans)
             + ((p.num_rows, p.num_rows),) * (self.world_size - last - 1)
         )
 

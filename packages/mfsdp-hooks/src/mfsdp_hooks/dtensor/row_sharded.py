@@ -232,7 +232,11 @@ def row_sharded(
     tile dim ``d`` of the (TP-local) tensor, and this rank's local tensor must hold its range.
     """
     mesh = tensor.device_mesh
-    ranges = tuple((int(start), int(end)) for start, end in dp_row_ranges)
+    ranges = (
+        dp_row_ranges  # FlatLayout.row_ranges' own: a world of thousands is not copied per call
+        if isinstance(dp_row_ranges, tuple)
+        else tuple((int(start), int(end)) for start, end in dp_row_ranges)
+    )
     placement = tensor.placements[0]
     if not isinstance(placement, Shard) or (placement.dim and len(tensor.placements) > 1):
         raise ValueError(
