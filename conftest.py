@@ -57,9 +57,6 @@ FULL_ONLY = frozenset(
         # FSDP2's all-reduce hook and force-sum beside quantized reduce-scatters (the comm
         # hooks' own tests keep both in CI)
         "packages/mfsdp-hooks/tests/test_hooks_quantized_comms.py::test_quantized_reduce_scatters_take_the_all_reduce_hook_and_force_sum",
-        # torchao float8 at parity with one process: CI keeps two of the four unit layouts
-        "packages/mfsdp-te/tests/test_te_torchao_float8.py::test_float8_training_matches_one_process_float8_training[2-2]",
-        "packages/mfsdp-te/tests/test_te_torchao_float8.py::test_float8_training_matches_one_process_float8_training[2-3]",
     }
 )
 

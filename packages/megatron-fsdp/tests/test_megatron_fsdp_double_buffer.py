@@ -20,7 +20,6 @@ import torch
 from mcore_stand_ins import mcore_chunk, mcore_step
 from torch.distributed.device_mesh import init_device_mesh
 
-import mfsdp_hooks
 from megatron_fsdp import (
     DistributedDataParallelConfig,
     FSDPDistributedIndex,
@@ -43,6 +42,7 @@ from mfsdp_hooks.testing import (
     train_data_parallel,
     train_single_process,
 )
+from mfsdp_hooks.testing.parity import shard_blocks
 
 STEPS = 10
 FULL = os.environ.get("MFSDP_FULL_MATRIX") == "1"
@@ -55,9 +55,7 @@ def _wrap(entry: str, variant: str, world: int) -> torch.nn.Module:
     if entry == "per_module":
         on_full = "persistent" if persist else "dynamic"
         allocator = DoubleBuffer(max_pool=variant == "max_pool", on_full=on_full)
-        for block in model.blocks:
-            mfsdp_hooks.fully_shard(block, grad_buffer_allocator=allocator)
-        mfsdp_hooks.fully_shard(model, grad_buffer_allocator=allocator)
+        shard_blocks(model, grad_buffer_allocator=allocator)
         return model
     if entry == "mcore":
         return mcore_chunk(  # type: ignore[no-any-return]
@@ -178,9 +176,7 @@ def _one_slot_worker(rank: int, world: int, on_full: str) -> dict[str, object]:
     batches = make_batches(STEPS, 4 * world)
     model = make_model()
     pool = FixedPoolAllocator(num_slots=1, on_full=on_full)  # type: ignore[arg-type]
-    for block in model.blocks:  # type: ignore[union-attr]
-        mfsdp_hooks.fully_shard(block, grad_buffer_allocator=pool)
-    mfsdp_hooks.fully_shard(model, grad_buffer_allocator=pool)
+    shard_blocks(model, grad_buffer_allocator=pool)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     reserved, served = [], []
     for batch in batches:

@@ -14,19 +14,7 @@ from pathlib import Path
 
 import pytest
 
-# mfsdp_checkpoint: the Megatron-Core checkpoint conversion (``mcore*.py``) still imports its
-# SwiGLU, row-chunk and wrapper-prefix helpers from submodules while issue 53 item 2 gives
-# those concepts one owner; strict, so the mark goes once they are public.
-LAYERS = [
-    "mfsdp_buffers",
-    "mfsdp_collectives",
-    "mfsdp_hooks",
-    pytest.param(
-        "mfsdp_checkpoint",
-        marks=pytest.mark.xfail(strict=True, reason="issue 53 item 2: 5 submodule imports"),
-    ),
-    "mfsdp_te",
-]
+LAYERS = ["mfsdp_buffers", "mfsdp_collectives", "mfsdp_hooks", "mfsdp_checkpoint", "mfsdp_te"]
 
 
 def _source(package: str) -> Path:

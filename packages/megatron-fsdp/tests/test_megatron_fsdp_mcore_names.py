@@ -11,7 +11,7 @@ from torch import nn
 
 from megatron_fsdp.mcore_checkpoint import latest_iteration, load_fsdp_dtensor
 from megatron_fsdp.mcore_names import LayoutFreeNames
-from mfsdp_checkpoint.wrapper_prefix import split_wrappers
+from mfsdp_checkpoint import split_wrappers
 
 
 class Experts(nn.Module):

@@ -38,6 +38,7 @@ from mfsdp_hooks.testing import (
     make_model,
     train_data_parallel,
 )
+from mfsdp_hooks.testing.parity import shard_blocks
 
 STEPS = 10
 MUON_LR, ADAMW_LR = 2e-2, 1e-2
@@ -313,9 +314,7 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_four_on_the_same_curve(
 def _per_module_pair(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = make_model(seed)
-    for block in model.blocks:
-        mfsdp_hooks.fully_shard(block)
-    mfsdp_hooks.fully_shard(model)
+    shard_blocks(model)
     return model, ours(model)
 
 

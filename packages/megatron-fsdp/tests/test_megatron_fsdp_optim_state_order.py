@@ -27,6 +27,7 @@ from mfsdp_hooks.testing import (
     train_data_parallel,
     train_single_process,
 )
+from mfsdp_hooks.testing.parity import shard_blocks
 
 STEPS = 3
 ADAM_KEYS = ["step", "exp_avg", "exp_avg_sq"]
@@ -41,9 +42,7 @@ def _sharded(api: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = make_model()
     if api == "seed":
         return megatron_fsdp.fully_shard(model, _adamw(model), fsdp_unit_modules=[Block])
-    for block in model.blocks:
-        mfsdp_hooks.fully_shard(block)
-    mfsdp_hooks.fully_shard(model)
+    shard_blocks(model)
     return model, mfsdp_hooks.attach_optimizer(_adamw(model))
 
 

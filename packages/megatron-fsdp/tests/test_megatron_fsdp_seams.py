@@ -36,6 +36,7 @@ from mfsdp_hooks.testing import (
     train_data_parallel,
     train_single_process,
 )
+from mfsdp_hooks.testing.parity import shard_blocks
 from mfsdp_hooks.testing.tp import TP_OUT, TP_WIDTH, MLPBlock, tp_model
 
 STEPS = 10
@@ -69,9 +70,7 @@ def _class_api(model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def _per_module(model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
-    for block in model.blocks:  # type: ignore[union-attr]
-        mfsdp_hooks.fully_shard(block)
-    mfsdp_hooks.fully_shard(model)
+    shard_blocks(model)
     return model, _adamw(model.parameters())
 
 
@@ -150,9 +149,7 @@ def _early_optimizer_worker(rank: int, world: int, entry: str) -> list[float] | 
         )
     wrapped = fully_shard_model(model, fsdp_unit_modules=[Block]) if entry == "seed" else model
     if entry == "per_module":
-        for block in model.blocks:
-            mfsdp_hooks.fully_shard(block)
-        mfsdp_hooks.fully_shard(model)
+        shard_blocks(model)
     tokens, targets = make_batches(1)[0]
     from mfsdp_hooks.testing import loss_fn
 

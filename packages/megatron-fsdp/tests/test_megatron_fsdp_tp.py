@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ from torch.distributed.tensor import DTensor, Shard
 from megatron_fsdp import fully_shard_model, fully_shard_optimizer
 from mfsdp_checkpoint import gather_full_state_dict
 from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks import fsdp_units
+from mfsdp_hooks.testing.parity import ParityCase, run_parity
 from mfsdp_hooks.testing.tp import TP_OUT, TP_WIDTH, MLPBlock, megatron_tp_model, tp_model
 
 STEPS = 10
@@ -44,34 +47,52 @@ def _hfsdp_tp_mesh(world: int, tp_size: int) -> tuple[DeviceMesh, dict[str, Any]
     return mesh, options
 
 
-def _wrap(
-    tp: bool, world: int, megatron: bool = False, hfsdp: bool = False, tp_size: int = 2
-) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+def _shard(
+    model: nn.Module | None,
+    tp: bool,
+    megatron: bool = False,
+    hfsdp: bool = False,
+    tp_size: int = 2,
+) -> nn.Module:
     """The MLP model under FSDP x TP (2x2; torch's DTensor TP, or ``megatron``-style layers),
-    HFSDP x TP (``hfsdp``: 2 x world/(2 tp_size) x tp_size) or plain FSDP; returns its DP
-    rank."""
-    if tp:
-        if hfsdp:
-            mesh, options = _hfsdp_tp_mesh(world, tp_size)
-            dp_mesh = mesh["dp_outer", "dp_shard"]._flatten("dp")
-        else:
-            mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "tp"))
-            dp_mesh, options = mesh["dp_shard"], {}
-        tp_mesh = mesh["tp"]
-        model = fully_shard_model(
-            megatron_tp_model(tp_mesh) if megatron else tp_model("mlp", tp_mesh),
-            fsdp_unit_modules=[MLPBlock],
-            device_mesh=mesh,
-            dp_shard_dim="dp_shard",
-            tp_dim="tp",
-            **options,
-        )
-        dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+    HFSDP x TP (``hfsdp``: 2 x world/(2 tp_size) x tp_size) or plain FSDP (built here: TP
+    cuts it first)."""
+    if not tp:
+        return fully_shard_model(tp_model("mlp", None), fsdp_unit_modules=[MLPBlock])
+    world = dist.get_world_size()
+    if hfsdp:
+        mesh, options = _hfsdp_tp_mesh(world, tp_size)
     else:
-        model = fully_shard_model(tp_model("mlp", None), fsdp_unit_modules=[MLPBlock])
-        dp_rank, dp_size = dist.get_rank(), world
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "tp"))
+        options = {}
+    tp_mesh = mesh["tp"]
+    return fully_shard_model(
+        megatron_tp_model(tp_mesh) if megatron else tp_model("mlp", tp_mesh),
+        fsdp_unit_modules=[MLPBlock],
+        device_mesh=mesh,
+        dp_shard_dim="dp_shard",
+        tp_dim="tp",
+        **options,
+    )
+
+
+def _wrap(
+    tp: bool, megatron: bool = False, hfsdp: bool = False
+) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+    """:func:`_shard`'s model, its optimizer and its DP rank (TP pairs are consecutive ranks)."""
+    model = _shard(None, tp, megatron, hfsdp)
     optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    return model, optimizer, dp_rank if dp_size > 1 else 0
+    return model, optimizer, dist.get_rank() // 2 if tp else dist.get_rank()
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` global batches of 8 sequences of 4."""
+    out = []
+    for step in range(n):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(8, 4, TP_WIDTH, generator=gen)
+        out.append((x, torch.randn(8, 4, TP_OUT, generator=gen)))
+    return out
 
 
 def _steps(
@@ -80,9 +101,7 @@ def _steps(
     """Global-batch losses of ``n`` steps, each DP rank on its share of 8 samples."""
     dp_rank, dp_size = dp
     losses = []
-    for step in range(start, start + n):
-        gen = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, 4, TP_WIDTH, generator=gen), torch.randn(8, 4, TP_OUT, generator=gen)
+    for x, y in _batches(start + n)[start:]:
         loss = nn.functional.mse_loss(model(x.chunk(dp_size)[dp_rank]), y.chunk(dp_size)[dp_rank])
         loss.backward()
         optimizer.step()
@@ -93,10 +112,18 @@ def _steps(
     return losses
 
 
-def _parity_worker(
-    rank: int, world: int, megatron: bool, hfsdp: bool = False, tp_size: int = 2
-) -> tuple[list[float], list[float]]:
-    model, optimizer, dp_rank = _wrap(True, world, megatron, hfsdp, tp_size)
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for step in range(n):
+        gen = torch.Generator().manual_seed(step)
+        out.append(
+            (torch.randn(8, 4, TP_WIDTH, generator=gen), torch.randn(8, 4, TP_OUT, generator=gen))
+        )
+    return out
+
+
+def _tp_sharded(model: nn.Module, megatron: bool, hfsdp: bool, tp_size: int) -> nn.Module:
+    model = _shard(model, True, megatron, hfsdp, tp_size)
     for name, param in model.named_parameters():
         # DTensor TP also keeps the replicated rowwise bias on the TP mesh; Megatron does not.
         tp_cut = "blocks" in name and not (megatron and name.endswith("down.bias"))
@@ -104,19 +131,6 @@ def _parity_worker(
         if megatron and tp_cut:  # Megatron-Core's attributes survive the sharding
             assert param.tensor_model_parallel, name  # type: ignore[attr-defined]
             assert param.placements[1] == Shard(param.partition_dim), name  # type: ignore[attr-defined]
-    reference = tp_model("mlp", None)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    want = []
-    for step in range(STEPS):
-        gen = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, 4, TP_WIDTH, generator=gen), torch.randn(8, 4, TP_OUT, generator=gen)
-        loss = nn.functional.mse_loss(reference(x), y)
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        want.append(loss.item())
-    got = _steps(model, optimizer, (dp_rank, world // tp_size), 0, STEPS)
-    for name, param in model.named_parameters():
         # the optimizer shards tile each parameter once per TP replica: under HFSDP they are
         # cut across dp_outer as well (HSDP would hold dp_outer copies)
         held = torch.tensor(float(param.to_local().numel()))
@@ -125,20 +139,34 @@ def _parity_worker(
         replicas = 1 if mesh.ndim == 2 else tp_size  # TP replicas of one TP does not cut
         replicas *= math.prod(mesh.size(d) for d, p in enumerate(placements) if p.is_replicate())
         assert held.item() == param.numel() * replicas, (name, held.item(), param.numel())
+    return model
+
+
+def _gathered(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``gather_full_state_dict``'s full weights (the model's own when it is not sharded)."""
+    if not fsdp_units(model):
+        return {name: value.detach() for name, value in model.state_dict().items()}
     full = gather_full_state_dict(model, rank0_only=False)
-    for name, value in reference.state_dict().items():
-        key = name if name in full else f"module.{name}"
-        torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6)
-    return got, want
+    return {name.removeprefix("module."): value for name, value in full.items()}
 
 
-@pytest.mark.parametrize("megatron", [False, True])
-def test_fully_shard_model_with_tp_dim_trains_as_one_process(megatron: bool) -> None:
+def _tp_case(megatron: bool, hfsdp: bool = False, tp_size: int = 2) -> ParityCase:
+    return ParityCase(
+        f"megatron={megatron} hfsdp={hfsdp} tp_size={tp_size}",
+        partial(_tp_sharded, megatron=megatron, hfsdp=hfsdp, tp_size=tp_size),
+        model=partial(tp_model, "mlp", None),
+        sharded_optimizer=fully_shard_optimizer,
+        batches=_batches,
+        loss=nn.functional.mse_loss,
+        share=tp_size,  # the TP group takes one share
+        weights=_gathered,
+    )
+
+
+def test_fully_shard_model_with_tp_dim_trains_as_one_process() -> None:
     # torch's DTensor TP, and Megatron-Core-style TP layers (plain local tensors with
     # tensor_model_parallel / partition_dim, their own all-reduces).
-    for got, want in run_distributed(_parity_worker, 4, megatron, timeout=240):
-        for a, b in zip(got, want, strict=True):
-            assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+    run_parity(4, [_tp_case(False), _tp_case(True)])
 
 
 FULL = os.environ.get("MFSDP_FULL_MATRIX") == "1"
@@ -146,26 +174,25 @@ FULL_ONLY = pytest.mark.skipif(not FULL, reason="MFSDP_FULL_MATRIX=1 only")
 
 
 @pytest.mark.parametrize(
-    ("world", "megatron", "tp_size"),
+    ("world", "layouts"),  # (megatron, tp_size)
     [
-        (4, False, 2),
-        pytest.param(4, True, 2, marks=FULL_ONLY),  # the matrix's hfsdp_tp column has it
         # a TP dim of size 1: dp coordinates (2 x 2) are not sub-shard order at 4 ranks
-        (4, True, 1),
-        pytest.param(8, False, 2, marks=FULL_ONLY),
-        pytest.param(8, True, 2, marks=FULL_ONLY),
+        pytest.param(4, [(False, 2), (True, 1)], id="4"),
+        # the matrix's hfsdp_tp column has it
+        pytest.param(4, [(True, 2)], marks=FULL_ONLY, id="4-megatron"),
+        pytest.param(8, [(False, 2), (True, 2)], marks=FULL_ONLY, id="8"),
     ],
 )
-def test_hfsdp_with_tp_dim_trains_as_one_process(world: int, megatron: bool, tp_size: int) -> None:
-    for got, want in run_distributed(_parity_worker, world, megatron, True, tp_size, timeout=300):
-        for a, b in zip(got, want, strict=True):
-            assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+def test_hfsdp_with_tp_dim_trains_as_one_process(
+    world: int, layouts: list[tuple[bool, int]]
+) -> None:
+    run_parity(world, [_tp_case(megatron, True, tp_size) for megatron, tp_size in layouts], 300)
 
 
 def _save_worker(
     rank: int, world: int, path: str, tp: bool, megatron: bool = False, hfsdp: bool = False
 ) -> list[float]:
-    model, optimizer, dp_rank = _wrap(tp, world, megatron, hfsdp)
+    model, optimizer, dp_rank = _wrap(tp, megatron, hfsdp)
     dp = (dp_rank, world // 2 if tp else world)
     losses = _steps(model, optimizer, dp, 0, 3)
     dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
@@ -173,7 +200,7 @@ def _save_worker(
 
 
 def _load_worker(rank: int, world: int, path: str, tp: bool, hfsdp: bool = False) -> list[float]:
-    model, optimizer, dp_rank = _wrap(tp, world, hfsdp=hfsdp)
+    model, optimizer, dp_rank = _wrap(tp, hfsdp=hfsdp)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     dcp.load(state_dict=state, checkpoint_id=path)
     model.load_state_dict(state["model"], strict=False)
@@ -247,7 +274,7 @@ def _tp_size_one_worker(rank: int, world: int) -> list[float]:
         tp_dim="tp",
     )
     optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    plain, plain_opt, _ = _wrap(False, world)
+    plain, plain_opt, _ = _wrap(False)
     got = _steps(model, optimizer, (rank, world), 0, STEPS)
     want = _steps(plain, plain_opt, (rank, world), 0, STEPS)
     assert got == want, (got, want)

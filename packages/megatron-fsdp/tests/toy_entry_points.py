@@ -10,10 +10,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import megatron_fsdp
-import mfsdp_hooks
 from megatron_fsdp import DistributedDataParallelConfig, FSDPDistributedIndex, MegatronFSDP
 from megatron_fsdp.mcore import FullyShardedDataParallel
 from mfsdp_hooks.testing import Block, make_model
+from mfsdp_hooks.testing.parity import shard_blocks
 
 
 def wrap_toy(entry: str, world: int, **seed_kwargs: Any) -> nn.Module:
@@ -23,9 +23,7 @@ def wrap_toy(entry: str, world: int, **seed_kwargs: Any) -> nn.Module:
     ``seed_kwargs``)."""
     model = make_model()
     if entry in ("per_module", "per_module_attach"):
-        for block in model.blocks:
-            mfsdp_hooks.fully_shard(block)
-        sharded: nn.Module = mfsdp_hooks.fully_shard(model)
+        sharded: nn.Module = shard_blocks(model)
         return sharded
     if entry == "class":
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))

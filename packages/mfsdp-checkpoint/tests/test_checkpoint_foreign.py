@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
 import mfsdp_checkpoint as mc
 from mfsdp_checkpoint.cli import main
@@ -35,6 +34,7 @@ from mfsdp_checkpoint.errors import StateDictMismatchError
 from mfsdp_checkpoint.positions import PositionEvidence, derive_positions
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks.testing import train_single_process
+from mfsdp_hooks.testing.parity import shard_blocks
 
 SAVE_AT, MORE = 4, 4
 
@@ -52,9 +52,7 @@ class Wrapper(nn.Module):
 
 def _fsdp2_model(wrap: bool) -> tuple[nn.Module, nn.Module]:
     inner = make_model()
-    for block in inner.blocks:
-        fsdp2_fully_shard(block)
-    fsdp2_fully_shard(inner)
+    shard_blocks(inner, "fsdp2")
     return (Wrapper(inner) if wrap else inner), inner
 
 

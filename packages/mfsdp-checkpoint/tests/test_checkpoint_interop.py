@@ -29,6 +29,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import mfsdp_checkpoint as mc
 from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks.testing.parity import shard_blocks
 
 SAVE_AT, MORE = 5, 3
 
@@ -115,12 +116,9 @@ def _fsdp2_world(rank: int, world: int, path: str) -> dict[str, Any]:
         get_model_state_dict,
         get_optimizer_state_dict,
     )
-    from torch.distributed.fsdp import fully_shard
 
     model = make_model()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks(model, "fsdp2")
     optimizer = make_optimizer(model)
     batches = make_batches(SAVE_AT + MORE)
     train(model, optimizer, batches[:SAVE_AT], rank, world)

@@ -25,6 +25,7 @@ from mfsdp_hooks.testing import (
     train_data_parallel,
     train_single_process,
 )
+from mfsdp_hooks.testing.parity import full_state, shard_blocks, trainable
 
 __all__ = [
     "HIDDEN",
@@ -42,15 +43,10 @@ __all__ = [
     "make_model",
     "make_optimizer",
     "reference_training",
-    "shard_blocks_then_root",
+    "shard_blocks",
     "train_data_parallel",
     "trainable",
 ]
-
-
-def trainable(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters an optimizer should step (the toy model has a frozen layer)."""
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
@@ -71,19 +67,6 @@ def reference_training(
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's full value, read from the unsharded buffers (test helper)."""
-    from mfsdp_hooks import fsdp_units
-
-    units = fsdp_units(model)
-    for unit in units:
-        unit.unshard()
-    state = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
-    for unit in units:
-        unit.reshard()
-    return state
-
-
 def local_rows(param: Any) -> slice:
     """The rows of the full parameter that a distributed parameter holds on this rank."""
     from mfsdp_hooks import locate
@@ -93,22 +76,6 @@ def local_rows(param: Any) -> slice:
     group = location.group
     piece = group.optim_layout.local_piece(location.index, group.topology.optim_rank)
     return slice(piece.row_start, piece.row_end)
-
-
-def shard_blocks_then_root(model: nn.Module, impl: str, **options: Any) -> None:
-    """``fully_shard`` each block, then the root, with ours (``impl="ours"``) or torch's FSDP2
-    (``"fsdp2"``), so tests run the same code through both."""
-    if impl == "fsdp2":
-        from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-        shard: Any = torch_fully_shard
-    else:
-        from mfsdp_hooks import fully_shard
-
-        shard = fully_shard
-    for block in model.blocks:  # type: ignore[union-attr]
-        shard(block, **options)
-    shard(model, **options)
 
 
 def hfsdp_topology(outer: int, shard: int) -> Any:

@@ -17,7 +17,7 @@ from hooks_models import (
     make_batches,
     make_model,
     make_optimizer,
-    shard_blocks_then_root,
+    shard_blocks,
     trainable,
 )
 from torch.optim import optimizer as torch_optimizer
@@ -132,7 +132,7 @@ def _install_worker(rank: int, world: int) -> tuple[int, int, int]:
     from mfsdp_hooks import fsdp_units
 
     model = make_model()
-    shard_blocks_then_root(model, "ours", sharding_strategy=1)
+    shard_blocks(model, "ours", sharding_strategy=1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tokens, targets = make_batches(1)[0]
     loss_fn(model(tokens), targets).backward()

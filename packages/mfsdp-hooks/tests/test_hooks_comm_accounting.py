@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import fsdp_units, fully_shard
+from mfsdp_hooks.testing.parity import shard_blocks
 
 
 def _expected_traffic(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
@@ -36,9 +37,7 @@ def _expected_traffic(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 
 def _accounting_worker(rank: int, world: int) -> dict[str, tuple[int, int]]:
     model = make_model()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks(model)
     tokens, targets = make_batches(1, 4)[0]
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     for _ in range(2):  # the second step runs with the recorded order and prefetching
@@ -96,9 +95,7 @@ def test_unshard_hands_out_views_and_copies_nothing() -> None:
 
 def _prefetch_worker(rank: int, world: int, overlap: bool, depth: int = 1) -> list[int]:
     model = make_model()
-    for block in model.blocks:
-        fully_shard(block, overlap_param_gather=overlap, prefetch_depth=depth)
-    fully_shard(model, overlap_param_gather=overlap, prefetch_depth=depth)
+    shard_blocks(model, overlap_param_gather=overlap, prefetch_depth=depth)
     tokens, targets = make_batches(1, 4)[0]
     seen: list[int] = []
     tracer = CommTracer()
@@ -160,9 +157,7 @@ def test_trace_pool_replays_gradient_buffers_from_a_smaller_pool() -> None:
 
 def _explicit_prefetch_worker(rank: int, world: int) -> list[bool]:
     model = make_model()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks(model)
     blocks = list(model.blocks)
     blocks[0].set_modules_to_forward_prefetch([blocks[2]])  # type: ignore[operator]
     units = [fsdp_units(b)[0] for b in blocks]
@@ -194,9 +189,7 @@ def _per_unit_trace_pools_worker(rank: int, world: int) -> list[str]:
     from mfsdp_buffers import TracePoolAllocator
 
     model = make_model()
-    for block in model.blocks:
-        fully_shard(block, grad_buffer_allocator="trace_pool")
-    fully_shard(model, grad_buffer_allocator="trace_pool")
+    shard_blocks(model, grad_buffer_allocator="trace_pool")
     tokens, targets = make_batches(1, 4)[0]
     for _ in range(3):
         loss_fn(model(tokens), targets).backward()

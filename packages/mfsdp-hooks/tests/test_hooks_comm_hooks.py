@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from hooks_models import AlignedModel, shard_blocks_then_root, train_aligned
+from hooks_models import AlignedModel, shard_blocks, train_aligned
 from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
@@ -58,7 +58,7 @@ def _install(units: list[Any], setup: str) -> list[Any]:
 
 def _worker(rank: int, world: int, impl: str, setup: str) -> dict[str, Any]:
     model = AlignedModel()
-    shard_blocks_then_root(model, impl)
+    shard_blocks(model, impl)
     units = [m for m in model.modules() if isinstance(m, TorchFSDPModule)]
     installed = _install(units, setup)
     with C10dTracer() as log:
@@ -140,9 +140,7 @@ def _refusals_worker(rank: int, world: int) -> list[str]:
     unit: Any = no_shard
     refused(lambda: unit.set_custom_reduce_scatter(CountingReduceScatter()), NotImplementedError)
     pairs = _Pair()
-    for block in pairs.blocks:
-        fully_shard(block)
-    fully_shard(pairs)
+    shard_blocks(pairs)
     first: Any = pairs.blocks[0]
     refused(lambda: first.set_custom_reduce_scatter(object()), TypeError)
     refused(lambda: first.set_all_reduce_hook(len, stream=object()), ValueError)
@@ -190,7 +188,7 @@ def _hsdp_worker(rank: int, world: int, impl: str) -> dict[str, Any]:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
     model = AlignedModel()
-    shard_blocks_then_root(model, impl, mesh=mesh)
+    shard_blocks(model, impl, mesh=mesh)
     hooks = []
     for unit in model.modules():
         if isinstance(unit, TorchFSDPModule):

@@ -17,10 +17,10 @@ from mfsdp_hooks import (
     MixedPrecisionPolicy,
     ShardingOptions,
     attach_optimizer,
-    fully_shard,
 )
 from mfsdp_hooks.optim.contiguous_step import CONTIGUOUS_STEP_OPTIMIZERS, ContiguousStepper
 from mfsdp_hooks.runtime.elementwise_optimizers import TORCH_ELEMENTWISE
+from mfsdp_hooks.testing.parity import shard_blocks
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
@@ -55,7 +55,7 @@ def _assert_same(
                 assert other.shape == value.shape, f"{where}: {key} of {index} global shape"
 
 
-def _parity_worker(rank: int, world: int, strategy: int) -> None:
+def _same_steps_worker(rank: int, world: int, strategy: int) -> None:
     batches = make_batches(6, 8)
     chunk = 13  # cuts chunks inside parameters, and makes runs of several chunks
     for name, build in OPTIMIZERS.items():
@@ -114,7 +114,7 @@ def _parity_worker(rank: int, world: int, strategy: int) -> None:
 
 @pytest.mark.parametrize("strategy", [0, 1, 3])
 def test_contiguous_step_is_bit_identical_to_per_parameter_step(strategy: int) -> None:
-    run_distributed(_parity_worker, 2, strategy, timeout=240)
+    run_distributed(_same_steps_worker, 2, strategy, timeout=240)
 
 
 def _bf16_worker(rank: int, world: int) -> None:
@@ -123,9 +123,7 @@ def _bf16_worker(rank: int, world: int) -> None:
     models = []
     for _ in range(2):
         model = make_model()
-        for block in model.blocks:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+        shard_blocks(model, mp_policy=policy)
         models.append(model)
     per_param = attach_optimizer(OPTIMIZERS["adamw"](trainable(models[0])), contiguous_step=False)
     contiguous = attach_optimizer(OPTIMIZERS["adamw"](trainable(models[1])), step_chunk_numel=29)

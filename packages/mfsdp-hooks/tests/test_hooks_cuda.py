@@ -7,57 +7,53 @@ same model on the same device without FSDP, step for step.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
-from hooks_models import (
-    Block,
-    assert_close_rel,
-    full_state,
-    loss_fn,
-    make_batches,
-    make_model,
-    make_optimizer,
-    trainable,
-)
+from hooks_models import Block, full_state, make_batches, make_model, make_optimizer
+from torch import nn
 
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, fsdp_units
+from mfsdp_hooks.testing.parity import ParityCase, check_parity, inner
 
 pytestmark = pytest.mark.cuda
 
-STEPS = 10
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _cuda_model() -> nn.Module:
+    return make_model().to(_device())
+
+
+def _cuda_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(t.to(_device()), y.to(_device())) for t, y in make_batches(n, 8)]
+
+
+def _root_wrapper(model: nn.Module, strategy: int) -> nn.Module:
+    options = ShardingOptions(zero_dp_strategy=strategy, sync_model_each_microbatch=False)
+    return FSDPRootWrapper(model, fsdp_unit_modules=[Block], options=options)
 
 
 def _cuda_parity_worker(rank: int, world: int, strategy: int) -> dict[str, float]:
-    device = torch.device("cuda", torch.cuda.current_device())
-    batches = [(t.to(device), y.to(device)) for t, y in make_batches(STEPS, 8)]
-    reference = make_model().to(device)
-    ref_opt = make_optimizer("adamw", trainable(reference))
-    model = FSDPRootWrapper(
-        make_model().to(device),
-        fsdp_unit_modules=[Block],
-        options=ShardingOptions(zero_dp_strategy=strategy, sync_model_each_microbatch=False),
+    case = ParityCase(
+        f"cuda strategy {strategy}",
+        partial(_root_wrapper, strategy=strategy),
+        model=_cuda_model,
+        optimizer=partial(make_optimizer, "adamw"),
+        batches=_cuda_batches,
+        weights=full_state,
     )
-    root = fsdp_units(model.module)[0]
-    optimizer = make_optimizer("adamw", trainable(model))
-    torch.cuda.reset_peak_memory_stats(device)
-    for step, (tokens, targets) in enumerate(batches):
-        want = loss_fn(reference(tokens), targets)
-        want.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        got = loss_fn(model(tokens), targets)
-        got.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        assert_close_rel(got.detach(), want.detach(), 1e-5, f"strategy {strategy} step {step}")
+    torch.cuda.reset_peak_memory_stats(_device())
+    model = check_parity(rank, world, case)
+    root = fsdp_units(inner(model))[0]
     assert root.root is not None and root.root.streams.active, "side streams were not used"
-    state = full_state(model.module)
-    for name, value in reference.state_dict().items():
-        assert_close_rel(state[name], value, 1e-5, f"strategy {strategy} {name}")
-    torch.cuda.synchronize(device)
-    return {"peak_mib": torch.cuda.max_memory_allocated(device) / 2**20}
+    torch.cuda.synchronize(_device())
+    return {"peak_mib": torch.cuda.max_memory_allocated(_device()) / 2**20}
 
 
 @pytest.mark.parametrize("strategy", [0, 1, 2, 3])

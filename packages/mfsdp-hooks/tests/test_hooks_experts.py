@@ -8,23 +8,24 @@ expert on the global batch, at ZeRO-1/2/3 and with gradient accumulation.
 
 from __future__ import annotations
 
-import pytest
-import torch
+from functools import partial
+
 import torch.distributed as dist
-from hooks_models import assert_close_rel
+from hooks_models import full_state
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp_collectives import CommTracer, FSDPTopology
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import ExpertSharding, fsdp_units, fully_shard
-from mfsdp_hooks.testing.moe import MOE_OUT, MOE_WIDTH, MoEBlock, moe_model
+from mfsdp_hooks.testing.moe import expert_weights, moe_batches, moe_model
+from mfsdp_hooks.testing.parity import ParityCase, run_parity
 
-STEPS = 10
 
-
-def _wrapped(world: int, strategy: int, ep: int = 2) -> tuple[nn.Module, object]:
-    """The EP model, each block one FSDP unit: dense over every rank, experts over EDP."""
+def _expert_parallel(_: object, strategy: int, ep: int = 2) -> nn.Module:
+    """The EP model, each block one FSDP unit: dense over every rank, experts over EDP
+    (built here: each EP rank keeps only its experts)."""
+    world = dist.get_world_size()
     ep_mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("edp", "ep"))
     dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     experts = ExpertSharding(
@@ -33,85 +34,37 @@ def _wrapped(world: int, strategy: int, ep: int = 2) -> tuple[nn.Module, object]
     model = moe_model(ep_mesh["ep"].get_group())
     for block in model.blocks:
         fully_shard(block, mesh=dp_mesh, sharding_strategy=strategy, experts=experts)
-    fully_shard(model, mesh=dp_mesh, sharding_strategy=strategy)
-    return model, ep_mesh
+    return fully_shard(model, mesh=dp_mesh, sharding_strategy=strategy)
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    return torch.randn(16, MOE_WIDTH, generator=gen), torch.randn(16, MOE_OUT, generator=gen)
+def _ep_case(strategy: int, accumulate: bool, ep: int = 2) -> ParityCase:
+    """The MoE model with its experts split over ``ep`` ranks; ``accumulate``: two
+    micro-batches a step, the first under ``no_sync``."""
+    return ParityCase(
+        f"EP={ep} strategy={strategy} accumulate={accumulate}",
+        partial(_expert_parallel, strategy=strategy, ep=ep),
+        model=partial(moe_model, None),
+        batches=moe_batches,
+        loss=nn.functional.mse_loss,
+        micro=2 if accumulate else 1,
+        weights=partial(expert_weights, read=full_state),
+    )
 
 
-def _parity_worker(
-    rank: int, world: int, strategy: int, accumulate: bool, ep: int = 2
-) -> list[float]:
-    model, _ = _wrapped(world, strategy, ep)
-    reference = moe_model(None)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    errors = []
-    for step in range(STEPS):
-        x, y = _batch(step)
-        want = nn.functional.mse_loss(reference(x), y)
-        want.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        micro = 2 if accumulate else 1
-        total = torch.zeros(())
-        parts = zip(
-            x.chunk(world)[rank].chunk(micro), y.chunk(world)[rank].chunk(micro), strict=True
-        )
-        for index, (mx, my) in enumerate(parts):
-            loss = nn.functional.mse_loss(model(mx), my) / micro
-            if index < micro - 1:
-                with model.no_sync():  # type: ignore[operator]
-                    loss.backward()
-            else:
-                loss.backward()
-            total += loss.detach()
-        optimizer.step()
-        optimizer.zero_grad()
-        dist.all_reduce(total)
-        errors.append(abs(total.item() / world - want.item()) / abs(want.item()))
-    _check_weights(model, reference)
-    return errors
-
-
-def _check_weights(model: nn.Module, reference: nn.Module) -> None:
-    """Every parameter equals the reference's; an expert is compared with its own index."""
-    units = fsdp_units(model)
-    for unit in units:
-        unit.unshard()
-    want = reference.state_dict()
-    for name, value in model.state_dict().items():
-        parts = name.split(".")
-        if "experts" in parts:  # blocks.B.experts.K.* holds global expert first_expert + K
-            block = model.blocks[int(parts[1])]  # type: ignore[index]
-            assert isinstance(block, MoEBlock)
-            parts[3] = str(block.first_expert + int(parts[3]))
-        assert_close_rel(value, want[".".join(parts)], 1e-5, name)
-    for unit in units:
-        unit.reshard()
-
-
-@pytest.mark.parametrize(
-    ("strategy", "accumulate"), [(3, False), (2, False), (1, False), (3, True)]
-)
-def test_fsdp_x_ep_trains_as_one_process(strategy: int, accumulate: bool) -> None:
-    for errors in run_distributed(_parity_worker, 4, strategy, accumulate, timeout=240):
-        assert max(errors) <= 1e-5, errors
+def test_fsdp_x_ep_trains_as_one_process() -> None:
+    cases = [_ep_case(3, False), _ep_case(2, False), _ep_case(1, False), _ep_case(3, True)]
+    run_parity(4, cases)
 
 
 def test_an_expert_data_parallel_group_of_one_reduces_each_gradient_once() -> None:
     # EP=4: every rank holds one expert alone (EDP of size 1). With accumulation no
     # micro-batch's expert gradient may be counted twice (NVIDIA/Megatron-LM#6660).
-    for errors in run_distributed(_parity_worker, 4, 3, True, 4, timeout=240):
-        assert max(errors) <= 1e-5, errors
+    run_parity(4, [_ep_case(3, True, ep=4)])
 
 
 def _groups_worker(rank: int, world: int) -> tuple[dict[str, dict[str, int]], list[int], list[int]]:
-    model, _ = _wrapped(world, 3)
-    x, y = _batch(0)
+    model = _expert_parallel(None, 3)
+    x, y = moe_batches(1)[0]
     for _ in range(2):  # the first records the prefetch order
         with CommTracer() as tracer:
             nn.functional.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()

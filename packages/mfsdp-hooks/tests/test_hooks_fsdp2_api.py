@@ -19,7 +19,7 @@ from hooks_models import (
     loss_fn,
     make_batches,
     make_model,
-    shard_blocks_then_root,
+    shard_blocks,
     train_data_parallel,
 )
 from torch import nn
@@ -39,7 +39,7 @@ def _assert_same_losses(ours: list[float], theirs: list[float]) -> None:
 def _ignored_worker(rank: int, world: int, impl: str) -> dict[str, Any]:
     model = make_model()
     ignored = {model.blocks[0].fc1.weight, model.blocks[1].norm.bias}  # type: ignore[index]
-    shard_blocks_then_root(model, impl, ignored_params=ignored)
+    shard_blocks(model, impl, ignored_params=ignored)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     losses = train_data_parallel(model, optimizer, make_batches(STEPS), rank, world)
     state = model.state_dict()
@@ -68,7 +68,7 @@ def _policy_worker(rank: int, world: int, impl: str) -> list[float]:
     from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy
 
     model = make_model()
-    shard_blocks_then_root(model, impl, mp_policy=FSDP2Policy(param_dtype=torch.bfloat16))
+    shard_blocks(model, impl, mp_policy=FSDP2Policy(param_dtype=torch.bfloat16))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     tokens, _ = make_batches(1)[0]
     assert model(local_slice(tokens, rank, world))[0].dtype == torch.bfloat16  # the policy's
@@ -171,7 +171,7 @@ def _setter_worker(rank: int, world: int, impl: str, setter: str) -> dict[str, A
     (so the second needs no all-gather), the second with both.
     """
     model: Any = make_model()
-    shard_blocks_then_root(model, impl)
+    shard_blocks(model, impl)
     if setter == "reshard_root":
         model.set_reshard_after_forward(True)
     micro = 2 if setter == "keep_after_backward" else 1
@@ -219,7 +219,7 @@ def _divide_factor_worker(rank: int, world: int) -> list[float]:
     from hooks_models import train_single_process, trainable
 
     model: Any = make_model()
-    shard_blocks_then_root(model, "ours")
+    shard_blocks(model, "ours")
     for unit in [*model.blocks, model]:
         unit.set_gradient_divide_factor(1.0)  # a sum over the ranks, not their mean
     optimizer = torch.optim.SGD(trainable(model), lr=5e-2, momentum=0.9)
@@ -252,7 +252,7 @@ def _offload_worker(rank: int, world: int, impl: str) -> dict[str, Any]:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     model = make_model()
-    shard_blocks_then_root(model, impl, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    shard_blocks(model, impl, offload_policy=CPUOffloadPolicy(pin_memory=False))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     batches = make_batches(STEPS)
     losses = train_data_parallel(model, optimizer, batches[:-1], rank, world)
@@ -360,7 +360,7 @@ def _placement_worker(rank: int, world: int, impl: str) -> dict[str, Any]:
     from torch.distributed.tensor import Shard
 
     model = make_model()
-    shard_blocks_then_root(
+    shard_blocks(
         model, impl, shard_placement_fn=lambda param: Shard(0) if param.dim() > 1 else None
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
@@ -406,7 +406,7 @@ def _all_reduce_later_worker(rank: int, world: int, impl: str) -> dict[str, Any]
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
     model: Any = make_model()
-    shard_blocks_then_root(model, impl, mesh=mesh)
+    shard_blocks(model, impl, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     losses, outer_calls = [], []
     for tokens, targets in make_batches(STEPS, global_batch=16):

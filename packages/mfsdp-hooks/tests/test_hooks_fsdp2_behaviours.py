@@ -20,7 +20,7 @@ from hooks_models import (
     loss_fn,
     make_batches,
     make_model,
-    shard_blocks_then_root,
+    shard_blocks,
     train_data_parallel,
 )
 from torch import nn
@@ -37,7 +37,7 @@ STEPS = 5
 def _unnamed_mesh_worker(rank: int, world: int, impl: str) -> list[float]:
     mesh = init_device_mesh("cpu", (world,))  # no mesh_dim_names
     model = make_model()
-    shard_blocks_then_root(model, impl, mesh=mesh)
+    shard_blocks(model, impl, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     return train_data_parallel(model, optimizer, make_batches(STEPS), rank, world, global_mean=True)
 
@@ -72,7 +72,7 @@ def _reset_worker(rank: int, world: int, impl: str) -> list[float]:
     model = make_model()
     fails = _Fails()
     model.blocks[1].register_forward_pre_hook(lambda m, args: (fails(args[0]),))
-    shard_blocks_then_root(model, impl)
+    shard_blocks(model, impl)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     batches = make_batches(STEPS)
     losses = train_data_parallel(model, optimizer, batches[:2], rank, world, global_mean=True)
@@ -95,7 +95,7 @@ def test_reset_iter_state_after_an_exception_in_forward() -> None:
 
 def _recurse_worker(rank: int, world: int) -> list[bool]:
     model = make_model()
-    shard_blocks_then_root(model, "ours")
+    shard_blocks(model, "ours")
     model.set_requires_gradient_sync(False, recurse=False)  # type: ignore[operator]
     alone = [b.requires_gradient_sync for b in model.blocks]  # type: ignore[union-attr]
     root_alone = model.requires_gradient_sync  # type: ignore[operator]
@@ -189,7 +189,7 @@ def _one_block_unsynced_worker(
         names = ("dp_outer", "dp_shard")
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
     model = make_model()
-    shard_blocks_then_root(model, impl, mesh=mesh)
+    shard_blocks(model, impl, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     batches = make_batches(2 * STEPS)
     losses: list[float] = []
@@ -246,7 +246,7 @@ def test_a_sync_flag_off_on_one_non_root_block_skips_its_reduction_as_fsdp2(
 
 def _root_level_setters_worker(rank: int, world: int) -> None:
     model = make_model()
-    shard_blocks_then_root(model, "ours")
+    shard_blocks(model, "ours")
     tokens, targets = make_batches(1)[0]
     loss_fn(model(tokens), targets).backward()  # builds the root
     model.set_is_last_backward(True)  # type: ignore[operator]

@@ -24,18 +24,17 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import RowShardedDTensor, fully_shard
+from mfsdp_hooks import RowShardedDTensor
 from mfsdp_hooks.dtensor import load_rows
 from mfsdp_hooks.testing import plain_dcp
+from mfsdp_hooks.testing.parity import shard_blocks
 
 SAVE_AT, MORE = plain_dcp.SAVE_AT, 2
 
 
 def _wrap(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = plain_dcp._model(seed)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 

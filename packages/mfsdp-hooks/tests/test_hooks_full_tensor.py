@@ -30,10 +30,10 @@ from mfsdp_hooks import (
     RowShardedDTensor,
     ShardingOptions,
     TorchChunkRowsDTensor,
-    fully_shard,
     row_sharded,
 )
 from mfsdp_hooks.dtensor.dtensor_views import sharded_dtensor
+from mfsdp_hooks.testing.parity import shard_blocks
 from mfsdp_hooks.testing.tp import TP_OUT, TP_WIDTH, full_value, tp_model
 
 
@@ -94,9 +94,7 @@ def _fsdp_worker(rank: int, world: int, strategy: int, hfsdp: bool) -> int:
         model: nn.Module = FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options)
     else:
         model = make_model()
-        for block in model.blocks:  # type: ignore[union-attr]
-            fully_shard(block, sharding_strategy=strategy)
-        fully_shard(model, sharding_strategy=strategy)
+        shard_blocks(model, sharding_strategy=strategy)
     _train_once(model, reference, rank, world)
     return _check_gathers(model, reference, f"strategy {strategy} hfsdp={hfsdp}")
 
@@ -116,9 +114,7 @@ def _tp_worker(rank: int, world: int) -> int:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     reference = tp_model("mlp", None)
     model = tp_model("mlp", mesh["tp"])
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh["dp_shard"])
-    fully_shard(model, mesh=mesh["dp_shard"])
+    shard_blocks(model, mesh=mesh["dp_shard"])
     gen = torch.Generator().manual_seed(3)
     x, y = torch.randn(8, 4, TP_WIDTH, generator=gen), torch.randn(8, 4, TP_OUT, generator=gen)
     nn.functional.mse_loss(reference(x), y).backward()
@@ -192,9 +188,7 @@ def test_row_sharded_drops_its_python_layer_where_the_rows_are_torch_chunks() ->
 
 def _sgd_state_worker(rank: int, world: int) -> None:
     reference, model = make_model(), make_model()
-    for block in model.blocks:  # type: ignore[union-attr]
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks(model)
     tokens, targets = make_batches(1, 12)[0]
     optimizers = []
     for net, share in ((model, (rank, world)), (reference, (0, 1))):

@@ -17,7 +17,7 @@ from hooks_models import (
 from torch.distributed.tensor import DTensor
 
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import fully_shard
+from mfsdp_hooks.testing.parity import shard_blocks
 
 MAX_NORM = 0.05
 
@@ -27,9 +27,7 @@ def _clipping_worker(rank: int, world: int, strategy: int) -> list[float]:
     reference = make_model()
     ref_opt = make_optimizer("adamw", trainable(reference))
     model = make_model()
-    for block in model.blocks:
-        fully_shard(block, sharding_strategy=strategy)
-    fully_shard(model, sharding_strategy=strategy)
+    shard_blocks(model, sharding_strategy=strategy)
     optimizer = make_optimizer("adamw", trainable(model))
     norms = []
     for tokens, targets in batches:

@@ -10,6 +10,8 @@ rank's optimizer state is a 1/(outer x shard) sub-shard of the model.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,6 +27,7 @@ from hooks_models import (
     make_optimizer,
     trainable,
 )
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp_collectives import CommTracer, FSDPTopology
@@ -36,71 +39,56 @@ from mfsdp_hooks import (
     attach_optimizer,
     fsdp_units,
 )
+from mfsdp_hooks.testing.parity import ParityCase, run_parity
 
 STEPS = 10
 GLOBAL_BATCH = 8
 MICRO = 2
 
 
-def _parity_worker(
-    rank: int, world: int, outer: int, accumulate: str, sync_each: bool, transport: str = "auto"
-) -> None:
-    """``accumulate``: "" (one micro-batch per step), "no_sync" (all but the last micro-batch
-    under no_sync) or "finish" (all under no_sync, then finish_grad_sync). ``transport``:
-    both levels on shared memory ("auto", on one host) or on gloo."""
-    micro = MICRO if accumulate else 1
-    batches = make_batches(STEPS * micro, GLOBAL_BATCH)
-    reference = make_model()
-    ref_opt = make_optimizer("adamw", trainable(reference))
-    model = FSDPRootWrapper(
-        make_model(),
+def _hfsdp(model: nn.Module, outer: int, sync_each: bool, transport: str) -> nn.Module:
+    """``transport``: both levels on shared memory ("auto", on one host) or on gloo."""
+    wrapped = FSDPRootWrapper(
+        model,
         fsdp_unit_modules=[Block],
         options=ShardingOptions(
-            device_mesh=hfsdp_topology(outer, world // outer),
+            device_mesh=hfsdp_topology(outer, dist.get_world_size() // outer),
             sync_model_each_microbatch=sync_each,
             host_transport=transport,
         ),
     )
-    topology = fsdp_units(model.module)[0].options.topology
+    topology = fsdp_units(model)[0].options.topology
     assert (topology.outer_transport is not None) == (transport == "auto")
-    optimizer = attach_optimizer(make_optimizer("adamw", trainable(model)))
-    for step in range(STEPS):
-        for index in range(micro):
-            tokens, targets = batches[step * micro + index]
-            (loss_fn(reference(tokens), targets) / micro).backward()
-            local = local_slice(tokens, rank, world), local_slice(targets, rank, world)
-            loss = loss_fn(model(local[0]), local[1]) / micro
-            if accumulate == "finish" or (accumulate and index < micro - 1):
-                with model.no_sync():
-                    loss.backward()
-            else:
-                loss.backward()
-        if accumulate == "finish":
-            model.finish_grad_sync()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        optimizer.step()
-        optimizer.zero_grad()
-    state = full_state(model.module)
-    label = f"HFSDP {outer}x{world // outer} accumulate={accumulate} sync_each={sync_each}"
-    for name, value in reference.state_dict().items():
-        assert_close_rel(state[name], value, 1e-5, f"{label} {name}")
+    return wrapped
 
 
-@pytest.mark.parametrize("outer", [2, 4, 1])
-def test_hfsdp_trains_as_one_process_on_2x2_and_the_edge_meshes(outer: int) -> None:
-    run_distributed(_parity_worker, 4, outer, "", False, timeout=240)
+def _hfsdp_case(
+    outer: int, accumulate: str = "", sync_each: bool = False, transport: str = "auto"
+) -> ParityCase:
+    """``accumulate``: "" (one micro-batch per step), "no_sync" (all but the last micro-batch
+    under no_sync) or "finish" (all under no_sync, then finish_grad_sync)."""
+    micro = MICRO if accumulate else 1
+    return ParityCase(
+        f"HFSDP {outer}x(world/{outer}) accumulate={accumulate} sync_each={sync_each} {transport}",
+        partial(_hfsdp, outer=outer, sync_each=sync_each, transport=transport),
+        optimizer=partial(make_optimizer, "adamw"),
+        sharded_optimizer=attach_optimizer,
+        batches=partial(make_batches, global_batch=GLOBAL_BATCH * micro),
+        micro=micro,
+        finish=accumulate == "finish",
+        weights=full_state,
+    )
 
 
-def test_hfsdp_trains_as_one_process_with_both_levels_on_gloo() -> None:
-    run_distributed(_parity_worker, 4, 2, "", False, "gloo", timeout=240)
+def test_hfsdp_trains_as_one_process_on_2x2_and_the_edge_meshes_and_on_gloo() -> None:
+    run_parity(
+        4, [_hfsdp_case(2), _hfsdp_case(4), _hfsdp_case(1), _hfsdp_case(2, transport="gloo")]
+    )
 
 
-@pytest.mark.parametrize(
-    ("mode", "sync_each"), [("no_sync", False), ("finish", False), ("no_sync", True)]
-)
-def test_hfsdp_trains_as_one_process_with_gradient_accumulation(mode: str, sync_each: bool) -> None:
-    run_distributed(_parity_worker, 4, 2, mode, sync_each, timeout=240)
+def test_hfsdp_trains_as_one_process_with_gradient_accumulation() -> None:
+    cases = [_hfsdp_case(2, "no_sync"), _hfsdp_case(2, "finish"), _hfsdp_case(2, "no_sync", True)]
+    run_parity(4, cases)
 
 
 def _cycle_comm_worker(

@@ -7,26 +7,29 @@ its shard all-reduced across the replicas exactly once, which the comm tracer co
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
-import torch
+import torch.distributed as dist
 from hooks_models import (
     Block,
-    assert_close_rel,
     full_state,
     local_slice,
     loss_fn,
     make_batches,
     make_model,
     make_optimizer,
+    shard_blocks,
     trainable,
 )
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, fsdp_units, fully_shard
+from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, fsdp_units
+from mfsdp_hooks.testing.parity import ParityCase, run_parity
 
-STEPS = 10
 GLOBAL_BATCH = 8
 MICRO = 2
 
@@ -35,76 +38,49 @@ def _mesh(outer: int, shard: int):  # type: ignore[no-untyped-def]
     return init_device_mesh("cpu", (outer, shard), mesh_dim_names=("dp_outer", "dp_shard"))
 
 
-def _hsdp_parity_worker(
-    rank: int, world: int, outer: int, strategy: int, api: str, accumulate: str
-) -> None:
-    """``accumulate``: "" (one micro-batch per step), "no_sync" (all but the last micro-batch
-    under no_sync) or "finish" (all under no_sync, then finish_grad_sync)."""
-    micro = MICRO if accumulate else 1
-    batches = make_batches(STEPS * micro, GLOBAL_BATCH)
-    reference = make_model()
-    ref_opt = make_optimizer("adamw", trainable(reference))
-    mesh = _mesh(outer, world // outer)
+def _hsdp(model: nn.Module, outer: int, strategy: int, api: str) -> nn.Module:
+    mesh = _mesh(outer, dist.get_world_size() // outer)
     if api == "per_module":
-        model = make_model()
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, sharding_strategy=strategy)
-        wrapped: torch.nn.Module = fully_shard(model, mesh=mesh, sharding_strategy=strategy)
-    else:
-        options = ShardingOptions(
-            zero_dp_strategy=strategy, device_mesh=mesh, sync_model_each_microbatch=False
-        )
-        wrapped = FSDPRootWrapper(make_model(), fsdp_unit_modules=[Block], options=options)
-    optimizer = make_optimizer("adamw", trainable(wrapped))
-    for step in range(STEPS):
-        for index in range(micro):
-            tokens, targets = batches[step * micro + index]
-            (loss_fn(reference(tokens), targets) / micro).backward()
-            local = local_slice(tokens, rank, world), local_slice(targets, rank, world)
-            loss = loss_fn(wrapped(local[0]), local[1]) / micro
-            if accumulate == "finish" or (accumulate and index < micro - 1):
-                with wrapped.no_sync():  # type: ignore[operator]
-                    loss.backward()
-            else:
-                loss.backward()
-        if accumulate == "finish":
-            wrapped.finish_grad_sync()  # type: ignore[operator]
-        ref_opt.step()
-        ref_opt.zero_grad()
-        optimizer.step()
-        optimizer.zero_grad()
-    state = full_state(wrapped.module if isinstance(wrapped, FSDPRootWrapper) else wrapped)
-    label = f"{outer}x{world // outer} strategy={strategy} {api} accumulate={accumulate}"
-    for name, value in reference.state_dict().items():
-        assert_close_rel(state[name], value, 1e-5, f"{label} {name}")
+        return shard_blocks(model, mesh=mesh, sharding_strategy=strategy)
+    options = ShardingOptions(
+        zero_dp_strategy=strategy, device_mesh=mesh, sync_model_each_microbatch=False
+    )
+    return FSDPRootWrapper(model, fsdp_unit_modules=[Block], options=options)
 
 
-@pytest.mark.parametrize("strategy", [0, 1, 2, 3])
-def test_hsdp_parity_on_a_2x2_mesh(strategy: int) -> None:
-    run_distributed(_hsdp_parity_worker, 4, 2, strategy, "megatron", "", timeout=240)
+def hsdp_case(outer: int, strategy: int, api: str = "megatron", accumulate: str = "") -> ParityCase:
+    """HSDP on an ``(outer, world / outer)`` mesh. ``accumulate``: "" (one micro-batch per
+    step), "no_sync" (all but the last micro-batch under no_sync) or "finish" (all under
+    no_sync, then finish_grad_sync)."""
+    micro = MICRO if accumulate else 1
+    return ParityCase(
+        f"{outer}x(world/{outer}) strategy={strategy} {api} accumulate={accumulate}",
+        partial(_hsdp, outer=outer, strategy=strategy, api=api),
+        optimizer=partial(make_optimizer, "adamw"),
+        batches=partial(make_batches, global_batch=GLOBAL_BATCH * micro),
+        micro=micro,
+        finish=accumulate == "finish",
+        weights=full_state,
+    )
 
 
-@pytest.mark.parametrize("outer", [4, 1])
-def test_hsdp_parity_on_the_edge_meshes(outer: int) -> None:
-    run_distributed(_hsdp_parity_worker, 4, outer, 3, "megatron", "", timeout=240)
+def test_hsdp_parity_on_a_2x2_mesh() -> None:
+    run_parity(4, [hsdp_case(2, strategy) for strategy in range(4)])
 
 
-def test_hsdp_parity_with_the_per_module_api_on_a_2d_mesh() -> None:
-    run_distributed(_hsdp_parity_worker, 4, 2, 3, "per_module", "", timeout=240)
+def test_hsdp_parity_on_the_edge_meshes_and_with_the_per_module_api() -> None:
+    run_parity(4, [hsdp_case(4, 3), hsdp_case(1, 3), hsdp_case(2, 3, "per_module")])
 
 
-@pytest.mark.parametrize(
-    ("strategy", "api", "mode"),
-    [
-        (1, "megatron", "no_sync"),
-        (3, "megatron", "no_sync"),
-        (2, "megatron", "finish"),
-        (3, "megatron", "finish"),
-        (3, "per_module", "no_sync"),  # fully_shard syncs every micro-batch by default
-    ],
-)
-def test_hsdp_parity_with_gradient_accumulation(strategy: int, api: str, mode: str) -> None:
-    run_distributed(_hsdp_parity_worker, 4, 2, strategy, api, mode, timeout=240)
+def test_hsdp_parity_with_gradient_accumulation() -> None:
+    cases = [
+        hsdp_case(2, 1, "megatron", "no_sync"),
+        hsdp_case(2, 3, "megatron", "no_sync"),
+        hsdp_case(2, 2, "megatron", "finish"),
+        hsdp_case(2, 3, "megatron", "finish"),
+        hsdp_case(2, 3, "per_module", "no_sync"),  # fully_shard syncs every micro-batch by default
+    ]
+    run_parity(4, cases)
 
 
 def _outer_once_per_cycle_worker(rank: int, world: int, mode: str) -> list[tuple[int, ...]]:

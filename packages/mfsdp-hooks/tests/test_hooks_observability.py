@@ -18,8 +18,9 @@ from torch import nn
 
 from mfsdp_collectives import RankMismatchError
 from mfsdp_collectives.testing import run_distributed, run_distributed_outcomes
-from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, fsdp_units, fully_shard
+from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, fsdp_units
 from mfsdp_hooks.runtime.unit import unit_of
+from mfsdp_hooks.testing.parity import shard_blocks
 
 BLOCK_NUMEL = 262  # LayerNorm(15) + Linear(15, 7) + Linear(7, 15)
 EVENTS = ["pre_forward", "post_forward", "pre_backward", "post_backward"]
@@ -45,9 +46,7 @@ def _capture(level: int) -> _Records:
 # ----------------------------------------------------------------- repr
 def _reprs(rank: int, world: int, strategy: int) -> dict[str, Any]:
     model = make_model()
-    for block in model.blocks:
-        fully_shard(block, sharding_strategy=strategy)
-    fully_shard(model, sharding_strategy=strategy)
+    shard_blocks(model, sharding_strategy=strategy)
     before = repr(unit_of(model.blocks[0]))
     optimizer = torch.optim.AdamW(trainable(model), lr=1e-2)
     train_data_parallel(model, optimizer, make_batches(1), rank, world)

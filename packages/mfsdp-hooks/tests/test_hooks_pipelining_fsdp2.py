@@ -26,6 +26,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 import mfsdp_hooks
 from mfsdp_collectives import C10dTracer, CommLog, CommTracer
 from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks.testing.parity import shard_blocks
 
 PP = DP = 2
 VOCAB = WIDTH = 16
@@ -73,19 +74,13 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def _sharded_stage(impl: str, index: int, mesh: Any) -> tuple[nn.Module, type[Any]]:
     stage = EvenStage(index)
     if impl == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in stage.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(stage, mesh=mesh)
+        shard_blocks(stage, "fsdp2", mesh=mesh)
         return stage, TorchPipelineStage
     if impl == "root_wrapper":  # what the seed API's fully_shard_model builds
         options = mfsdp_hooks.ShardingOptions(device_mesh=mesh)
         wrapped = mfsdp_hooks.FSDPRootWrapper(stage, fsdp_unit_modules=[EvenBlock], options=options)
         return wrapped, mfsdp_hooks.PipelineStage
-    for block in stage.blocks:
-        mfsdp_hooks.fully_shard(block, mesh=mesh)
-    mfsdp_hooks.fully_shard(stage, mesh=mesh)
+    shard_blocks(stage, mesh=mesh)
     return stage, mfsdp_hooks.PipelineStage
 
 

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import MixedPrecisionPolicy, fully_shard
+from mfsdp_hooks import MixedPrecisionPolicy
+from mfsdp_hooks.testing.parity import shard_blocks
 from mfsdp_hooks.testing.plain_dcp import DCPModel, check_plain_dcp_resume
 
 
@@ -29,9 +30,7 @@ def _per_module(
     def wrap(model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         assert isinstance(model, DCPModel)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mixed else None
-        for block in model.blocks:
-            fully_shard(block, sharding_strategy=strategy, mp_policy=policy)
-        fully_shard(model, sharding_strategy=strategy, mp_policy=policy)
+        shard_blocks(model, sharding_strategy=strategy, mp_policy=policy)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
     return wrap

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from hooks_models import AlignedModel, shard_blocks_then_root, train_aligned
+from hooks_models import AlignedModel, shard_blocks, train_aligned
 from torch import nn
 
 from mfsdp_collectives import (
@@ -36,7 +36,7 @@ def _train(rank: int, world: int, mode: str | None, poison: bool = False) -> dic
     """``mode``: None (full precision), "inline" (quantized on the training thread) or
     "background" (the reduce-scatters on the comm's worker thread)."""
     model = AlignedModel()
-    shard_blocks_then_root(model, "ours", host_transport="gloo")
+    shard_blocks(model, "ours", host_transport="gloo")
     if mode and poison:  # the one-call opt-in
         quantize_communication(model, gradients=SPEC, weights=SPEC)
     elif mode:  # the per-unit hooks it sets
@@ -99,7 +99,7 @@ def test_quantize_communication_refuses_an_unwrapped_model_and_a_bad_setting() -
 
 def _logged(rank: int, world: int, bits: int) -> dict[str, Any]:
     model = AlignedModel()
-    shard_blocks_then_root(model, "ours", host_transport="gloo")
+    shard_blocks(model, "ours", host_transport="gloo")
     logger = logging.getLogger(f"test.quantization.{bits}")
     lines: list[str] = []
     handler = _Collect(lines)
@@ -173,7 +173,7 @@ class _NormModel(nn.Module):
 
 def _gradients(rank: int, world: int, quantized: bool) -> dict[str, list[float]]:
     model = _NormModel()
-    shard_blocks_then_root(model, "ours", host_transport="gloo")
+    shard_blocks(model, "ours", host_transport="gloo")
     if quantized:  # the gradients only: the forward and the local gradients stay exact
         quantize_communication(model, gradients=BlockQuantization(block=256))
     generator = torch.Generator().manual_seed(rank)
@@ -199,7 +199,7 @@ def test_one_dimensional_parameters_travel_exactly() -> None:
 
 def _poisoned_weight(rank: int, world: int) -> dict[str, str]:
     model = AlignedModel()
-    shard_blocks_then_root(model, "ours", host_transport="gloo")
+    shard_blocks(model, "ours", host_transport="gloo")
     quantize_communication(model, gradients=None, weights=SPEC)
     poisoned = ""
     for name, param in model.blocks[1].named_parameters():  # type: ignore[index]
@@ -248,7 +248,7 @@ class _OddModel(nn.Module):
 
 def _odd_training(rank: int, world: int, bits: int | None) -> list[float]:
     model = _OddModel()
-    shard_blocks_then_root(model, "ours", host_transport="gloo")
+    shard_blocks(model, "ours", host_transport="gloo")
     if bits is not None:
         spec = BlockQuantization(bits=bits, block=100)
         quantize_communication(model, gradients=spec, weights=spec)
@@ -307,7 +307,7 @@ def _switched_off(rank: int, world: int) -> dict[str, Any]:
     plain, switched = AlignedModel(), AlignedModel()
     users_gather = CountingAllGather()  # exact: the same values as the built-in gather
     for model in (plain, switched):
-        shard_blocks_then_root(model, "ours", host_transport="gloo")
+        shard_blocks(model, "ours", host_transport="gloo")
         model.set_custom_all_gather(users_gather)  # type: ignore[operator]
     quantize_communication(switched, gradients=SPEC)
     on = [(type(h.reduce_scatter).__name__, h.all_gather is users_gather) for h in hooks(switched)]
@@ -334,7 +334,7 @@ def _with_fsdp2_hooks(rank: int, world: int, force_sum: bool) -> dict[str, Any]:
     from mfsdp_collectives.testing.counting_comms import GradientRecorder
 
     model = AlignedModel()
-    shard_blocks_then_root(model, "ours", host_transport="gloo")
+    shard_blocks(model, "ours", host_transport="gloo")
     units = quantize_communication(model, gradients=SPEC)
     recorder = GradientRecorder()
     for unit in units:

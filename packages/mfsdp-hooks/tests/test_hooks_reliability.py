@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from mfsdp_collectives import RankMismatchError
 from mfsdp_collectives.testing import run_distributed, run_distributed_outcomes
 from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, attach_optimizer, fully_shard, locate
+from mfsdp_hooks.testing.parity import shard_blocks
 
 
 # ----------------------------------------------------------------- tensor-subclass params
@@ -163,9 +164,7 @@ def _wrapped_classes(rank: int, world: int) -> list[str]:
     import copy
 
     model = make_model()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks(model)
     classes = {type(block) for block in model.blocks}
     assert len(classes) == 1, classes  # one FSDPBlock class, not one per call
     assert type(model).__name__ == "FSDPToyModel"

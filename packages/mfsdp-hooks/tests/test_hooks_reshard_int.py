@@ -22,6 +22,7 @@ from mfsdp_buffers import LiveTensorTracker
 from mfsdp_collectives import BlockQuantization, C10dTracer, CommLog, CommTracer
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_collectives.testing.counting_comms import CountingAllGather
+from mfsdp_hooks.testing.parity import shard_blocks
 
 STEPS = 4
 WORLD = 4
@@ -31,15 +32,9 @@ def _shard(model: nn.Module, impl: str, reshard: bool | int) -> None:
     """``impl``: ``"fsdp2"``, ``"ours"`` or ``"ours_in_order"`` (no prefetch, no reduction in
     flight: every step's peak is then the same to the byte, not subject to thread timing)."""
     options: dict[str, Any] = {"reshard_after_forward": reshard}
-    if impl == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-    else:
-        from mfsdp_hooks import fully_shard  # type: ignore[assignment]
     if impl == "ours_in_order":
         options.update(overlap_param_gather=False, overlap_grad_reduce=False)
-    for block in model.blocks:  # type: ignore[union-attr]
-        fully_shard(block, **options)
-    fully_shard(model, **options)
+    shard_blocks(model, "fsdp2" if impl == "fsdp2" else "ours", **options)
 
 
 def _phase(log: CommLog) -> dict[str, dict[str, int]]:
@@ -160,7 +155,7 @@ def _variant_worker(rank: int, world: int, variant: str, reshard: bool | int) ->
     """The toy model (tied embedding, frozen layer) trained with ``reshard`` and a twist."""
     from hooks_models import local_slice, loss_fn, make_batches, make_model
 
-    from mfsdp_hooks import MixedPrecisionPolicy, fsdp_units, fully_shard
+    from mfsdp_hooks import MixedPrecisionPolicy, fsdp_units
 
     model = make_model(checkpoint="non_reentrant" if variant == "recompute" else None)
     options: dict[str, Any] = {"reshard_after_forward": reshard}
@@ -168,9 +163,7 @@ def _variant_worker(rank: int, world: int, variant: str, reshard: bool | int) ->
         options["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
-    for block in model.blocks:
-        fully_shard(block, **options)
-    fully_shard(model, **options)
+    shard_blocks(model, **options)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     groups = [g for unit in fsdp_units(model) for g in unit.groups]
     out: dict[str, Any] = {"losses": [], "backward": [], "held_after_eval": []}
@@ -232,13 +225,9 @@ def _hsdp_worker(rank: int, world: int, reshard: bool | int) -> dict[str, Any]:
     """HSDP on a (dp_outer=2, dp_shard=4) mesh: pairs inside each replica's shard group."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from mfsdp_hooks import fully_shard
-
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_outer", "dp_shard"))
     model = AlignedModel()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    shard_blocks(model, mesh=mesh, reshard_after_forward=reshard)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out: dict[str, Any] = {"losses": [], "backward": []}
     for step in range(STEPS):

@@ -8,24 +8,25 @@ and clipped norm. Ours also cuts uneven dims, and under HFSDP: at parity with on
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from hooks_models import (
-    assert_close_rel,
     hfsdp_topology,
     loss_fn,
     make_batches,
     make_model,
-    reference_training,
-    shard_blocks_then_root,
-    train_data_parallel,
+    make_optimizer,
+    shard_blocks,
 )
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks.testing.parity import ParityCase, run_parity
 
 STEPS = 10
 _FULL_ONLY = pytest.mark.skipif(
@@ -72,9 +73,7 @@ def _step(model: nn.Module, step: int, rank: int, world: int) -> torch.Tensor:
 
 def _fsdp2_worker(rank: int, world: int, impl: str) -> dict[str, Any]:
     model = _EvenModel()
-    shard_blocks_then_root(
-        model, impl, shard_placement_fn=lambda p: Shard(1) if p.dim() > 1 else None
-    )
+    shard_blocks(model, impl, shard_placement_fn=lambda p: Shard(1) if p.dim() > 1 else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
@@ -112,36 +111,25 @@ def test_shard_dim_1_trains_as_fsdp2_with_the_same_placements_grads_and_norm() -
                 )
 
 
-def _uneven_worker(rank: int, world: int, hfsdp: bool) -> dict[str, Any]:
+def _last_dim(param: torch.Tensor) -> Shard | None:
+    return Shard(-1) if param.dim() > 1 else None
+
+
+def _along_last_dims(model: nn.Module, hfsdp: bool) -> nn.Module:
     """Every 2-D parameter cut along its last dim, whatever its size."""
-    model = make_model()
-    options: dict[str, Any] = {"shard_placement_fn": lambda p: Shard(-1) if p.dim() > 1 else None}
+    options: dict[str, Any] = {"shard_placement_fn": _last_dim}
     if hfsdp:
-        options["mesh"] = hfsdp_topology(2, world // 2)
-    shard_blocks_then_root(model, "ours", **options)
-    trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.1)
-    losses = train_data_parallel(
-        model, optimizer, make_batches(STEPS), rank, world, global_mean=True
-    )
-    state = model.state_dict()
-    return {
-        "losses": losses,
-        "dims": sorted({v.placements[0].dim for v in state.values() if isinstance(v, DTensor)}),
-        "full": {
-            k: (v.full_tensor() if isinstance(v, DTensor) else v).tolist() for k, v in state.items()
-        },
-    }
+        options["mesh"] = hfsdp_topology(2, dist.get_world_size() // 2)
+    shard_blocks(model, **options)
+    state = model.state_dict().values()
+    assert sorted({v.placements[0].dim for v in state if isinstance(v, DTensor)}) == [0, 1]
+    return model
 
 
 def _assert_as_one_process(world: int, hfsdp: bool) -> None:
-    ref_losses, ref_state = reference_training("adamw", make_batches(STEPS))
-    for result in run_distributed(_uneven_worker, world, hfsdp, timeout=180):
-        assert result["dims"] == [0, 1]
-        for a, b in zip(result["losses"], ref_losses, strict=True):
-            assert abs(a - b) <= 1e-5 * abs(b), (result["losses"], ref_losses)
-        for key, expected in ref_state.items():
-            assert_close_rel(torch.tensor(result["full"][key]), expected, 1e-5, key)
+    shard = partial(_along_last_dims, hfsdp=hfsdp)
+    optimizer = partial(make_optimizer, "adamw")
+    run_parity(world, [ParityCase(f"last dims hfsdp={hfsdp}", shard, optimizer=optimizer)])
 
 
 def test_shard_along_uneven_last_dims_matches_one_process_on_4_ranks() -> None:
@@ -175,7 +163,7 @@ def _variant_worker(rank: int, world: int, variant: str, cut: bool) -> dict[str,
     if cut:
         options["shard_placement_fn"] = lambda p: Shard(1) if p.dim() > 1 else None
     model = make_model()
-    shard_blocks_then_root(model, "ours", **options)
+    shard_blocks(model, "ours", **options)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []
     for tokens, targets in make_batches(STEPS):

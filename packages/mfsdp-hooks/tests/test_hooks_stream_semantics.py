@@ -13,14 +13,15 @@ from typing import Any
 
 import pytest
 from hooks_models import Block, local_slice, loss_fn, make_batches, make_model, make_optimizer
-from test_hooks_hsdp import _hsdp_parity_worker
-from test_hooks_parity import _parity_worker
-from test_hooks_strict_async import _deep_prefetch_worker
+from test_hooks_hsdp import hsdp_case
+from test_hooks_parity import megatron_case
+from test_hooks_strict_async import deep_prefetch_case
 from test_hooks_training_modes import _accumulation_worker, _recompute_worker
 
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_collectives.testing.stream_sim import SimEvent, StreamOrderError, simulated_streams
 from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, fsdp_units
+from mfsdp_hooks.testing.parity import ParityCase, parity_worker
 
 
 def _on_simulated_streams(
@@ -37,19 +38,32 @@ def _busy_streams(ticks: list[dict[str, int]]) -> set[str]:
     return {name for per_rank in ticks for name, tick in per_rank.items() if tick > 0}
 
 
-@pytest.mark.parametrize("strategy", [0, 1, 2, 3])
-def test_parity_on_simulated_streams(strategy: int) -> None:
-    configs = [(strategy, "sgd", "megatron::gloo"), (strategy, "adamw", "megatron")]
-    ticks = run_distributed(_on_simulated_streams, 2, _parity_worker, configs, timeout=240)
-    # Gradients are reduced on the reduce-scatter stream (no_shard's all-reduce too), and
-    # weights gathered on the all-gather stream (ZeRO-1/2: after the step; no_shard has
-    # none): the paths under test really ran there.
-    expected = {"compute", "reduce_scatter"} | ({"all_gather"} if strategy else set())
-    assert expected <= _busy_streams(ticks)
+def _each_on_simulated_streams(
+    rank: int, world: int, cases: list[list[ParityCase]]
+) -> list[dict[str, int]]:
+    """Each list of cases on simulated streams of its own: what each list's streams issued."""
+    return [_on_simulated_streams(rank, world, parity_worker, each) for each in cases]
+
+
+def test_parity_on_simulated_streams() -> None:
+    # Each strategy through gloo, then on shared memory (a group goes from gloo to shared
+    # memory, never back).
+    strategies = range(4)
+    gloo = [[megatron_case(s, "sgd", transport="gloo")] for s in strategies]
+    shm = [[megatron_case(s)] for s in strategies]
+    per_rank = run_distributed(_each_on_simulated_streams, 2, gloo + shm, timeout=300)
+    for index, strategy in enumerate(strategies):
+        ticks = [each[at] for each in per_rank for at in (index, len(gloo) + index)]
+        # Gradients are reduced on the reduce-scatter stream (no_shard's all-reduce too), and
+        # weights gathered on the all-gather stream (ZeRO-1/2: after the step; no_shard has
+        # none): the paths under test really ran there.
+        expected = {"compute", "reduce_scatter"} | ({"all_gather"} if strategy else set())
+        assert expected <= _busy_streams(ticks), strategy
 
 
 def test_deep_prefetch_on_simulated_streams() -> None:
-    ticks = run_distributed(_on_simulated_streams, 2, _deep_prefetch_worker, 2, timeout=180)
+    cases = [deep_prefetch_case(2)]
+    ticks = run_distributed(_on_simulated_streams, 2, parity_worker, cases, timeout=180)
     assert {"all_gather", "reduce_scatter"} <= _busy_streams(ticks)
 
 
@@ -60,8 +74,8 @@ def test_accumulation_on_simulated_streams(strategy: int, mode: str) -> None:
 
 @pytest.mark.parametrize("mode", ["no_sync", "finish"])
 def test_hsdp_on_simulated_streams(mode: str) -> None:
-    args = (_hsdp_parity_worker, 2, 3, "megatron", mode)
-    ticks = run_distributed(_on_simulated_streams, 4, *args, timeout=240)
+    cases = [hsdp_case(2, 3, "megatron", mode)]
+    ticks = run_distributed(_on_simulated_streams, 4, parity_worker, cases, timeout=240)
     # The last micro-batch's two-level reduction uses the outer stream for the hop across
     # the replicas; after all-no_sync micro-batches finish_grad_sync's all-reduce of the
     # shard runs on the reduce-scatter stream.

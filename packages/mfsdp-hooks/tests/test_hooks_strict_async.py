@@ -9,31 +9,32 @@ other test files run unchanged inside that mode; two planted bugs show that it c
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
 from hooks_models import (
     Block,
-    assert_close_rel,
     full_state,
     local_slice,
     loss_fn,
     make_batches,
     make_model,
     make_optimizer,
-    reference_training,
+    shard_blocks,
     trainable,
 )
-from test_hooks_hsdp import _hsdp_parity_worker
-from test_hooks_parity import _parity_worker
+from test_hooks_hsdp import hsdp_case
+from test_hooks_parity import megatron_case, per_module_case
 from test_hooks_training_modes import _accumulation_worker, _recompute_worker
 
 from mfsdp_collectives import strict_async
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import FSDPRootWrapper, ShardingOptions, fully_shard
+from mfsdp_hooks import FSDPRootWrapper, ShardingOptions
 from mfsdp_hooks.grads.reduction_queue import ReductionQueue
 from mfsdp_hooks.runtime.unit import FSDPUnit
+from mfsdp_hooks.testing.parity import ParityCase, parity_worker
 
 STEPS = 10
 
@@ -43,20 +44,21 @@ def _strictly(rank: int, world: int, worker: Callable[..., Any], *args: Any) -> 
         return worker(rank, world, *args)
 
 
-@pytest.mark.parametrize(("world", "strategy"), [(2, 0), (2, 1), (2, 2), (2, 3), (4, 3)])
-def test_parity_of_every_strategy_under_strict_collectives(world: int, strategy: int) -> None:
-    configs = [(strategy, "adamw", "megatron")]
-    run_distributed(_strictly, world, _parity_worker, configs, timeout=240)
+@pytest.mark.parametrize("world", [2, 4])
+def test_parity_of_every_strategy_under_strict_collectives(world: int) -> None:
+    strategies = range(4) if world == 2 else [3]  # 4 ranks: ZeRO-3
+    cases = [megatron_case(strategy) for strategy in strategies]
+    run_distributed(_strictly, world, parity_worker, cases, timeout=240)
 
 
 def test_parity_of_both_transports_pooled_buffers_and_the_per_module_api() -> None:
-    configs = [
-        (3, "adamw", "megatron::gloo"),
-        (2, "adamw", "megatron::shm"),
-        (3, "adamw", "megatron:trace_pool"),
-        (3, "adamw", "per_module"),
+    cases = [
+        megatron_case(3, transport="gloo"),
+        megatron_case(2, transport="shm"),
+        megatron_case(3, allocator="trace_pool"),
+        per_module_case(3),
     ]
-    run_distributed(_strictly, 2, _parity_worker, configs, timeout=240)
+    run_distributed(_strictly, 2, parity_worker, cases, timeout=240)
 
 
 @pytest.mark.parametrize(("strategy", "mode"), [(1, "no_sync"), (3, "no_sync"), (2, "overlapped")])
@@ -64,10 +66,13 @@ def test_gradient_accumulation_under_strict_collectives(strategy: int, mode: str
     run_distributed(_strictly, 2, _accumulation_worker, strategy, mode, timeout=120)
 
 
-@pytest.mark.parametrize(("strategy", "mode"), [(0, ""), (3, "no_sync"), (2, "finish")])
-def test_hsdp_under_strict_collectives(strategy: int, mode: str) -> None:
-    args = (_hsdp_parity_worker, 2, strategy, "megatron", mode)
-    run_distributed(_strictly, 4, *args, timeout=240)
+def test_hsdp_under_strict_collectives() -> None:
+    cases = [
+        hsdp_case(2, 0),
+        hsdp_case(2, 3, "megatron", "no_sync"),
+        hsdp_case(2, 2, "megatron", "finish"),
+    ]
+    run_distributed(_strictly, 4, parity_worker, cases, timeout=240)
 
 
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
@@ -75,30 +80,20 @@ def test_activation_recompute_under_strict_collectives(mode: str) -> None:
     assert run_distributed(_strictly, 2, _recompute_worker, mode, timeout=120) == [(5, 8)] * 2
 
 
-def _deep_prefetch_worker(rank: int, world: int, depth: int) -> None:
-    batches = make_batches(STEPS, 8)
-    ref_losses, ref_state = reference_training("adamw", batches)
-    model = make_model()
-    for block in model.blocks:
-        fully_shard(block, prefetch_depth=depth)
-    fully_shard(model, prefetch_depth=depth)
-    optimizer = make_optimizer("adamw", trainable(model))
-    for step, (tokens, targets) in enumerate(batches):
-        loss = loss_fn(model(local_slice(tokens, rank, world)), local_slice(targets, rank, world))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        assert_close_rel(total / world, torch.tensor(ref_losses[step]), 1e-5, f"loss {step}")
-    state = full_state(model)
-    for name, value in ref_state.items():
-        assert_close_rel(state[name], value, 1e-5, f"prefetch_depth={depth} {name}")
+def deep_prefetch_case(depth: int) -> ParityCase:
+    """The toy model under per-module ``fully_shard`` gathering ``depth`` units ahead."""
+    return ParityCase(
+        f"prefetch_depth={depth}",
+        partial(shard_blocks, prefetch_depth=depth),
+        optimizer=partial(make_optimizer, "adamw"),
+        batches=partial(make_batches, global_batch=8),
+        weights=full_state,
+    )
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-def test_forward_and_backward_prefetch_under_strict_collectives(depth: int) -> None:
-    run_distributed(_strictly, 2, _deep_prefetch_worker, depth, timeout=180)
+def test_forward_and_backward_prefetch_under_strict_collectives() -> None:
+    cases = [deep_prefetch_case(1), deep_prefetch_case(2)]
+    run_distributed(_strictly, 2, parity_worker, cases, timeout=180)
 
 
 def _skip_unshard_waits(unit: FSDPUnit) -> None:

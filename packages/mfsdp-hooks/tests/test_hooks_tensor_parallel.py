@@ -8,10 +8,12 @@ reduce-scatter moves the TP-local bytes only and never runs over the TP group.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
-from hooks_models import assert_close_rel
+from hooks_models import full_state, shard_blocks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -20,9 +22,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from mfsdp_collectives import CommTracer
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import fsdp_units, fully_shard
+from mfsdp_hooks.testing.parity import ParityCase, run_parity
 from mfsdp_hooks.testing.tp import TP_OUT, TP_WIDTH, full_value, sequence_shard, tp_model
-
-STEPS = 10
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,105 +31,77 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 4, TP_WIDTH, generator=gen), torch.randn(8, 4, TP_OUT, generator=gen)
 
 
-def _parity_worker(
-    rank: int,
-    world: int,
-    kind: str,
-    strategy: int,
-    accumulate: bool = False,
-    hsdp: bool = False,
-    meta: bool = False,
-) -> list[float]:
-    """``accumulate``: each step is two micro-batches, the first under ``no_sync``. ``hsdp``:
-    a (dp_outer=2, dp_shard=1, tp=2) mesh, FSDP over the 2-D (dp_outer, dp_shard) one.
-    ``meta``: the model is built on the meta device, sharded, given storage by ``to_empty``
-    and loaded with the one-process weights by torch's ``set_model_state_dict``."""
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    tokens, targets = _batch()
+    return [(tokens + index, targets) for index in range(n)]
+
+
+def _fsdp_x_tp(fresh: nn.Module, kind: str, strategy: int, hsdp: bool, meta: bool) -> nn.Module:
+    """``hsdp``: a (dp_outer=2, dp_shard=1, tp=2) mesh, FSDP over the 2-D (dp_outer, dp_shard)
+    one. ``meta``: the model is built on the meta device, sharded, given storage by
+    ``to_empty`` and loaded with ``fresh``'s weights by torch's ``set_model_state_dict``."""
     if hsdp:
         mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_outer", "dp_shard", "tp"))
-        dp_mesh, dp_rank = mesh["dp_outer", "dp_shard"], mesh["dp_outer"].get_local_rank()
+        dp_mesh = mesh["dp_outer", "dp_shard"]
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
-        dp_mesh, dp_rank = mesh["dp_shard"], mesh["dp_shard"].get_local_rank()
-    tp_mesh = mesh["tp"]
-    reference = tp_model(kind, None)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
-    model = tp_model(kind, tp_mesh, meta=meta)
-    for block in model.blocks:
-        fully_shard(block, mesh=dp_mesh, sharding_strategy=strategy)
-    fully_shard(model, mesh=dp_mesh, sharding_strategy=strategy)
+        dp_mesh = mesh["dp_shard"]
+    model = shard_blocks(
+        tp_model(kind, mesh["tp"], meta=meta), mesh=dp_mesh, sharding_strategy=strategy
+    )
     if meta:  # FSDP2's contract: storage, then the user's weights (torch's loader)
         model.to_empty(device="cpu")
         full = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, reference.state_dict(), options=full)
-    for name, param in model.named_parameters():
-        assert_close_rel(param.full_tensor(), reference.get_parameter(name), 0.0, name)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+        set_model_state_dict(model, fresh.state_dict(), options=full)
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor), name
         if "blocks" in name:  # TP parameters: rows over dp, the TP placement over tp
             assert param.device_mesh.mesh_dim_names == ("dp_shard", "tp"), name
             assert param.placements[0] in (Shard(0), Replicate()), name
-    tokens, targets = _batch()
-    errors = []
-    for step in range(STEPS):
-        x = tokens + step
-        want = nn.functional.mse_loss(reference(x), targets)
-        want.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        local_x, local_y = x.chunk(2)[dp_rank], targets.chunk(2)[dp_rank]
-        micro = 2 if accumulate else 1
-        loss = torch.zeros(())
-        pairs = zip(local_x.chunk(micro), local_y.chunk(micro), strict=True)
-        for index, (mx, my) in enumerate(pairs):
-            inputs = sequence_shard(mx, tp_mesh) if kind == "sp" else mx
-            part = nn.functional.mse_loss(full_value(model(inputs)), my) / micro
-            if index < micro - 1:
-                with model.no_sync():  # type: ignore[operator]
-                    part.backward()
-            else:
-                part.backward()
-            loss = loss + part.detach()
-        optimizer.step()
-        optimizer.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)  # every TP rank holds its DP group's loss
-        errors.append(abs(total.item() / world - want.item()) / abs(want.item()))
-    units = fsdp_units(model)
-    for unit in units:
-        unit.unshard()
-    for name, value in model.state_dict().items():
-        assert_close_rel(full_value(value), reference.state_dict()[name], 1e-5, f"{kind} {name}")
-    for unit in units:
-        unit.reshard()
-    return errors
+    return model
 
 
-@pytest.mark.parametrize(("kind", "strategy"), [("mlp", 3), ("mlp", 2), ("mlp", 1), ("sp", 3)])
-def test_fsdp_x_tp_trains_as_one_process(kind: str, strategy: int) -> None:
-    for errors in run_distributed(_parity_worker, 4, kind, strategy, timeout=240):
-        assert max(errors) <= 1e-5, errors
+def _sequence_parallel(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Sequence parallelism's input: this TP rank's shard of the sequence."""
+    tp_mesh = model.blocks[0].up.weight.device_mesh["tp"]  # type: ignore[index, union-attr]
+    return full_value(model(sequence_shard(x, tp_mesh)))
+
+
+def _tp_case(
+    kind: str, strategy: int, accumulate: bool = False, hsdp: bool = False, meta: bool = False
+) -> ParityCase:
+    """``accumulate``: each step is two micro-batches, the first under ``no_sync``."""
+    return ParityCase(
+        f"{kind} strategy={strategy} accumulate={accumulate} hsdp={hsdp} meta={meta}",
+        partial(_fsdp_x_tp, kind=kind, strategy=strategy, hsdp=hsdp, meta=meta),
+        model=partial(tp_model, kind, None),
+        optimizer=partial(torch.optim.AdamW, lr=1e-2, foreach=False),
+        batches=_batches,
+        loss=nn.functional.mse_loss,
+        micro=2 if accumulate else 1,
+        share=2,  # the TP pair takes one share
+        forward=_sequence_parallel if kind == "sp" else None,
+        weights=full_state,
+    )
+
+
+def test_fsdp_x_tp_trains_as_one_process() -> None:
+    cases = [_tp_case("mlp", 3), _tp_case("mlp", 2), _tp_case("mlp", 1), _tp_case("sp", 3)]
+    run_parity(4, cases)
 
 
 def test_hsdp_x_tp_trains_as_one_process() -> None:
-    for errors in run_distributed(_parity_worker, 4, "mlp", 3, True, True, timeout=240):
-        assert max(errors) <= 1e-5, errors
+    run_parity(4, [_tp_case("mlp", 3, accumulate=True, hsdp=True)])
 
 
-@pytest.mark.parametrize(("kind", "strategy"), [("mlp", 3), ("sp", 2)])
-def test_fsdp_x_tp_trains_as_one_process_with_gradient_accumulation(
-    kind: str, strategy: int
-) -> None:
-    for errors in run_distributed(_parity_worker, 4, kind, strategy, True, timeout=240):
-        assert max(errors) <= 1e-5, errors
+def test_fsdp_x_tp_trains_as_one_process_with_gradient_accumulation() -> None:
+    run_parity(4, [_tp_case("mlp", 3, accumulate=True), _tp_case("sp", 2, accumulate=True)])
 
 
 def _comm_worker(rank: int, world: int) -> tuple[dict[str, dict[str, int]], list[int], bool]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     model = tp_model("mlp", mesh["tp"])
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh["dp_shard"])
-    fully_shard(model, mesh=mesh["dp_shard"])
+    shard_blocks(model, mesh=mesh["dp_shard"])
     tokens, targets = _batch()
     dp_rank = mesh["dp_shard"].get_local_rank()
     for _ in range(2):  # the first records the prefetch order
@@ -194,12 +167,10 @@ def test_tp_parameters_the_engine_cannot_shard_are_refused_on_every_rank(
     assert all(m.startswith(expected) for m in messages), messages
 
 
-@pytest.mark.parametrize("kind", ["mlp", "sp"])
-def test_meta_device_tp_model_loads_and_trains_as_the_one_process_model(kind: str) -> None:
+def test_meta_device_tp_model_loads_and_trains_as_the_one_process_model() -> None:
     # Built on meta, TP-parallelised, sharded, to_empty, loaded: the one-process model's
     # values, then its training.
-    for errors in run_distributed(_parity_worker, 4, kind, 3, False, False, True, timeout=240):
-        assert max(errors) <= 1e-5, errors
+    run_parity(4, [_tp_case("mlp", 3, meta=True), _tp_case("sp", 3, meta=True)])
 
 
 def _reduce_dtype_worker(rank: int, world: int) -> tuple[dict[str, dict[str, int]], list[int]]:
@@ -208,9 +179,7 @@ def _reduce_dtype_worker(rank: int, world: int) -> tuple[dict[str, dict[str, int
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
     model = tp_model("mlp", mesh["tp"])
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh["dp_shard"], mp_policy=policy)
-    fully_shard(model, mesh=mesh["dp_shard"], mp_policy=policy)
+    shard_blocks(model, mesh=mesh["dp_shard"], mp_policy=policy)
     tokens, targets = _batch()
     dp_rank = mesh["dp_shard"].get_local_rank()
     with CommTracer() as tracer:

@@ -27,6 +27,7 @@ from mfsdp_hooks import (
     record_timeline,
 )
 from mfsdp_hooks.runtime import timeline
+from mfsdp_hooks.testing.parity import shard_blocks
 
 STEPS = 3
 SPANS = {kind for kind in EventKind if kind.category is not None}
@@ -202,9 +203,7 @@ def _traced_two_steps(model: torch.nn.Module, device: torch.device) -> Any:
     """Shard ``model``'s blocks and root per module, train two SGD steps under a timeline."""
     from mfsdp_hooks.testing import loss_fn, make_batches
 
-    for block in model.blocks:  # type: ignore[union-attr]
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks(model)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     with record_timeline(fsdp_units(model), optimizer) as recorder:
         for tokens, targets in make_batches(2, global_batch=4):

@@ -17,10 +17,10 @@ from mfsdp_hooks import (
     build_overlap_report,
     chrome_trace,
     fsdp_units,
-    fully_shard,
     record_timeline,
 )
 from mfsdp_hooks.testing import make_batches, make_model, train_single_process
+from mfsdp_hooks.testing.parity import shard_blocks
 
 STEPS = 2
 UNITS = ["<root> (ToyModel)", "blocks.0 (Block)", "blocks.1 (Block)"]
@@ -29,9 +29,7 @@ UNITS = ["<root> (ToyModel)", "blocks.0 (Block)", "blocks.1 (Block)"]
 def _recorded_worker(rank: int, world: int) -> dict[str, Any]:
     """Two ZeRO-3 steps of a 2-block toy model (a bare AdamW), recorded; what they become."""
     model = make_model(n_blocks=2)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     with record_timeline(fsdp_units(model), optimizer) as recorder:
         train_single_process(model, optimizer, make_batches(STEPS, global_batch=4, seed=rank + 1))

@@ -10,7 +10,7 @@ import inspect
 import pytest
 import torch
 import torch.distributed.fsdp as torch_fsdp
-from hooks_models import Block, loss_fn, make_batches, make_model, shard_blocks_then_root
+from hooks_models import Block, loss_fn, make_batches, make_model, shard_blocks
 from torch import nn
 
 from mfsdp_collectives.testing import run_distributed
@@ -43,7 +43,7 @@ def test_constructing_an_fsdp_class_builds_the_original_class_as_torchs_does() -
 def _isinstance_worker(rank: int, world: int, api: str) -> list[str]:
     model = make_model()
     if api == "per_module":
-        shard_blocks_then_root(model, "ours")
+        shard_blocks(model, "ours")
         wrapped: nn.Module = model
     else:
         wrapped = FSDPRootWrapper(model, fsdp_unit_modules=[Block]).module
@@ -84,7 +84,7 @@ def _mem_tracker_worker(rank: int, world: int) -> str:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     model = make_model()
-    shard_blocks_then_root(model, "ours")
+    shard_blocks(model, "ours")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with pytest.raises(NotImplementedError) as caught, FSDPMemTracker(model, optimizer):
         pass

@@ -26,9 +26,9 @@ from mfsdp_hooks import (
     MixedPrecisionPolicy,
     ShardingOptions,
     attach_optimizer,
-    fully_shard,
     locate,
 )
+from mfsdp_hooks.testing.parity import shard_blocks
 
 MICRO = 4
 GLOBAL_BATCH = 8
@@ -105,9 +105,7 @@ def _root_setter_worker(
     step. Reduce-scatters per micro-batch of the second step."""
     model: Any = make_model()
     if api == "per_module":
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        shard_blocks(model)
     else:
         options = ShardingOptions(zero_dp_strategy=3, sync_model_each_microbatch=False)
         model = FSDPRootWrapper(model, fsdp_unit_modules=[Block], options=options)
@@ -145,9 +143,7 @@ def _recompute_worker(rank: int, world: int, mode: str) -> tuple[int, int]:
     batches = make_batches(3, GLOBAL_BATCH)
     ref_losses, ref_state = reference_training("sgd", batches)
     model = make_model(checkpoint=mode)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks(model)
     optimizer = make_optimizer("sgd", [p for p in model.parameters() if p.requires_grad])
     counts = []
     for step, (tokens, targets) in enumerate(batches):
@@ -183,9 +179,7 @@ def _bf16_worker(rank: int, world: int) -> None:
     ref_losses, ref_state = reference_training("sgd", batches)
     model = make_model()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    shard_blocks(model, mp_policy=policy)
     params = [p for p in model.parameters() if p.requires_grad]
     assert all(p.dtype == torch.float32 for p in params), "optimizer must see fp32 main weights"
     optimizer = make_optimizer("sgd", params)
@@ -221,9 +215,7 @@ def _grad_options_worker(rank: int, world: int, option: str) -> list[float]:
         kwargs["calculate_per_token_loss"] = True
     elif option == "pre_divide":
         kwargs["average_in_collective"] = False
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    shard_blocks(model, **kwargs)
     loss_fn(model(local_slice(tokens, rank, world)), local_slice(targets, rank, world)).backward()
     # Every rank computes the mean over its local slice; the reference grads are the mean of
     # those local means, so a sum is `world` times the reference and scaling multiplies it.
@@ -246,9 +238,7 @@ def test_gradient_scaling_options(option: str) -> None:
 
 def _nan_worker(rank: int, world: int) -> str:
     model = make_model()
-    for block in model.blocks:
-        fully_shard(block, report_nan_in_param_grad=True)
-    fully_shard(model, report_nan_in_param_grad=True)
+    shard_blocks(model, report_nan_in_param_grad=True)
     # the parameter backward uses (the original is left with its stale values, as in FSDP2)
     where = locate(model.blocks[1].fc1.weight)
     assert where is not None

@@ -1,7 +1,7 @@
 """torchao float8 weights sharded by the engine train as one-process float8 training.
 
 The reference runs each rank's share of the batch as a micro-batch of its own
-(``float8_step``): float8 scales activations per tensor, so a whole-batch reference would
+(``reference_shares``): float8 scales activations per tensor, so a whole-batch reference would
 quantise them differently.
 
 Every ``Float8Linear`` weight (``enable_fsdp_float8_all_gather=True``) travels as float8
@@ -13,6 +13,7 @@ and the high-precision head share the units (mixed groups). Runs on CPU (torch's
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -21,33 +22,28 @@ from torch import nn
 pytest.importorskip("torchao.float8", reason="torchao is not installed (nox installs it)")
 
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import fully_shard
+from mfsdp_hooks.testing.parity import ParityCase, run_parity, shard_blocks
 from mfsdp_te import float8_codecs
-from mfsdp_te.float8_testing import float8_batch, float8_model, float8_step
-
-STEPS = 10
+from mfsdp_te.float8_testing import float8_batch, float8_model
 
 
 def _shard(model: nn.Module, strategy: int) -> nn.Module:
-    for block in model.blocks:  # type: ignore[union-attr]
-        fully_shard(block, sharding_strategy=strategy, param_codecs=float8_codecs())
-    return fully_shard(model, sharding_strategy=strategy, param_codecs=float8_codecs())
+    return shard_blocks(model, sharding_strategy=strategy, param_codecs=float8_codecs())
 
 
-def _parity_worker(rank: int, world: int, strategy: int, rowwise: bool = False) -> list[float]:
-    reference = float8_model(rowwise=rowwise)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    model = _shard(float8_model(rowwise=rowwise), strategy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    errors = []
-    for step in range(STEPS):
-        got = float8_step(model, optimizer, step, world, sharded=True)
-        want = float8_step(reference, ref_opt, step, world, sharded=False)
-        errors.append(abs(got - want) / abs(want))
-    for name, param in model.named_parameters():
-        want_param = reference.get_parameter(name)
-        torch.testing.assert_close(param.full_tensor(), want_param.detach(), rtol=1e-5, atol=1e-6)
-    return errors
+def _float8_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [float8_batch(step) for step in range(n)]
+
+
+def _float8_case(strategy: int, rowwise: bool = False) -> ParityCase:
+    return ParityCase(
+        f"strategy={strategy} rowwise={rowwise}",
+        partial(_shard, strategy=strategy),
+        model=partial(float8_model, rowwise=rowwise),
+        batches=_float8_batches,
+        loss=nn.functional.mse_loss,
+        reference_shares=True,
+    )
 
 
 FULL_ONLY = pytest.mark.skipif(
@@ -57,19 +53,20 @@ FULL_ONLY = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize(
-    ("world", "strategy"),
-    # 4 ranks: also covered by the float8 checkpoint and HFSDP float8 tests in CI
-    [(2, 3), pytest.param(4, 3, marks=FULL_ONLY), (2, 2), (2, 1), (2, 0)],
+    ("world", "layouts"),  # (strategy, rowwise)
+    [
+        # Rowwise scaling has no float8 all-gather in torchao: plain weights, float8 matmuls.
+        pytest.param(2, [(1, False), (0, False), (3, True)], id="2"),
+        # ZeRO-2/3 at 2 ranks, and 4 ranks: also covered by the float8 checkpoint and HFSDP
+        # float8 tests in CI
+        pytest.param(2, [(3, False), (2, False)], marks=FULL_ONLY, id="2-zero23"),
+        pytest.param(4, [(3, False)], marks=FULL_ONLY, id="4"),
+    ],
 )
-def test_float8_training_matches_one_process_float8_training(world: int, strategy: int) -> None:
-    for errors in run_distributed(_parity_worker, world, strategy, timeout=240):
-        assert max(errors) <= 1e-5, errors
-
-
-def test_rowwise_float8_training_matches_one_process_training() -> None:
-    # Rowwise scaling has no float8 all-gather in torchao: plain weights, float8 matmuls.
-    for errors in run_distributed(_parity_worker, 2, 3, True, timeout=240):
-        assert max(errors) <= 1e-5, errors
+def test_float8_training_matches_one_process_float8_training(
+    world: int, layouts: list[tuple[int, bool]]
+) -> None:
+    run_parity(world, [_float8_case(strategy, rowwise) for strategy, rowwise in layouts])
 
 
 def _gather_bytes_worker(rank: int, world: int, float8: bool) -> dict[str, int]:

@@ -39,8 +39,7 @@ from megatron_fsdp.hybrid import names_hfsdp
 from megatron_fsdp.mcore_groups import data_parallel_index
 from megatron_fsdp.unsupported import refuse_unsupported
 from megatron_fsdp.wrapper import MegatronFSDP
-from mfsdp_checkpoint import enable_dcp
-from mfsdp_checkpoint.wrapper_prefix import WRAPPER_PREFIX
+from mfsdp_checkpoint import WRAPPER_PREFIX, enable_dcp
 from mfsdp_hooks import MixedPrecisionPolicy, ShardingStrategy, UnitSpec, parse_strategy
 
 __all__ = ["FullyShardedDataParallel", "MCoreFSDPModel"]

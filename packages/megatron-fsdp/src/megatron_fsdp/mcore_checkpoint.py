@@ -5,11 +5,12 @@ loadable under any TP/PP/VPP/EP/DP layout.
 0.16's ``save_checkpoint`` writes for Megatron-FSDP: ``<directory>/iter_<7 digits>/`` a DCP
 checkpoint with sections ``model`` (``module.<path>``: DTensors of the whole model's shapes),
 ``optimizer`` (state by the chunk's parameter names, each parameter's group fields under
-``param_to_group_meta``: ``mfsdp_checkpoint.megatron_optim``), ``checkpoint_version`` (3.0),
-``iteration`` and what ``extra`` adds (``args``, ``opt_param_scheduler``, ``rng_state``), and
-``<directory>/latest_checkpointed_iteration.txt``. The directory is written atomically
-(``mfsdp_checkpoint.save``). ``load_fsdp_dtensor`` reads it back, or Megatron-LM's own, at any
-layout: DCP gathers and re-cuts TP slices and data-parallel shards.
+``param_to_group_meta``: ``mfsdp_checkpoint.to_megatron_optimizer_state``),
+``checkpoint_version`` (3.0), ``iteration`` and what ``extra`` adds (``args``,
+``opt_param_scheduler``, ``rng_state``), and ``<directory>/latest_checkpointed_iteration.txt``.
+The directory is written atomically (``mfsdp_checkpoint.save``). ``load_fsdp_dtensor`` reads
+it back, or Megatron-LM's own, at any layout: DCP gathers and re-cuts TP slices and
+data-parallel shards.
 
 Names are the whole model's (``megatron_fsdp.mcore_names``): layers by ``layer_number - 1``,
 experts by global index. Megatron-LM writes experts that way too, but each stage's layers from
@@ -34,10 +35,19 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_fsdp.mcore_names import LayoutFreeNames
-from mfsdp_checkpoint import enable_dcp, load, named_optimizer_state_dict, save
-from mfsdp_checkpoint.chunks import is_annotated, split_rows
-from mfsdp_checkpoint.megatron_optim import is_swiglu_key, swiglu_halves, to_group_meta
-from mfsdp_checkpoint.wrapper_prefix import WRAPPER_PREFIX, split_wrappers
+from mfsdp_checkpoint import (
+    WRAPPER_PREFIX,
+    enable_dcp,
+    has_row_chunk,
+    is_swiglu_key,
+    load,
+    named_optimizer_state_dict,
+    save,
+    split_rows,
+    split_wrappers,
+    swiglu_halves,
+    to_megatron_optimizer_state,
+)
 
 __all__ = ["TRACKER", "latest_iteration", "load_fsdp_dtensor", "save_fsdp_dtensor"]
 
@@ -178,7 +188,7 @@ class _ChunkState:
 
 
 def _row_sharded(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and is_annotated(value)
+    return isinstance(value, torch.Tensor) and has_row_chunk(value)
 
 
 def _iteration_dir(directory: Path, iteration: int | str) -> Path:
@@ -204,7 +214,7 @@ def save_fsdp_dtensor(
     chunk_state = _ChunkState(chunks, _torch_optimizers(optimizer))
     state: dict[str, Any] = {"model": chunk_state.model}
     if chunk_state.optimizers:
-        state["optimizer"] = to_group_meta(chunk_state.merged_optimizer())
+        state["optimizer"] = to_megatron_optimizer_state(chunk_state.merged_optimizer())
     state.update(checkpoint_version=CHECKPOINT_VERSION, iteration=iteration, **(extra or {}))
     root = Path(directory)
     target = save(state, _iteration_dir(root, iteration))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from mfsdp_checkpoint.wrapper_prefix import split_wrappers
+from mfsdp_checkpoint import split_wrappers
 
 
 class LayoutFreeNames:

@@ -14,11 +14,16 @@
   without any rank holding it whole.
 * ``convert``/``describe`` and the ``mfsdp-checkpoint`` command line: DCP <-> torch <->
   safetensors, with prefix stripping for Hugging Face.
+* Megatron's checkpoint names, for the Megatron-Core adapter above: ``WRAPPER_PREFIX`` and
+  ``split_wrappers`` (the ``module.`` levels before a model's own path), ``is_swiglu_key``,
+  ``swiglu_halves`` and ``split_rows`` (a SwiGLU ``linear_fc1`` saved as its two halves),
+  ``has_row_chunk`` and ``to_megatron_optimizer_state`` (the ``fsdp_dtensor`` optimizer section).
 """
 
 from mfsdp_checkpoint.async_checkpoint import CheckpointStager, async_save, async_save_checkpoint
 from mfsdp_checkpoint.atomic import load, read_metadata, save
 from mfsdp_checkpoint.checkpoint import load_checkpoint, save_checkpoint
+from mfsdp_checkpoint.chunks import has_row_chunk, split_rows
 from mfsdp_checkpoint.convert import convert, describe
 from mfsdp_checkpoint.enable import DCPHandle, enable_dcp, named_optimizer_state_dict
 from mfsdp_checkpoint.errors import (
@@ -30,6 +35,12 @@ from mfsdp_checkpoint.errors import (
 )
 from mfsdp_checkpoint.full_gather import gather_full_state_dict, save_full_state_dict
 from mfsdp_checkpoint.full_load import FullLoadResult, load_full_state_dict
+from mfsdp_checkpoint.megatron_optim import (
+    is_swiglu_key,
+    swiglu_halves,
+    to_megatron_optimizer_state,
+)
+from mfsdp_checkpoint.wrapper_prefix import WRAPPER_PREFIX, split_wrappers
 
 __version__ = "1.0.0"
 
@@ -42,6 +53,7 @@ __all__ = [
     "FullLoadResult",
     "IncompleteCheckpointError",
     "StateDictMismatchError",
+    "WRAPPER_PREFIX",
     "__version__",
     "async_save",
     "async_save_checkpoint",
@@ -50,6 +62,8 @@ __all__ = [
     "enable_dcp",
     "named_optimizer_state_dict",
     "gather_full_state_dict",
+    "has_row_chunk",
+    "is_swiglu_key",
     "load",
     "load_checkpoint",
     "load_full_state_dict",
@@ -57,4 +71,8 @@ __all__ = [
     "save",
     "save_checkpoint",
     "save_full_state_dict",
+    "split_rows",
+    "split_wrappers",
+    "swiglu_halves",
+    "to_megatron_optimizer_state",
 ]

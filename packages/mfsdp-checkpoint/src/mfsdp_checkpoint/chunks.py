@@ -235,7 +235,9 @@ def annotate(
     return tensor
 
 
-def is_annotated(tensor: torch.Tensor) -> bool:
+def has_row_chunk(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a state-dict tensor that carries its rows' place in the full
+    tensor for DCP (what ``enable_dcp`` gives the sharded ones; :func:`split_rows` takes it)."""
     return isinstance(tensor.__dict__.get(_CHUNKS_ATTR), _ChunkList)
 
 

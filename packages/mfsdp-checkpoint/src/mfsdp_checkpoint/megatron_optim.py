@@ -13,8 +13,8 @@ per-parameter tensor in ``state`` (torch's Adam) or a group field in ``param_to_
 model's own path, where the model section has one.
 
 Ours is torch's layout keyed by name (``enable_dcp``'s ``named_state_dict``).
-:func:`to_group_meta` turns ours into Megatron's (writing ``step`` in both places, so either
-kind of optimizer resumes from it);
+:func:`to_megatron_optimizer_state` turns ours into Megatron's (writing ``step`` in both
+places, so either kind of optimizer resumes from it);
 :func:`plan_group_meta_load` says how ours loads from Megatron's: state matched by the name
 without its leading ``module.`` levels (``wrapper_prefix.bare``), group fields taken from
 ``param_to_group_meta`` after the load, ``step`` from there when ``state`` has none.
@@ -60,7 +60,7 @@ def _step_of(entry: Mapping[str, Any]) -> int | None:
     return None if step is None else int(step)
 
 
-def to_group_meta(optimizer_state: Mapping[str, Any]) -> dict[str, Any]:
+def to_megatron_optimizer_state(optimizer_state: Mapping[str, Any]) -> dict[str, Any]:
     """Our name-keyed optimizer state dict (``named_state_dict``) as Megatron's
     ``fsdp_dtensor`` section. The state's values are not copied."""
     state = optimizer_state["state"]

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from mfsdp_checkpoint.megatron_optim import GROUP_META, to_group_meta
+from mfsdp_checkpoint.megatron_optim import GROUP_META, to_megatron_optimizer_state
 from mfsdp_checkpoint.wrapper_prefix import WRAPPER_PREFIX, prefix_of, rename_model
 
 ObjPath = tuple[str | int, ...]
@@ -146,7 +146,7 @@ def named_for(state: dict[str, Any], naming: SaveNaming) -> dict[str, Any]:
       positional ``optimizer.state_dict()``.
     * ``"megatron"``: Megatron-LM's ``--ckpt-format fsdp_dtensor`` sections: ``module.*``
       model names, optimizer state by ``module.*`` name with each parameter's group fields
-      under ``param_to_group_meta`` (``megatron_optim.to_group_meta``). Megatron-LM's own
+      under ``param_to_group_meta`` (``to_megatron_optimizer_state``). Megatron-LM's own
       files also carry ``checkpoint_version``/``iteration``/``args``: pass those as
       ``extra``-like sections of ``state`` (``megatron_fsdp.mcore_checkpoint`` does).
     """
@@ -164,7 +164,9 @@ def named_for(state: dict[str, Any], naming: SaveNaming) -> dict[str, Any]:
         if "model" in state:
             out["model"] = {rename_model(k, ours, target): v for k, v in model.items()}
         if optimizer is not None:
-            out["optimizer"] = to_group_meta(_renamed_optimizer(optimizer, ours, target))
+            out["optimizer"] = to_megatron_optimizer_state(
+                _renamed_optimizer(optimizer, ours, target)
+            )
         return out
     if "model" in state:
         out["model"] = {rename_model(k, ours, target): v for k, v in model.items()}

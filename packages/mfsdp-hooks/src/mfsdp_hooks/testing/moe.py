@@ -9,6 +9,7 @@ seed on every rank, the EP model holds exactly the one-process model's experts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,9 +17,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from mfsdp_hooks.testing.parity import full_weights, inner
 from mfsdp_hooks.testing.tp import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["MOE_OUT", "MOE_WIDTH", "MoEBlock", "moe_model"]
+__all__ = ["MOE_OUT", "MOE_WIDTH", "MoEBlock", "expert_weights", "moe_batches", "moe_model"]
 
 MOE_WIDTH, MOE_HIDDEN, MOE_OUT, NUM_EXPERTS = 8, 12, 3, 4
 
@@ -138,3 +140,39 @@ def moe_model(ep_group: dist.ProcessGroup | None, etp_mesh: DeviceMesh | None = 
             for param in block.experts.parameters():
                 param.allreduce = False  # type: ignore[attr-defined]
     return model
+
+
+def moe_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` global batches of 16 tokens (divisible over 1, 2 and 4 ranks)."""
+    out = []
+    for index in range(n):
+        gen = torch.Generator().manual_seed(index)
+        out.append(
+            (torch.randn(16, MOE_WIDTH, generator=gen), torch.randn(16, MOE_OUT, generator=gen))
+        )
+    return out
+
+
+def expert_weights(
+    model: nn.Module, read: Callable[[nn.Module], dict[str, torch.Tensor]] = full_weights
+) -> dict[str, torch.Tensor]:
+    """``read(model)`` with every expert named by its global index (an EP rank holds experts
+    ``first_expert...``) and the experts of the other EP ranks gathered (collective): the
+    names and values of the one-process model that holds them all."""
+    blocks = [m for m in inner(model).modules() if isinstance(m, MoEBlock)]
+    weights = {}
+    for name, value in read(model).items():
+        parts = name.split(".")
+        if "experts" in parts:  # blocks.B.experts.K.* holds global expert first_expert + K
+            at = parts.index("experts") + 1
+            block = blocks[int(parts[at - 2])]
+            parts[at] = str(block.first_expert + int(parts[at]))
+        weights[".".join(parts)] = value
+    group = blocks[0].ep_group
+    if group is not None:
+        held: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(held, weights, group=group)
+        for theirs in held:  # dense weights are the same on every rank: keep ours
+            for name, value in theirs.items():
+                weights.setdefault(name, value)
+    return weights
