@@ -121,6 +121,14 @@ def _require_main_weights(
         )
 
 
+def _gather_routes(topology: FSDPTopology) -> tuple[Route, Route | None]:
+    """The gathers' groups and transports, checked once: a group's buffers are laid out for
+    them, so the gathers of every step check nothing again (the HFSDP outer one, if any)."""
+    shard = Route(topology.shard_group, topology.host_transport)
+    outer = topology.outer_group if topology.shards_optimizer_across_outer else None
+    return shard, None if outer is None else Route(outer, topology.outer_transport)
+
+
 class ParameterGroup:
     """The parameters of one FSDP unit that share dtype and ``requires_grad``."""
 
@@ -152,11 +160,7 @@ class ParameterGroup:
         self.root: GroupRoot | None = None
         self.full_names = list(names)  # under the root module, once one holds this group
         self.topology = topology
-        # The gathers' groups and transports, checked once: the buffers below are laid out
-        # for them, so the gathers of every step check nothing again.
-        self.shard_route = Route(topology.shard_group, topology.host_transport)
-        outer = topology.outer_group if topology.shards_optimizer_across_outer else None
-        self._outer_route = None if outer is None else Route(outer, topology.outer_transport)
+        self.shard_route, self._outer_route = _gather_routes(topology)
         self.strategy = strategy
         self.requires_grad = params[0].requires_grad
         self.original_dtype = params[0].dtype
