@@ -148,6 +148,9 @@ def run_rank(
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # The run makes hundreds of thousands of fake tensors: each full collection would walk
+    # every object the process already holds (torch, the model's library) for nothing.
+    gc.freeze()
     try:
         arguments = dict(wrap_arguments, host_transport=route.host_transport)
         arguments.update(meshes(route.run_device.type) if meshes is not None else {})
@@ -175,6 +178,7 @@ def run_rank(
                 gc.collect()
                 return _recorded_step(step, tracker, rank)
     finally:
+        gc.unfreeze()
         dist.destroy_process_group()
 
 
