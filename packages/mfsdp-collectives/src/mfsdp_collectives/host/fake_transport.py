@@ -6,7 +6,7 @@ buffer: a real CPU run holds less than the c10d route would. A planning run on t
 process group (``megatron_fsdp.plan_memory``) has no peers to share memory with, yet must
 take the same route to hold what a real rank holds. ``enable_host_transport`` gives a fake
 group this transport: the engine routes through it exactly as through the real one, and
-each collective completes at once without touching a byte (the tensors are fake).
+each collective, which touches no byte (the tensors are fake), lands when the engine waits.
 
 The transport's own mailbox is mapped memory, not tensors: no tracker counts it in either run.
 """
