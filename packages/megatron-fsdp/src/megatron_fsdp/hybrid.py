@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from mfsdp_collectives import FSDPTopology, mesh_has_dim, real_tensors
+from mfsdp_collectives import FSDPTopology, mesh_has_dim
 
 __all__ = ["hybrid_topology", "names_hfsdp", "parse_outer_strategy"]
 
@@ -45,9 +45,8 @@ def parse_outer_strategy(value: object, zero_dp_strategy: int) -> str:
 def _dp_ranks(mesh: DeviceMesh, dims: tuple[str, str]) -> list[int]:
     """The global ranks of this rank's ``(dp_outer, dp_shard)`` submesh: the ranks its
     flattened group must hold (the shard dim may itself be flattened, e.g. DP x CP)."""
-    with real_tensors():  # a planning run's wrap runs under FakeTensorMode
-        ranks: torch.Tensor = mesh[dims].mesh
-        return sorted(int(r) for r in ranks.flatten().tolist())
+    ranks: torch.Tensor = mesh[dims].mesh
+    return sorted(int(r) for r in ranks.flatten().tolist())
 
 
 def _names_a_dim(mesh: DeviceMesh, dim: str | None) -> bool:

@@ -238,12 +238,13 @@ def _largest_rank(units: Sequence[Any]) -> int:
         return dist.get_rank()
     shard_group = groups[0].topology.shard_group
     weights = [0] * groups[0].model.layout.world_size
-    for group in groups:
+    for group in groups:  # groups of another mesh (experts') rank by their own group
+        if group.topology.shard_group is not shard_group:
+            continue
         layout = group.model.layout if group.main is None else group.main.layout
         itemsize = group.compute_dtype.itemsize if group.main is None else group.main.dtype.itemsize
         for index, numel in enumerate(layout.data_numel_per_rank()):
-            if index < len(weights):
-                weights[index] += numel * itemsize
+            weights[index] += numel * itemsize
     largest = max(range(len(weights)), key=lambda i: (weights[i], -i))
     return dist.get_global_rank(shard_group, largest)
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..core._compat import concatenate_meshes, flatten_mesh
-from ..core.fake import is_fake_group, real_tensors
+from ..core.fake import is_fake_group
 from ..core.naming import group_name, register_group_name
 from ..safety.liveness import naming_dead_peers
 
@@ -78,13 +78,11 @@ class OptimizerSharding:
         spans ``group``'s ranks), this rank's coordinates on its other dims fixed."""
         coordinate = mesh.get_coordinate()
         assert coordinate is not None, "this rank is not in the mesh"
-        with real_tensors():  # a planning run wraps under FakeTensorMode
-            ranks: torch.Tensor = mesh.mesh
-            for position in coordinate[1:]:
-                ranks = ranks[:, position]
-            listed = ranks.tolist()
+        ranks: torch.Tensor = mesh.mesh
+        for position in coordinate[1:]:
+            ranks = ranks[:, position]
         group_ranks = dist.get_process_group_ranks(self.group)
-        return tuple(self.index_of_group_rank[group_ranks.index(int(r))] for r in listed)
+        return tuple(self.index_of_group_rank[group_ranks.index(int(r))] for r in ranks.tolist())
 
     @classmethod
     def across_outer(
@@ -131,6 +129,5 @@ class OptimizerSharding:
             )
         # A 1 x N or N x 1 mesh: the group is also the shard or outer group; keep that name.
         register_group_name(group, DP_OUTER_SHARD, replace=False)
-        with real_tensors():  # a planning run wraps under FakeTensorMode
-            mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=(DP_OUTER_SHARD,))
+        mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=(DP_OUTER_SHARD,))
         return cls(group=group, mesh=mesh, index=mine, index_of_group_rank=table)
