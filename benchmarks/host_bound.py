@@ -32,28 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.llama import llama, markdown_table
 from mfsdp_collectives.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPLS = ("none", "fsdp2", "per_module", "seed")
-
-
-def _model(layers: int, device: torch.device) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=256,
-        max_position_embeddings=128,
-        use_cache=False,  # a KV cache keys each layer by its index: one recompile per layer
-    )
-    model: nn.Module = LlamaForCausalLM(config)
-    return model.to(device)
 
 
 def _wrap(
@@ -108,7 +91,8 @@ def _world(rank: int, world: int, impl: str, args: dict[str, Any]) -> dict[str, 
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    model = _model(args["layers"], device)
+    torch.manual_seed(0)
+    model = llama(64, 128, args["layers"], 4, 256, max_positions=128).to(device)
     if args["compile"] == "block":
         stack: nn.ModuleList = model.model.layers  # type: ignore[union-attr,assignment]
         for index, layer in enumerate(stack):
@@ -167,11 +151,9 @@ def measure(args: dict[str, Any]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: one row per world x compile x implementation, ratios to FSDP2's step."""
-    lines = [
-        "| world | compile | impl | forward ms | backward ms | optimizer ms | step ms "
-        "| vs FSDP2 | aten ops | engine entries |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    columns = ["world", "compile", "impl", "forward ms", "backward ms", "optimizer ms"]
+    columns += ["step ms", "vs FSDP2", "aten ops", "engine entries"]
+    cells = []
     for row in rows:
         fsdp2 = next(
             (
@@ -184,12 +166,12 @@ def table(rows: list[dict[str, Any]]) -> str:
             None,
         )
         ratio = f"{row['step_ms'] / fsdp2['step_ms']:.2f}x" if fsdp2 else "-"
-        lines.append(
-            f"| {row['world']} | {row['compile']} | {row['impl']} | {row['forward_ms']:.1f} "
-            f"| {row['backward_ms']:.1f} | {row['optimizer_ms']:.1f} | {row['step_ms']:.1f} "
-            f"| {ratio} | {row['aten_ops']} | {row['engine_entries']} |"
+        cells.append(
+            [str(row[key]) for key in ("world", "compile", "impl")]
+            + [f"{row[key]:.1f}" for key in ("forward_ms", "backward_ms", "optimizer_ms")]
+            + [f"{row['step_ms']:.1f}", ratio, str(row["aten_ops"]), str(row["engine_entries"])]
         )
-    return "\n".join(lines)
+    return markdown_table(columns, cells)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.llama import llama, markdown_table
 from mfsdp_collectives.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,21 +41,8 @@ MODELS = {
 
 
 def _llama(name: str) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     hidden, inter, layers, heads, vocab, _, _ = MODELS[name]
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        vocab_size=vocab,
-        max_position_embeddings=4096,
-        use_cache=False,
-    )
-    model: nn.Module = LlamaForCausalLM(config)
-    return model
+    return llama(hidden, inter, layers, heads, vocab, max_positions=4096)
 
 
 def _arguments() -> dict[str, Any]:
@@ -138,23 +126,20 @@ def compare(models: list[str], device: str) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| model | device | planned peak | measured peak | error | vs MemTracker | planned "
-        "between | measured between | error | planned in |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    columns = ["model", "device", "planned peak", "measured peak", "error", "vs MemTracker"]
+    columns += ["planned between", "measured between", "error", "planned in"]
+    cells = []
     for row in rows:
         p, m = row["planned"], row["measured"]
         mib = 2**20
         independent = f"{p['peak'] / m['memtracker'] - 1:+.1%}" if "memtracker" in m else "-"
-        lines.append(
-            f"| {row['model']} | {row['device']} | {p['peak'] / mib:,.0f} MiB "
-            f"| {m['peak'] / mib:,.0f} MiB | {p['peak'] / m['peak'] - 1:+.1%} "
-            f"| {independent} "
-            f"| {p['between'] / mib:,.0f} MiB | {m['between'] / mib:,.0f} MiB "
-            f"| {p['between'] / m['between'] - 1:+.1%} | {p['seconds']:.1f} s |"
+        peak, between = (
+            [f"{p[k] / mib:,.0f} MiB", f"{m[k] / mib:,.0f} MiB", f"{p[k] / m[k] - 1:+.1%}"]
+            for k in ("peak", "between")
         )
-    return "\n".join(lines)
+        seconds = f"{p['seconds']:.1f} s"
+        cells.append([row["model"], row["device"], *peak, independent, *between, seconds])
+    return markdown_table(columns, cells)
 
 
 # name: (world, fully_shard_model arguments, bf16, outer_dp_size, int8 gradients, checkpointed)

@@ -91,8 +91,10 @@ def first_non_finite(x: torch.Tensor) -> int:
 
 
 def is_finite(x: torch.Tensor) -> bool:
-    """Whether ``x`` holds no inf or NaN: one min-max pass (NaN propagates through it)."""
-    if not x.numel() or is_fake(x):  # a planning run takes the route of finite values
+    """Whether ``x`` holds no inf or NaN: one min-max pass (NaN propagates through it). The
+    codec's one question about values: a planning run's fake ``x`` has none, and takes the
+    route of finite ones."""
+    if not x.numel() or is_fake(x):
         return True
     low, high = torch.aminmax(x)
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
@@ -149,7 +151,7 @@ def quantize_blocks(
     if n == 0:
         return True
     amax = _absmax(x, spec.block)
-    if not is_fake(amax) and not bool(torch.isfinite(amax).all()):
+    if not is_finite(amax):  # an inf or NaN in a block makes its maximum one
         return False
     # at least the smallest normal float, so the reciprocal is finite (all-zero and
     # denormal blocks code as 0 and small codes)

@@ -146,8 +146,6 @@ class ReduceScatterArgs:
     inp: torch.Tensor | FlatPieces
     out: torch.Tensor
     at: Peers
-    spec: Reduction
-    numel: int  # elements of the (padded) input
 
 
 def check_reduce_scatter(
@@ -169,7 +167,7 @@ def check_reduce_scatter(
         inp = check_flat(unsharded_grad, "unsharded_grad")
         check_same_device(inp, "unsharded_grad", out, out_arg)
     at = peers(group, group_arg, transport)
-    reduction = reduce_spec(inp, "unsharded_grad", spec)
+    reduce_spec(inp, "unsharded_grad", spec)
     numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
     check_shard_sizes(numel, "unsharded_grad", out, out_arg, at.size)
-    return ReduceScatterArgs(inp, out, at, reduction, numel)
+    return ReduceScatterArgs(inp, out, at)

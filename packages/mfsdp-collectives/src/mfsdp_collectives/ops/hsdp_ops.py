@@ -15,24 +15,12 @@ from mfsdp_buffers import FlatPieces
 
 from ..comms.custom_comms import ReduceScatterComm, check_comm
 from ..core._checks import check_flat, check_same_device, overlaps
-from ..core._compat import Work, all_reduce_async
-from ..core.naming import group_name
 from ..host.shm import SharedMemoryTransport
-from ..issuing._op_args import (
-    Peers,
-    check_reduce_scatter,
-    check_shard_sizes,
-    peers,
-    routed_reduce_op,
-    side_of,
-    side_stream,
-)
-from ..issuing._reduce import ReduceSpec, Reduction, finish_into, reduce_op
+from ..issuing._op_args import check_reduce_scatter, check_shard_sizes, peers, side_stream
+from ..issuing._reduce import ReduceSpec
 from ..issuing.handle import CommHandle
-from ..issuing.stages import issue_stages
 from ..issuing.streams import CommStreams
-from ..tracing.tracer import record_comm
-from .flat_ops import MEAN, ReduceScatterStage, reduce_scatter_into
+from .route import MEAN, Route
 
 __all__ = ["hfsdp_reduce_scatter_into", "hsdp_reduce_scatter_into"]
 
@@ -63,34 +51,20 @@ def hsdp_reduce_scatter_into(
     reduce-scatter (as in ``reduce_scatter_into``); ``after_reduce`` sees the result of the
     all-reduce across the replicas (of the reduce-scatter without one), as FSDP2's hook.
     """
-    if outer_group is None:
-        return reduce_scatter_into(
-            unsharded_grad,
-            out_shard,
-            shard_group,
-            spec=spec,
-            accumulate=accumulate,
-            async_op=async_op,
-            stream=stream,
-            transport=transport,
-            comm=comm,
-            after_reduce=after_reduce,
-        )
     args = check_reduce_scatter(
         unsharded_grad, out_shard, shard_group, "shard_group", spec, transport
     )
-    outer = peers(outer_group, "outer_group")
-    if outer.group is args.at.group:
+    outer = None if outer_group is None else peers(outer_group, "outer_group")
+    if outer is not None and outer.group is args.at.group:
         raise ValueError("outer_group must differ from shard_group; pass outer_group=None")
     side_stream(stream, "reduce_scatter", args.out.device)
     if comm is not None:
         check_comm(comm, "comm")
-    return hsdp_reduce_scatter_checked(
+    return Route.over(args.at).hsdp_reduce_scatter_into(
         args.inp,
         args.out,
-        args.at,
-        outer,
-        args.spec,
+        None if outer is None else Route.over(outer),
+        spec=spec,
         accumulate=bool(accumulate),
         stream=stream,
         outer_reduces_output=outer_reduces_output,
@@ -98,105 +72,6 @@ def hsdp_reduce_scatter_into(
         after_reduce=after_reduce,
         async_op=async_op,
     )
-
-
-def hsdp_reduce_scatter_checked(
-    inp: torch.Tensor | FlatPieces,
-    out: torch.Tensor,
-    at: Peers,
-    outer_at: Peers,
-    reduction: Reduction,
-    *,
-    accumulate: bool,
-    stream: CommStreams | None,
-    outer_reduces_output: bool,
-    comm: ReduceScatterComm | None,
-    after_reduce: Callable[[torch.Tensor], None] | None,
-    async_op: bool,
-) -> CommHandle:
-    """``hsdp_reduce_scatter_into`` with an outer group, once its arguments were checked (by
-    it, or once by a ``Route``): ``reduction`` is its ``spec`` resolved for ``inp``."""
-    if out.numel() == 0:
-        return CommHandle.completed()
-    shard_group, outer_group = at.group, outer_at.group
-    numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
-    rs_op, rs_factor = reduce_op(shard_group, reduction.average, sum_only=reduction.sum_only)
-    record_comm("reduce_scatter", group_name(shard_group), numel, reduction.reduce_dtype)
-    record_comm("all_reduce", group_name(outer_group), out.numel(), reduction.reduce_dtype)
-    route = None if comm is not None else at.carrier(out)
-    stage = ReduceScatterStage(inp, out, reduction, shard_group, rs_op, accumulate, route, comm)
-    outer = _OuterStage(stage, out, outer_group, reduction, rs_factor, accumulate)
-    outer.after_reduce = after_reduce
-    run_outer, finish = outer.of_output if outer_reduces_output else outer.of_part
-    return issue_stages(
-        [(side_of(stream, "reduce_scatter"), stage), (side_of(stream, "outer"), run_outer)],
-        device=out.device,
-        finish=finish,
-        async_op=async_op,
-        keep_alive=(inp, out),
-        reads=inp.pieces if isinstance(inp, FlatPieces) else (inp,),
-        writes=(out,),
-        label=f"HSDP reduce_scatter on groups {group_name(shard_group)}, {group_name(outer_group)}",
-    )
-
-
-class _OuterStage:
-    """The all-reduce across the replicas, and the finish that lands the result in ``out``
-    (``after_reduce`` sees the all-reduced tensor first)."""
-
-    after_reduce: Callable[[torch.Tensor], None] | None = None
-
-    def __init__(
-        self,
-        inner: ReduceScatterStage,
-        out: torch.Tensor,
-        group: dist.ProcessGroup,
-        spec: Reduction,
-        inner_factor: float,
-        accumulate: bool,
-    ) -> None:
-        self._inner, self._out, self._group, self._accumulate = inner, out, group, accumulate
-        self._op, self._outer_factor = reduce_op(group, spec.average, sum_only=spec.sum_only)
-        post = spec.post_scale if spec.post_scale is not None else 1.0
-        self._inner_factor = inner_factor * post
-
-    @property
-    def of_part(self) -> tuple[Callable[[], Work | None], Callable[[], None]]:
-        """All-reduce this call's reduce-scattered part, then add it into ``out``."""
-
-        def run() -> Work | None:
-            return all_reduce_async(self._inner.result(), self._op, self._group)
-
-        def finish() -> None:
-            factor = self._inner_factor * self._outer_factor
-            result = self._inner.result()
-            if self.after_reduce is not None:
-                self.after_reduce(result)
-            finish_into(result, self._out, factor=factor, accumulate=self._accumulate)
-
-        return run, finish
-
-    @property
-    def of_output(self) -> tuple[Callable[[], Work | None], Callable[[], None]]:
-        """Add this call's part into ``out``, then all-reduce the whole of ``out``."""
-
-        def run() -> Work | None:
-            finish_into(
-                self._inner.result(),
-                self._out,
-                factor=self._inner_factor,
-                accumulate=self._accumulate,
-            )
-            return all_reduce_async(self._out, self._op, self._group)
-
-        def finish() -> None:
-            if self.after_reduce is not None:
-                self.after_reduce(self._out)
-            if self._outer_factor != 1.0:
-                with torch.no_grad():
-                    self._out.mul_(self._outer_factor)
-
-        return run, finish
 
 
 def hfsdp_reduce_scatter_into(
@@ -238,68 +113,14 @@ def hfsdp_reduce_scatter_into(
     if overlaps(args.out, out):
         raise ValueError("partial and out_sub_shard overlap; pass separate tensors")
     side_stream(stream, "reduce_scatter", out.device)
-    return hfsdp_reduce_scatter_checked(
+    return Route.over(args.at).hfsdp_reduce_scatter_into(
         args.inp,
         out,
-        args.at,
-        outer,
-        args.spec,
+        Route.over(outer),
+        spec=spec,
         partial=args.out,
         partial_accumulate=bool(partial_accumulate),
         accumulate=bool(accumulate),
         stream=stream,
         async_op=async_op,
-    )
-
-
-def hfsdp_reduce_scatter_checked(
-    inp: torch.Tensor | FlatPieces,
-    out: torch.Tensor,
-    at: Peers,
-    outer_at: Peers,
-    reduction: Reduction,
-    *,
-    partial: torch.Tensor,
-    partial_accumulate: bool,
-    accumulate: bool,
-    stream: CommStreams | None,
-    async_op: bool,
-) -> CommHandle:
-    """``hfsdp_reduce_scatter_into`` once its arguments were checked (by it, or once by a
-    ``Route``): ``reduction`` is its ``spec`` resolved for ``inp``."""
-    if out.numel() == 0:
-        return CommHandle.completed()
-    shard_group, outer_group = at.group, outer_at.group
-    numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
-    route = at.carrier(partial)
-    inner_op, inner_factor = routed_reduce_op(route, shard_group, reduction)
-    inner_factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
-    outer_route = outer_at.carrier(out)
-    outer_op, outer_factor = routed_reduce_op(outer_route, outer_group, reduction)
-    record_comm("reduce_scatter", group_name(shard_group), numel, reduction.reduce_dtype)
-    record_comm("reduce_scatter", group_name(outer_group), partial.numel(), reduction.reduce_dtype)
-    inner = ReduceScatterStage(
-        inp, partial, reduction, shard_group, inner_op, partial_accumulate, route
-    )
-    outer_spec = Reduction(reduction.average, None, None, reduction.reduce_dtype)
-    outer = ReduceScatterStage(
-        partial, out, outer_spec, outer_group, outer_op, accumulate, outer_route
-    )
-
-    def run_outer() -> Work | None:
-        finish_into(inner.result(), partial, factor=inner_factor, accumulate=partial_accumulate)
-        return outer()
-
-    def finish() -> None:
-        finish_into(outer.result(), out, factor=outer_factor, accumulate=accumulate)
-
-    return issue_stages(
-        [(side_of(stream, "reduce_scatter"), inner), (side_of(stream, "outer"), run_outer)],
-        device=out.device,
-        finish=finish,
-        async_op=async_op,
-        keep_alive=(inp, partial, out),
-        reads=inp.pieces if isinstance(inp, FlatPieces) else (inp,),
-        writes=(partial, out),
-        label=f"HFSDP reduce_scatter on {group_name(shard_group)}, {group_name(outer_group)}",
     )

@@ -1,13 +1,13 @@
-"""A group's collectives, checked once: ``Route``.
+"""A group's collectives, issued: ``Route``.
 
-The public ops (``all_gather_into``, ``reduce_scatter_into``, ...) check every argument on
-every call, so that a mistake raises on the calling rank instead of hanging the others. An
-engine lays its buffers out once and then issues the same collectives on them every step: it
-checks its buffers where it builds them (their layout fixes sizes, dtype and device for the
-group), and the group and transport once, in a ``Route``, whose ops check nothing again.
-They issue exactly what the public ops issue (the same issuing code, the same counts and
-bytes); what varies per call and is not an argument is still decided per call: whether the
-transport was closed since, and on which side stream each stage runs.
+Every collective of flat buffers is issued here. The public ops (``all_gather_into``,
+``reduce_scatter_into``, ...) check every argument on every call, so that a mistake raises on
+the calling rank instead of hanging the others, then issue through a ``Route`` of their group.
+An engine lays its buffers out once and then issues the same collectives on them every step:
+it checks its buffers where it builds them (their layout fixes sizes, dtype and device for the
+group), and the group and transport once, when it builds its ``Route``, whose ops check
+nothing again. What varies per call and is not an argument is still decided per call: whether
+the transport was closed since, and on which side stream each stage runs.
 """
 
 from __future__ import annotations
@@ -19,35 +19,49 @@ import torch.distributed as dist
 
 from mfsdp_buffers import FlatPieces
 
-from ..comms.custom_comms import AllGatherComm, ReduceScatterComm
+from ..comms.custom_comms import AllGatherComm, ReduceScatterComm, custom_all_gather
+from ..core._compat import Work, all_reduce_async
+from ..core.naming import group_name
 from ..host.shm import SharedMemoryTransport
-from ..issuing._op_args import Peers, peers
-from ..issuing._reduce import ReduceSpec
+from ..issuing._op_args import Peers, peers, routed_reduce_op, side_of
+from ..issuing._reduce import ReduceSpec, Reduction, finish_into, prepare_input, reduce_op
 from ..issuing.handle import CommHandle
+from ..issuing.stages import Stage, issue_stages
 from ..issuing.streams import CommStreams
-from .flat_ops import MEAN, all_reduce_checked, gather_checked, reduce_scatter_checked
-from .hsdp_ops import hfsdp_reduce_scatter_checked, hsdp_reduce_scatter_checked
+from ..tracing.tracer import record_comm
+from .coalescing import GatherRoute, issue_all_gather, queued_gathers
+from .reduce_stages import OuterStage, ReduceScatterStage
 
-__all__ = ["Route"]
+__all__ = ["MEAN", "Route"]
+
+MEAN = ReduceSpec()
+"""The default reduction: the mean over the group, in the input's dtype, unscaled."""
 
 _GRAD = "unsharded_grad"  # the name a reduction's input has in errors (as the public ops)
 
 
 class Route:
     """The collectives over ``group`` (carried by ``transport`` for CPU tensors, or c10d),
-    for a caller that checked its tensors once where it built them.
+    for a caller that checked its tensors: an engine once, where it built them, or the
+    public op of the same name on each call.
 
     Built once per group (this rank's membership and the transport's group checked here,
     raising as the public ops do); each op then trusts its tensors to be flat, contiguous,
     on one device and dtype, and sized for the group (the shard ``1/size`` of the whole),
-    as the public op of the same name would have checked, and its ``stream`` and ``comm`` to
-    be those the caller checked when it was given them.
+    and its ``stream`` and ``comm`` to be those the caller checked when it was given them.
     """
 
     def __init__(
         self, group: dist.ProcessGroup, transport: SharedMemoryTransport | None = None
     ) -> None:
         self.peers: Peers = peers(group, "group", transport)
+
+    @classmethod
+    def over(cls, at: Peers) -> Route:
+        """The route over ``at``: a group (and transport) the caller checked itself."""
+        route = cls.__new__(cls)
+        route.peers = at
+        return route
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -72,9 +86,18 @@ class Route:
         async_op: bool = True,
     ) -> CommHandle:
         """``mfsdp_collectives.all_gather_into`` over this route."""
-        return gather_checked(
-            shard, unsharded, self.peers, stream=stream, comm=comm, async_op=async_op
-        )
+        if shard.numel() == 0:
+            return CommHandle.completed()
+        at, side = self.peers, side_of(stream, "all_gather")
+        if comm is not None:
+            return custom_all_gather(
+                shard, unsharded, at.group, at.rank, comm, side=side, async_op=async_op
+            )
+        route = GatherRoute(at.group, at.size, at.carrier(shard), side)
+        queues = queued_gathers()
+        if queues is not None and async_op:  # inside coalesced_gathers(): issued with others
+            return queues.add(shard, unsharded, route)
+        return issue_all_gather([(shard, unsharded)], route, async_op=async_op)
 
     def reduce_scatter_into(
         self,
@@ -89,16 +112,37 @@ class Route:
         async_op: bool = True,
     ) -> CommHandle:
         """``mfsdp_collectives.reduce_scatter_into`` over this route."""
-        return reduce_scatter_checked(
-            unsharded_grad,
-            out_shard,
-            self.peers,
-            spec.resolve(unsharded_grad.dtype, _GRAD),  # the spec may change between steps
-            stream=stream,
-            accumulate=accumulate,
-            comm=comm,
-            after_reduce=after_reduce,
+        reduction = spec.resolve(unsharded_grad.dtype, _GRAD)  # it may change between steps
+        inp, out, at = unsharded_grad, out_shard, self.peers
+        if out.numel() == 0:
+            return CommHandle.completed()
+        group = at.group
+        numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
+        alone = comm is None and at.size == 1  # no collective, as FSDP2 at world size 1
+        route = None if comm is not None or alone else at.carrier(out)
+        op, factor = routed_reduce_op(route, group, reduction)
+        factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
+        if not alone:
+            record_comm("reduce_scatter", group_name(group), numel, reduction.reduce_dtype)
+        stage = ReduceScatterStage(
+            inp, out, reduction, group, op, accumulate, route, comm, alone=alone
+        )
+
+        def finish() -> None:
+            result = stage.result()
+            if after_reduce is not None:
+                after_reduce(result)
+            finish_into(result, out, factor=factor, accumulate=accumulate)
+
+        return issue_stages(
+            [(side_of(stream, "reduce_scatter"), stage)],
+            device=out.device,
+            finish=finish,
             async_op=async_op,
+            keep_alive=(inp, out),
+            reads=inp.pieces if isinstance(inp, FlatPieces) else (inp,),
+            writes=(out,),
+            label=f"reduce_scatter on group {group_name(group)}",
         )
 
     def all_reduce_(
@@ -113,15 +157,47 @@ class Route:
         async_op: bool = True,
     ) -> CommHandle:
         """``mfsdp_collectives.all_reduce_`` over this route (then across ``outer``)."""
-        return all_reduce_checked(
-            tensor,
-            self.peers,
-            None if outer is None else outer.peers,
-            spec.resolve(tensor.dtype, "tensor"),
-            stream=stream,
-            after_reduce=after_reduce,
-            record_as=record_as,
+        reduction = spec.resolve(tensor.dtype, "tensor")
+        if tensor.numel() == 0:
+            return CommHandle.completed()
+        group, size = self.group, self.size
+        op, factor = reduce_op(group, reduction.average, sum_only=reduction.sum_only)
+        factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
+        if size > 1:  # one rank: the reduction is the tensor itself, no collective
+            record_comm(record_as, group_name(group), tensor.numel(), reduction.reduce_dtype)
+        sent: list[torch.Tensor] = []
+
+        def issue() -> Work | None:
+            sent.append(prepare_input(tensor, reduction))
+            return all_reduce_async(sent[0], op, group) if size > 1 else None
+
+        stages: list[Stage] = [(side_of(stream, "reduce_scatter"), issue)]
+        if outer is not None:
+            outer_group = outer.group
+            outer_op, outer_factor = reduce_op(
+                outer_group, reduction.average, sum_only=reduction.sum_only
+            )
+            factor *= outer_factor
+            record_comm(record_as, group_name(outer_group), tensor.numel(), reduction.reduce_dtype)
+            stages.append(
+                (side_of(stream, "outer"), lambda: all_reduce_async(sent[0], outer_op, outer_group))
+            )
+
+        def finish() -> None:
+            result = sent.pop()
+            if after_reduce is not None:
+                after_reduce(result)
+            finish_into(result, tensor, factor=factor, accumulate=False)
+
+        return issue_stages(
+            stages,
+            device=tensor.device,
+            finish=finish,
             async_op=async_op,
+            keep_alive=(tensor,),
+            reads=(tensor,),
+            writes=(tensor,),
+            label=f"all_reduce on group {group_name(group)}",
         )
 
     def hsdp_reduce_scatter_into(
@@ -151,18 +227,30 @@ class Route:
                 after_reduce=after_reduce,
                 async_op=async_op,
             )
-        return hsdp_reduce_scatter_checked(
-            unsharded_grad,
-            out_shard,
-            self.peers,
-            outer.peers,
-            spec.resolve(unsharded_grad.dtype, _GRAD),
-            accumulate=accumulate,
-            stream=stream,
-            outer_reduces_output=outer_reduces_output,
-            comm=comm,
-            after_reduce=after_reduce,
+        reduction = spec.resolve(unsharded_grad.dtype, _GRAD)
+        inp, out = unsharded_grad, out_shard
+        if out.numel() == 0:
+            return CommHandle.completed()
+        shard_group, outer_group = self.group, outer.group
+        numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
+        rs_op, rs_factor = reduce_op(shard_group, reduction.average, sum_only=reduction.sum_only)
+        record_comm("reduce_scatter", group_name(shard_group), numel, reduction.reduce_dtype)
+        record_comm("all_reduce", group_name(outer_group), out.numel(), reduction.reduce_dtype)
+        route = None if comm is not None else self.peers.carrier(out)
+        stage = ReduceScatterStage(inp, out, reduction, shard_group, rs_op, accumulate, route, comm)
+        across = OuterStage(stage, out, outer_group, reduction, rs_factor, accumulate)
+        across.after_reduce = after_reduce
+        run_outer, finish = across.of_output if outer_reduces_output else across.of_part
+        return issue_stages(
+            [(side_of(stream, "reduce_scatter"), stage), (side_of(stream, "outer"), run_outer)],
+            device=out.device,
+            finish=finish,
             async_op=async_op,
+            keep_alive=(inp, out),
+            reads=inp.pieces if isinstance(inp, FlatPieces) else (inp,),
+            writes=(out,),
+            label=f"HSDP reduce_scatter on groups {group_name(shard_group)}, "
+            f"{group_name(outer_group)}",
         )
 
     def hfsdp_reduce_scatter_into(
@@ -180,15 +268,48 @@ class Route:
     ) -> CommHandle:
         """``mfsdp_collectives.hfsdp_reduce_scatter_into`` over this route (the shard group,
         into ``partial``) and ``outer`` (into ``out_sub_shard``)."""
-        return hfsdp_reduce_scatter_checked(
-            unsharded_grad,
-            out_sub_shard,
-            self.peers,
-            outer.peers,
-            spec.resolve(unsharded_grad.dtype, _GRAD),
-            partial=partial,
-            partial_accumulate=partial_accumulate,
-            accumulate=accumulate,
-            stream=stream,
+        reduction = spec.resolve(unsharded_grad.dtype, _GRAD)
+        inp, out = unsharded_grad, out_sub_shard
+        if out.numel() == 0:
+            return CommHandle.completed()
+        shard_group, outer_group = self.group, outer.group
+        numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
+        route = self.peers.carrier(partial)
+        inner_op, inner_factor = routed_reduce_op(route, shard_group, reduction)
+        inner_factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
+        outer_route = outer.peers.carrier(out)
+        outer_op, outer_factor = routed_reduce_op(outer_route, outer_group, reduction)
+        record_comm("reduce_scatter", group_name(shard_group), numel, reduction.reduce_dtype)
+        record_comm(
+            "reduce_scatter", group_name(outer_group), partial.numel(), reduction.reduce_dtype
+        )
+        inner_stage = ReduceScatterStage(
+            inp, partial, reduction, shard_group, inner_op, partial_accumulate, route
+        )
+        outer_spec = Reduction(reduction.average, None, None, reduction.reduce_dtype)
+        outer_stage = ReduceScatterStage(
+            partial, out, outer_spec, outer_group, outer_op, accumulate, outer_route
+        )
+
+        def run_outer() -> Work | None:
+            finish_into(
+                inner_stage.result(), partial, factor=inner_factor, accumulate=partial_accumulate
+            )
+            return outer_stage()
+
+        def finish() -> None:
+            finish_into(outer_stage.result(), out, factor=outer_factor, accumulate=accumulate)
+
+        return issue_stages(
+            [
+                (side_of(stream, "reduce_scatter"), inner_stage),
+                (side_of(stream, "outer"), run_outer),
+            ],
+            device=out.device,
+            finish=finish,
             async_op=async_op,
+            keep_alive=(inp, partial, out),
+            reads=inp.pieces if isinstance(inp, FlatPieces) else (inp,),
+            writes=(partial, out),
+            label=f"HFSDP reduce_scatter on {group_name(shard_group)}, {group_name(outer_group)}",
         )
