@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import fully_shard
+from mfsdp_hooks import ShardingStrategy, fully_shard
 
 STEPS = 5
 
@@ -280,16 +280,19 @@ def test_cpu_offload_policy_keeps_the_state_on_the_host_as_fsdp2() -> None:
         assert mine["keys"] == theirs["keys"]
 
 
-def test_cpu_offload_from_an_accelerator_is_refused_naming_it() -> None:
+def test_cpu_offload_on_cpu_moves_nothing_and_a_bad_policy_is_refused() -> None:
+    # From an accelerator it offloads (test_hooks_offload, with the host copies forced).
+    from types import SimpleNamespace
+
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     from mfsdp_hooks.api.fsdp2_options import check_offload_policy
 
-    check_offload_policy(CPUOffloadPolicy(), torch.device("cpu"))  # honoured as it stands
-    with pytest.raises(NotImplementedError, match=r"offload_policy=CPUOffloadPolicy\(\) with"):
-        check_offload_policy(CPUOffloadPolicy(), torch.device("cuda", 0))
+    on_cpu: Any = SimpleNamespace(device=torch.device("cpu"), shards_optimizer_across_outer=False)
+    zero3 = ShardingStrategy.OPTIM_GRADS_PARAMS
+    assert check_offload_policy(CPUOffloadPolicy(), on_cpu, zero3) is None  # there already
     with pytest.raises(TypeError, match="offload_policy must be"):
-        check_offload_policy("cpu", torch.device("cpu"))
+        check_offload_policy("cpu", on_cpu, zero3)
 
 
 class _TiedLM(nn.Module):

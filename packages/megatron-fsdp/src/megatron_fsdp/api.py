@@ -64,6 +64,7 @@ def fully_shard_model(
     backward_prefetch_grad_fraction: float = 0.5,
     reshard_after_forward_group_size: int | None = None,
     check_replicas: bool = True,
+    optimizer_cpu_offload: bool = False,
 ) -> MegatronFSDP:
     """Shard ``module`` (every ``fsdp_unit_modules`` match, then the root) and wrap it.
 
@@ -160,6 +161,14 @@ def fully_shard_model(
             ranks built the model with different values (different seeds): sharded, each
             rank would train its slice of its own weights. False when you load the weights
             into the sharded model after wrapping.
+        optimizer_cpu_offload: Megatron-LM's ``--optimizer-cpu-offload``, for the whole
+            optimizer: the sharded fp32 main weights, their gradients and the optimizer
+            state live on the host (pinned) and the optimizer steps there, while the
+            accelerator computes; each unit's shard is copied to the device for its
+            all-gather and its reduced gradient shard copied back (FSDP2's
+            ``CPUOffloadPolicy(pin_memory=True)``). ZeRO-1/2/3 and HSDP; refused with
+            ``zero_dp_strategy=0`` and with ``outer_dp_sharding_strategy="optim"``. On CPU the
+            state is on the host already: nothing moves.
     """
     options = sharding_options(
         module,
@@ -196,6 +205,7 @@ def fully_shard_model(
         backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
         reshard_after_forward_group_size=reshard_after_forward_group_size,
         check_replicas=check_replicas,
+        optimizer_cpu_offload=optimizer_cpu_offload,
     )
     wrapped = MegatronFSDP(module, fsdp_unit_modules=fsdp_unit_modules, options=options)
     if preproc_state_dict_for_dcp_ckpt:
@@ -283,6 +293,7 @@ def fully_shard(
     backward_prefetch_grad_fraction: float = 0.5,
     reshard_after_forward_group_size: int | None = None,
     check_replicas: bool = True,
+    optimizer_cpu_offload: bool = False,
 ) -> tuple[MegatronFSDP, torch.optim.Optimizer]:
     """One-line change for an initialised model and optimizer: shard both, keep param groups.
 
@@ -298,7 +309,7 @@ def fully_shard(
         fsdp_unit_modules: classes (or import paths) of the submodules that become FSDP
             units.
 
-    Every keyword argument (``device_mesh`` ... ``check_replicas``) has
+    Every keyword argument (``device_mesh`` ... ``optimizer_cpu_offload``) has
     the name, default and meaning it has in :func:`fully_shard_model`, whose docstring
     describes each; ``preproc_state_dict_for_dcp_ckpt`` applies to the optimizer too.
     """
@@ -342,6 +353,7 @@ def fully_shard(
         backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
         reshard_after_forward_group_size=reshard_after_forward_group_size,
         check_replicas=check_replicas,
+        optimizer_cpu_offload=optimizer_cpu_offload,
     )
     _rebind_optimizer(optimizer)
     return model, fully_shard_optimizer(

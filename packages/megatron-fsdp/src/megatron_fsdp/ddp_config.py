@@ -64,6 +64,10 @@ class DistributedDataParallelConfig:
     check_replicas: bool = True
     """Not in the reference: compare the weights' values across the ranks at wrap time and
     raise when they differ (``fully_shard_model(check_replicas=...)``)."""
+    optimizer_cpu_offload: bool = False
+    """Megatron-LM's optimizer config field (``--optimizer-cpu-offload``), read here by the
+    ``MegatronFSDP`` class: main weights, gradients and optimizer state on the host
+    (``fully_shard_model(optimizer_cpu_offload=...)``)."""
     use_distributed_optimizer: bool = False
     """Megatron-Core sets it with FSDP: an optimizer over sharded parameters is distributed
     by construction, so either value is honoured."""

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 from megatron_fsdp.expert_mesh import expert_sharding
 from megatron_fsdp.hybrid import hybrid_topology, parse_outer_strategy
@@ -70,6 +71,15 @@ def _topology(
             return resolve_topology(device_mesh, module)
         dp_shard_dim = (device_mesh.mesh_dim_names or ("dp_shard",))[0]
     return FSDPTopology.from_mesh(device_mesh, dp_shard_dim=dp_shard_dim, tp_dim=tp_dim)
+
+
+def _offload_policy(optimizer_cpu_offload: object) -> CPUOffloadPolicy | None:
+    """``optimizer_cpu_offload`` as the engine's record takes it: FSDP2's policy, pinned."""
+    if not isinstance(optimizer_cpu_offload, bool):
+        raise TypeError(
+            f"optimizer_cpu_offload must be a bool, got {type(optimizer_cpu_offload).__name__}"
+        )
+    return CPUOffloadPolicy(pin_memory=True) if optimizer_cpu_offload else None
 
 
 def _check_module_and_units(module: object, fsdp_unit_modules: Sequence[UnitSpec] | None) -> None:
@@ -224,6 +234,7 @@ def sharding_options(
     backward_prefetch_grad_fraction: float = 0.5,
     reshard_after_forward_group_size: int | None = None,
     check_replicas: bool = True,
+    optimizer_cpu_offload: bool = False,
 ) -> ShardingOptions:
     """Check ``fully_shard_model``'s arguments (locally, then the topology's collectives),
     move ``module`` to ``device`` when asked, and return the engine's options record.
@@ -242,6 +253,7 @@ def sharding_options(
         },
     )
     _check_module_and_units(module, fsdp_unit_modules)
+    offload_policy = _offload_policy(optimizer_cpu_offload)
     strategy = parse_strategy(zero_dp_strategy, "zero_dp_strategy")
     _check_units_for(strategy, fsdp_unit_modules)
     policy = _policy(
@@ -279,4 +291,5 @@ def sharding_options(
         reduce_scatter_in_no_sync=True,  # Megatron-FSDP's no_sync: ZeRO-2/3 still reduce-scatter
         param_codecs=float8_codecs(),  # torchao float8 weights travel as float8 bytes
         check_replicas=check_replicas,
+        offload_policy=offload_policy,
     )

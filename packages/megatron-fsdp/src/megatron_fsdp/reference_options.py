@@ -137,6 +137,7 @@ def reference_options(
         use_decoupled_grad=config.megatron_fsdp_use_decoupled_grad,
         reshard_after_forward_group_size=config.reshard_after_forward_group_size,
         check_replicas=config.check_replicas,
+        optimizer_cpu_offload=config.optimizer_cpu_offload,
     )
     return _with_config_only_fields(options, config)
 

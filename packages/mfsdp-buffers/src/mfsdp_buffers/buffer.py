@@ -50,6 +50,8 @@ class DataParallelBuffer:
     ``allocator`` defaults to a private :class:`StorageResizeAllocator`, so the
     unsharded tensor keeps its identity across cycles and release frees the
     bytes at once. Allocator requests use :attr:`alloc_key`, unique per buffer.
+    ``pin_memory``: the persistent storage is page-locked host memory (a host buffer that an
+    accelerator copies from and to asynchronously: host offload).
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class DataParallelBuffer:
         allocator: Allocator | None = None,
         name: str = "",
         persistent_shard: bool = True,
+        pin_memory: bool = False,
     ) -> None:
         if not 0 <= rank < layout.world_size:
             raise ValueError(f"rank must be in [0, {layout.world_size}), got {rank}")
@@ -89,9 +92,13 @@ class DataParallelBuffer:
             probe = torch.empty(0, dtype=dtype, device=device)
         elif sharded:
             self._full = None
-            self._shard = probe = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+            self._shard = probe = torch.zeros(
+                layout.shard_numel, dtype=dtype, device=device, pin_memory=pin_memory
+            )
         else:
-            self._full = probe = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+            self._full = probe = torch.zeros(
+                layout.padded_numel, dtype=dtype, device=device, pin_memory=pin_memory
+            )
             self._shard = self._full[start:end]
         # The tensor's device, not the argument: an index-less device gains its
         # index here, so allocator size classes and comparisons see one spelling.

@@ -1,6 +1,7 @@
 """FSDP2's per-unit options that take more than a type check, checked before any collective:
 ``reshard_after_forward`` (an int: the smaller group weights are kept over between forward
-and backward), ``offload_policy`` and ``shard_placement_fn``."""
+and backward), ``offload_policy`` (host offload, ``config.offload``) and
+``shard_placement_fn``."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import Shard
 
-from mfsdp_collectives import check_post_forward_size
+from mfsdp_collectives import FSDPTopology, check_post_forward_size
+from mfsdp_hooks.config.offload import HostOffload, host_copies_forced
+from mfsdp_hooks.config.strategy import ShardingStrategy
 from mfsdp_hooks.dtensor.tensor_parallel import tp_spec_of
 from mfsdp_hooks.runtime.slots import SlotMap
 
@@ -41,24 +43,43 @@ def check_reshard_after_forward(
     return True, None if size == shard_size else size
 
 
-def check_offload_policy(policy: object, device: torch.device) -> None:
-    """FSDP2's offload policies. ``CPUOffloadPolicy`` asks for the sharded weights, the
-    gradients and the optimizer step on the host: when the model computes on the CPU they
-    are there already, so it is honoured as it stands. Keeping them on the host while an
-    accelerator computes is not built yet and raises."""
+def check_offload_policy(
+    policy: object, topology: FSDPTopology, strategy: ShardingStrategy, *, codecs: bool = False
+) -> HostOffload | None:
+    """FSDP2's offload policies. ``CPUOffloadPolicy`` keeps the sharded (main) weights, their
+    gradients and the optimizer step on the host while the accelerator computes
+    (``config.offload``); on CPU they are there already and nothing moves, unless a test
+    forces the copies. Returns the offload, or None. ``codecs``: claiming codecs (float8
+    weights) were given."""
     if policy is None or type(policy) is OffloadPolicy:
-        return
+        return None
     if not isinstance(policy, CPUOffloadPolicy):
         raise TypeError(
             f"offload_policy must be torch.distributed.fsdp.OffloadPolicy or CPUOffloadPolicy, "
             f"got {type(policy).__name__}"
         )
-    if device.type != "cpu":
-        raise NotImplementedError(
-            f"offload_policy=CPUOffloadPolicy() with the model on {device}: keeping the sharded "
-            "weights, gradients and optimizer step on the host while the accelerator computes "
-            "is not supported yet; leave offload_policy None (or shard more widely)"
+    if topology.device.type == "cpu" and not host_copies_forced():
+        return None
+    named = "offload_policy=CPUOffloadPolicy() with {}"
+    if strategy == ShardingStrategy.NO_SHARD:
+        raise ValueError(
+            named.format("sharding_strategy=no_shard")
+            + ": nothing is sharded, so every rank would keep the whole model on the host and "
+            "copy all of it each step; pass sharding_strategy 1, 2 or 3 (optim, optim_grads, "
+            "optim_grads_params), or leave offload_policy None"
         )
+    if topology.shards_optimizer_across_outer:
+        raise ValueError(
+            named.format("the optimizer sharded across dp_outer (HFSDP)")
+            + " is not supported: replicate across dp_outer (outer strategy no_shard, HSDP) "
+            "or leave offload_policy None"
+        )
+    if codecs:
+        raise ValueError(
+            named.format("param_codecs")
+            + " (float8 weights) is not supported yet: leave one of the two out"
+        )
+    return HostOffload(topology.device, pin_memory=policy.pin_memory)
 
 
 def check_shard_placements(

@@ -172,10 +172,9 @@ def _check_parameters(
 
 
 def _check_topology_options(
-    topology: FSDPTopology, strategy: ShardingStrategy, offload_policy: Any, reshard: Any
+    topology: FSDPTopology, strategy: ShardingStrategy, reshard: Any
 ) -> tuple[bool | None, int | None]:
     """The options that depend on the topology; returns ``check_reshard_after_forward``'s."""
-    check_offload_policy(offload_policy, topology.device)
     _check_hfsdp_strategy(topology, strategy)
     after_forward, group_size = check_reshard_after_forward(reshard, topology.shard_size)
     if group_size is not None:
@@ -280,10 +279,13 @@ def fully_shard(
     FSDP2's default: True, except for the root, which keeps its weights for backward. ``experts``
     (``ExpertSharding``) shards the parameters it names over the expert-data-parallel group
     instead, with their gradient mean over the dense DP size (expert parallelism).
-    ``offload_policy``: FSDP2's ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy()``; see
-    :func:`check_offload_policy`. ``shard_placement_fn`` (FSDP2's): each parameter's
-    placement, ``Shard(d)`` or None (``Shard(0)``); a parameter cut along ``d`` is a
-    ``Shard(d)`` DTensor to the optimizer and ``state_dict`` (see :func:`check_shard_placements`).
+    ``offload_policy``: FSDP2's ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy(pin_memory=)``:
+    the sharded main weights, their gradients and the optimizer step on the host, each
+    unit's shard copied over for its all-gather (ZeRO-1/2/3 and HSDP; see
+    :func:`check_offload_policy` and ``config.offload``). ``shard_placement_fn`` (FSDP2's):
+    each parameter's placement, ``Shard(d)`` or None (``Shard(0)``); a parameter cut along
+    ``d`` is a ``Shard(d)`` DTensor to the optimizer and ``state_dict`` (see
+    :func:`check_shard_placements`).
     ``check_replicas`` (not FSDP2's, which trains a patchwork silently): the wrap's agreement
     check also compares the values of the module's weights across the ranks and raises on
     every rank, naming the first that differs, when the ranks built the model with different
@@ -305,13 +307,13 @@ def fully_shard(
     check_host_transport(host_transport)  # before resolve_topology, which may communicate
     scope = modules_in_scope(target, skip=lambda m: unit_of(m) is not None)
     topology = resolve_topology(mesh, target)
-    reshard, post_forward_size = _check_topology_options(
-        topology, strategy, offload_policy, reshard_after_forward
-    )
+    reshard, post_forward_size = _check_topology_options(topology, strategy, reshard_after_forward)
     built_on_meta = _meta_params_to_zeros(scope, topology, label)
     slots = collect_slots(target, _ignored_ids(ignored_params))
     codecs = tuple(param_codecs)
     shard_dims = _check_parameters(slots, target, codecs, shard_placement_fn, topology)
+    claimed = any(c.claims(p) for p, _, _ in slots.values() for c in codecs)
+    offload = check_offload_policy(offload_policy, topology, strategy, codecs=claimed)
     options = UnitOptions(
         topology=topology,
         strategy=strategy,
@@ -341,6 +343,7 @@ def fully_shard(
         experts=experts,
         max_bucket_numel=max_bucket_numel,
         shard_dims=shard_dims,
+        offload=offload,
     )
     _agree_on_wrap(label, target, slots, options, host_transport, check_replicas)
     _make_unit(target, members, _with_transports(options, host_transport), slots)

@@ -230,6 +230,7 @@ def _shard_unit(
         param_codec=options.param_codec,
         param_codecs=options.param_codecs,
         experts=options.experts,
+        offload_policy=options.offload_policy,
         check_replicas=options.check_replicas,
     )
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import OffloadPolicy
 
 from mfsdp_buffers import Allocator
 from mfsdp_collectives import FSDPTopology
@@ -85,6 +86,9 @@ class ShardingOptions:
     """Under ``no_sync`` ZeRO-2/3 units still reduce-scatter each micro-batch inside
     ``dp_shard``, as Megatron-FSDP does (False: keep them local until a synced backward, as
     FSDP2 and the per-module ``fully_shard``'s default do)."""
+    offload_policy: OffloadPolicy | None = None
+    """FSDP2's ``CPUOffloadPolicy`` (the seed API's ``optimizer_cpu_offload``): the sharded main
+    weights, their gradients and the optimizer step on the host (``config.offload``)."""
     check_replicas: bool = True
     """Each unit's wrap compares the values of its weights across the ranks and raises when
     they differ (``fully_shard(check_replicas=...)``); False when the weights are loaded into

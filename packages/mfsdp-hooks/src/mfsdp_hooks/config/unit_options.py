@@ -19,6 +19,7 @@ from mfsdp_collectives import FSDPTopology, PostForwardGroup
 from mfsdp_hooks.config.codec import IDENTITY, ParamClassCodec, ParamCodec
 from mfsdp_hooks.config.experts import ExpertSharding
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
+from mfsdp_hooks.config.offload import HostOffload
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.strategy import ShardingStrategy
 
@@ -93,6 +94,9 @@ class UnitOptions:
     shard_dims: tuple[tuple[str, int], ...] = ()
     """FSDP2's ``shard_placement_fn``: ``(name, dim)`` of the parameters cut along another dim
     than 0 (``ShardCuts`` stores them with that dim first)."""
+    offload: HostOffload | None = None
+    """FSDP2's ``CPUOffloadPolicy`` on an accelerator (or forced, in tests): the unit's main
+    weights, gradients and optimizer state live on the host (``config.offload``)."""
 
 
 def claiming_codec(options: UnitOptions, param: torch.Tensor) -> ParamClassCodec | None:

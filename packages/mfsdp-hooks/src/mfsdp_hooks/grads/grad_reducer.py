@@ -35,6 +35,7 @@ from mfsdp_collectives import (
 )
 from mfsdp_hooks.config.comm_hooks import CommHooks
 from mfsdp_hooks.config.grad_allocator import pools_memory
+from mfsdp_hooks.config.offload import GradLanding
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.strategy import ShardingStrategy
 from mfsdp_hooks.grads.grad_collector import GradCollector
@@ -91,8 +92,12 @@ class GradReducer:
         reduce_config: GradReduceConfig,
         allocator: Allocator,
         names: Sequence[str] = (),
+        landing: GradLanding | None = None,
     ) -> None:
+        """``landing``: host offload's way home for the reduced gradients (``config.offload``):
+        the collectives reduce on the device, the gradients live on the host."""
         self.layout = layout
+        self.landing = landing
         self.grads = grads
         self._topology = topology
         self._strategy = strategy
@@ -127,12 +132,14 @@ class GradReducer:
         self._collector = GradCollector(
             self.layout,
             reduce_dtype=self.reduce_dtype,
-            device=self.grads.device,
+            device=topology.device,
             allocator=allocator,
             hold=in_place,
             input_scale=None,
         )
-        inputs = ReduceInputs(self._collector, self.grads, self._dist_params, topology)
+        inputs = ReduceInputs(
+            self._collector, self.grads, self._dist_params, topology, self.landing
+        )
         partial = self.layout.shard_numel
         self._plan = choose_plan(inputs, strategy=strategy, partial_numel=partial)
         self.configure(self._reduce_config)
@@ -231,7 +238,10 @@ class GradReducer:
             )
         except NonFiniteError as error:  # a quantized comm: name the parameter
             raise named_non_finite(error, self.layout, self.names, "gradient") from error
-        return PendingReduction(self, launched.handle, launched.release)
+        release = launched.release
+        if self.landing is not None:
+            release = self.landing.after(release, streams)
+        return PendingReduction(self, launched.handle, release)
 
     def drop_partial(self) -> None:
         """Forget the ``no_sync`` parts kept in the shard group (the gradients were zeroed)."""

@@ -56,8 +56,11 @@ class GradShard:
         sharded: bool,
         make_dtensor: DTensorMaker,
         attribute: str = "grad",
+        pin_memory: bool = False,
     ) -> None:
+        """``pin_memory``: host gradients an accelerator copies into asynchronously."""
         self.layout = layout
+        self.pin_memory = pin_memory
         self.rank = rank
         self.dtype = dtype
         self.device = device
@@ -134,7 +137,7 @@ class GradShard:
 
     def new_flat(self, numel: int) -> torch.Tensor:
         """An uninitialised flat tensor of the gradients' dtype and device."""
-        return torch.empty(numel, dtype=self.dtype, device=self.device)
+        return torch.empty(numel, dtype=self.dtype, device=self.device, pin_memory=self.pin_memory)
 
     def prepare(self, params: Sequence[nn.Parameter]) -> tuple[torch.Tensor, bool]:
         """The flat tensor the next reduction writes into, and whether it must add to it.
@@ -147,12 +150,12 @@ class GradShard:
         if current is not None and all(present):
             return current, True
         if current is None and not any(present):
-            flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            flat = self.new_flat(self.numel)
             self._install(flat, params, range(len(params)))
             return flat, False
         # Some gradients were cleared, or replaced by tensors of the user's: rebuild one
         # storage that holds what is kept and zeros elsewhere, then add into it.
-        flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        flat = self.new_flat(self.numel).zero_()
         with torch.no_grad():
             for index, param in enumerate(params):
                 kept = self.held(param)

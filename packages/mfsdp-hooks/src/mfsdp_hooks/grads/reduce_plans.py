@@ -32,6 +32,7 @@ from torch import nn
 
 from mfsdp_collectives import CommHandle, CommStreams, FSDPTopology, ReduceSpec, Route
 from mfsdp_hooks.config.comm_hooks import CommHooks
+from mfsdp_hooks.config.offload import GradLanding
 from mfsdp_hooks.config.strategy import ShardingStrategy
 from mfsdp_hooks.grads.grad_collector import GradCollector
 from mfsdp_hooks.grads.grad_shard import GradShard
@@ -112,10 +113,16 @@ class ReduceInputs:
     grads: GradShard
     params: tuple[nn.Parameter, ...]
     topology: FSDPTopology
+    landing: GradLanding | None = None
+    """Host offload: the gradients live on the host, the reduction writes a device staging
+    buffer that ``landing`` copies home once it landed."""
 
     def target(self) -> tuple[torch.Tensor, bool]:
         """The flat gradients the reduction writes, and whether it adds to them."""
-        return self.grads.prepare(self.params)
+        target, accumulate = self.grads.prepare(self.params)
+        if self.landing is None:
+            return target, accumulate
+        return self.landing.stage(target, accumulate)
 
 
 class _Plan:

@@ -160,6 +160,7 @@ class FSDPRoot:
             waited = self.grad_sync.end_backward(
                 self._reducers(synced_units), any_synced=bool(synced_units), streams=self.streams
             )
+            self._settle_host_grads()
             if waited and self.root_options.report_nan_in_param_grad:
                 self.check_grads_finite()
             if synced_units:
@@ -201,9 +202,16 @@ class FSDPRoot:
     def finish_grad_sync(self) -> None:
         """Reduce whatever is still local (``no_sync`` windows) and wait for every reduction."""
         self.grad_sync.finish(self._reducers(), self.streams)
+        self._settle_host_grads()
         if self.root_options.report_nan_in_param_grad:
             self.check_grads_finite()
         self._open_step_windows()
+
+    def _settle_host_grads(self) -> None:
+        """Host offload: the gradients reduced so far are on the host before anyone reads
+        them (``config.offload``; a no-op for groups without it)."""
+        for group in self.groups:
+            group.settle_host_grads()
 
     def _open_step_windows(self) -> None:
         """Gradients are synced: until the next backward, any optimizer may step them."""

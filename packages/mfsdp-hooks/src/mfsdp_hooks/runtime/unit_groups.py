@@ -56,6 +56,7 @@ def build_groups(
             codec=options.codec,
             class_codec=codecs.get(bucket.key.group),
             shard_dims=[shard_dims.get(n, 0) for _, n, _ in members],
+            offload=options.offload,
         )
         groups.append(group)
         group_slots.append([s for _, _, s in members])

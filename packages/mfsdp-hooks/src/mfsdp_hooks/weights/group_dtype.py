@@ -46,6 +46,7 @@ def convert_group_dtype(
         group.names[0],
         compute_dtype=compute,
         optimizer_dtype=optimizer,
+        offload=group.offload,
     )
     facing = main if main is not None else model
     replacements = group.cuts.dist_params(facing, group.strategy, originals=group.dist_params)

@@ -14,6 +14,7 @@ from torch import nn
 
 from mfsdp_buffers import BufferRole, DataParallelBuffer
 from mfsdp_hooks.config.codec import GroupCodec
+from mfsdp_hooks.config.offload import HostOffload
 from mfsdp_hooks.config.strategy import ShardingStrategy
 from mfsdp_hooks.dtensor.tensor_parallel import TPSpec, carry_attributes, unsharded_param
 from mfsdp_hooks.grads.grad_shard import DTensorMaker, GradShard
@@ -35,12 +36,15 @@ def weight_buffers(
     *,
     compute_dtype: torch.dtype,
     optimizer_dtype: torch.dtype,
+    offload: HostOffload | None = None,
 ) -> tuple[DataParallelBuffer, DataParallelBuffer | None]:
     """The compute-dtype model weights, and main weights when the optimizer's dtype differs
-    (under ZeRO-3 with main weights no compute-dtype shard persists)."""
+    or they live on the host (``offload``); under ZeRO-3 with main weights no compute-dtype
+    shard persists."""
     topology = cuts.topology
+    apart = optimizer_dtype != compute_dtype or offload is not None
     # HFSDP keeps the compute shard: rebuilding it costs an all-gather across dp_outer.
-    rebuilt = strategy.shards_params and optimizer_dtype != compute_dtype
+    rebuilt = strategy.shards_params and apart
     model = DataParallelBuffer(
         cuts.layout,
         topology.shard_rank,
@@ -51,16 +55,17 @@ def weight_buffers(
         name=f"{name}:model",
         persistent_shard=not rebuilt or topology.shards_optimizer_across_outer,
     )
-    if optimizer_dtype == compute_dtype:
+    if not apart:
         return model, None
     main = DataParallelBuffer(
         cuts.optim_layout,
         topology.optim_rank,
         dtype=optimizer_dtype,
-        device=topology.device,
+        device=topology.device if offload is None else offload.host,
         role=BufferRole.MAIN_WEIGHT,
         sharded=strategy.shards_optimizer_state,
         name=f"{name}:main",
+        pin_memory=offload is not None and offload.pin_memory,
     )
     return model, main
 
@@ -74,7 +79,9 @@ def grad_shard(
     optimizer_dtype: torch.dtype,
     make_dtensor: DTensorMaker,
     attribute: str = "grad",
+    offload: HostOffload | None = None,
 ) -> GradShard:
+    """The reduced gradients, where the optimizer steps: on the host under ``offload``."""
     if grad_dtype != optimizer_dtype:
         raise NotImplementedError(
             f"MixedPrecisionPolicy.main_grads_dtype={grad_dtype} differs from the "
@@ -85,10 +92,11 @@ def grad_shard(
         cuts.optim_layout,
         cuts.topology.optim_rank,
         dtype=grad_dtype,
-        device=cuts.topology.device,
+        device=cuts.topology.device if offload is None else offload.host,
         sharded=strategy.shards_optimizer_state,
         make_dtensor=make_dtensor,
         attribute=attribute,
+        pin_memory=offload is not None and offload.pin_memory,
     )
 
 

@@ -43,6 +43,7 @@ from mfsdp_collectives import (
 )
 from mfsdp_hooks.config.codec import IDENTITY, ParamClassCodec, ParamCodec
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
+from mfsdp_hooks.config.offload import GradLanding, HostOffload, encode_main
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.strategy import ShardingStrategy
 from mfsdp_hooks.dtensor.tensor_parallel import local_value, tp_spec_of
@@ -152,17 +153,17 @@ class ParameterGroup:
         codec: ParamCodec = IDENTITY,
         class_codec: ParamClassCodec | None = None,
         shard_dims: Sequence[int] = (),
+        offload: HostOffload | None = None,
     ) -> None:
-        """``codec`` carries the weights of every gather; ``class_codec`` (parameters it
-        claims, e.g. float8 weights) is bound to this group and also decides what travels.
-        ``shard_dims`` (default all 0): the dim each parameter is cut along."""
-        self.names = list(names)
+        """``codec`` carries the weights of every gather; ``class_codec`` (claimed parameters, e.g.
+        float8 weights) is bound to it and decides what travels too. ``shard_dims``: each one's cut
+        dim (default 0). ``offload``: main weights and gradients host-side (``config.offload``)."""
+        self.names, self.offload = list(names), offload
         self.root: GroupRoot | None = None
         self.full_names = list(names)  # under the root module, once one holds this group
         self.topology = topology
         self.shard_route, self._outer_route = _gather_routes(topology)
-        self.strategy = strategy
-        self.requires_grad = params[0].requires_grad
+        self.strategy, self.requires_grad = strategy, params[0].requires_grad
         self.original_dtype = params[0].dtype
         # Tensor parallelism: the TP-local tensors are what FSDP flattens and shards.
         self.tp_specs = [tp_spec_of(p, topology.tp_mesh) for p in params]
@@ -191,6 +192,7 @@ class ParameterGroup:
             self.names[0],
             compute_dtype=self.compute_dtype,
             optimizer_dtype=optimizer_dtype,
+            offload=offload,
         )
         _require_main_weights(codec, self.main, names[0], self.compute_dtype)
         self.codec = codec
@@ -204,6 +206,7 @@ class ParameterGroup:
                 optimizer_dtype=optimizer_dtype,
                 make_dtensor=self.cuts.dtensor,
                 attribute=policy.grad_attribute,
+                offload=offload,
             )
         fill_buffers(self.model, self.main, values, encoded=bound is not None)
         self.unsharded_params = adopt_params(self.model, params, self.tp_specs, bound)
@@ -288,8 +291,7 @@ class ParameterGroup:
             handle = post_forward.gather_into(unsharded, streams, self.all_gather_comm)
             return self._decoded(handle, unsharded, senders=post_forward.subgroup.size)
         if self.main is not None and not self.model.has_persistent_shard:
-            with torch.no_grad():
-                self.codec.encode(self.main.shard, self.model.shard)
+            encode_main(self.codec, self.offload, self.main.shard, self.model.shard, streams)
         handle = self.shard_route.all_gather_into(
             self.model.shard, unsharded, stream=streams, comm=self.all_gather_comm
         )
@@ -368,7 +370,13 @@ class ParameterGroup:
     def grad_nan_flags(self) -> torch.Tensor:
         """One flag per parameter: 1 when its local reduced gradient holds NaN or Inf."""
         assert self.grads is not None
-        return self.grads.nonfinite_flags()
+        return self.grads.nonfinite_flags().to(self.topology.device)  # host-offloaded: moved
+
+    def settle_host_grads(self) -> None:
+        """Host offload: wait until the reduced gradients copied home landed (the backward
+        ended; an optimizer may read them next)."""
+        if self.reducer is not None and self.reducer.landing is not None:
+            self.reducer.landing.settle()
 
 
 def broadcast_from_first_rank(group: ParameterGroup) -> None:
@@ -401,6 +409,7 @@ def _reducer(
         reduce_config=reduce_config,
         allocator=grad_allocator or PlainAllocator(),
         names=group.names,
+        landing=None if group.offload is None else GradLanding(group.offload),
     )
 
 
@@ -419,8 +428,7 @@ def _install_whole(
         return None
     slot = group.model.shard
     if group.main is not None:
-        with torch.no_grad():
-            group.codec.encode(group.main.shard, slot)
+        encode_main(group.codec, group.offload, group.main.shard, slot, streams)
     custom = group.all_gather_comm is not None
     kept = slot.clone() if custom and group.gathers_into_its_only_copy else None
     handle = group.shard_route.all_gather_into(
