@@ -24,7 +24,7 @@ from ..core._compat import Work, all_reduce_async
 from ..core.naming import group_name
 from ..host.shm import SharedMemoryTransport
 from ..issuing._op_args import Peers, peers, routed_reduce_op, side_of
-from ..issuing._reduce import ReduceSpec, Reduction, finish_into, prepare_input, reduce_op
+from ..issuing._reduce import ReduceSpec, Reduction, finish_into, prepare_input
 from ..issuing.handle import CommHandle
 from ..issuing.stages import Stage, issue_stages
 from ..issuing.streams import CommStreams
@@ -117,13 +117,12 @@ class Route:
         if out.numel() == 0:
             return CommHandle.completed()
         group = at.group
-        numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
         alone = comm is None and at.size == 1  # no collective, as FSDP2 at world size 1
         route = None if comm is not None or alone else at.carrier(out)
         op, factor = routed_reduce_op(route, group, reduction)
         factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
         if not alone:
-            record_comm("reduce_scatter", group_name(group), numel, reduction.reduce_dtype)
+            record_comm("reduce_scatter", group_name(group), _numel(inp), reduction.reduce_dtype)
         stage = ReduceScatterStage(
             inp, out, reduction, group, op, accumulate, route, comm, alone=alone
         )
@@ -134,16 +133,9 @@ class Route:
                 after_reduce(result)
             finish_into(result, out, factor=factor, accumulate=accumulate)
 
-        return issue_stages(
-            [(side_of(stream, "reduce_scatter"), stage)],
-            device=out.device,
-            finish=finish,
-            async_op=async_op,
-            keep_alive=(inp, out),
-            reads=inp.pieces if isinstance(inp, FlatPieces) else (inp,),
-            writes=(out,),
-            label=f"reduce_scatter on group {group_name(group)}",
-        )
+        label = f"reduce_scatter on group {group_name(group)}"
+        stages: list[Stage] = [(side_of(stream, "reduce_scatter"), stage)]
+        return _issue_reduction(stages, inp, (out,), finish, async_op=async_op, label=label)
 
     def all_reduce_(
         self,
@@ -161,7 +153,7 @@ class Route:
         if tensor.numel() == 0:
             return CommHandle.completed()
         group, size = self.group, self.size
-        op, factor = reduce_op(group, reduction.average, sum_only=reduction.sum_only)
+        op, factor = routed_reduce_op(None, group, reduction)
         factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
         if size > 1:  # one rank: the reduction is the tensor itself, no collective
             record_comm(record_as, group_name(group), tensor.numel(), reduction.reduce_dtype)
@@ -174,9 +166,7 @@ class Route:
         stages: list[Stage] = [(side_of(stream, "reduce_scatter"), issue)]
         if outer is not None:
             outer_group = outer.group
-            outer_op, outer_factor = reduce_op(
-                outer_group, reduction.average, sum_only=reduction.sum_only
-            )
+            outer_op, outer_factor = routed_reduce_op(None, outer_group, reduction)
             factor *= outer_factor
             record_comm(record_as, group_name(outer_group), tensor.numel(), reduction.reduce_dtype)
             stages.append(
@@ -232,26 +222,20 @@ class Route:
         if out.numel() == 0:
             return CommHandle.completed()
         shard_group, outer_group = self.group, outer.group
-        numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
-        rs_op, rs_factor = reduce_op(shard_group, reduction.average, sum_only=reduction.sum_only)
-        record_comm("reduce_scatter", group_name(shard_group), numel, reduction.reduce_dtype)
+        rs_op, rs_factor = routed_reduce_op(None, shard_group, reduction)
+        record_comm("reduce_scatter", group_name(shard_group), _numel(inp), reduction.reduce_dtype)
         record_comm("all_reduce", group_name(outer_group), out.numel(), reduction.reduce_dtype)
         route = None if comm is not None else self.peers.carrier(out)
         stage = ReduceScatterStage(inp, out, reduction, shard_group, rs_op, accumulate, route, comm)
         across = OuterStage(stage, out, outer_group, reduction, rs_factor, accumulate)
         across.after_reduce = after_reduce
         run_outer, finish = across.of_output if outer_reduces_output else across.of_part
-        return issue_stages(
-            [(side_of(stream, "reduce_scatter"), stage), (side_of(stream, "outer"), run_outer)],
-            device=out.device,
-            finish=finish,
-            async_op=async_op,
-            keep_alive=(inp, out),
-            reads=inp.pieces if isinstance(inp, FlatPieces) else (inp,),
-            writes=(out,),
-            label=f"HSDP reduce_scatter on groups {group_name(shard_group)}, "
-            f"{group_name(outer_group)}",
-        )
+        label = f"HSDP reduce_scatter on {group_name(shard_group)}, {group_name(outer_group)}"
+        stages: list[Stage] = [
+            (side_of(stream, "reduce_scatter"), stage),
+            (side_of(stream, "outer"), run_outer),
+        ]
+        return _issue_reduction(stages, inp, (out,), finish, async_op=async_op, label=label)
 
     def hfsdp_reduce_scatter_into(
         self,
@@ -273,13 +257,12 @@ class Route:
         if out.numel() == 0:
             return CommHandle.completed()
         shard_group, outer_group = self.group, outer.group
-        numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
         route = self.peers.carrier(partial)
         inner_op, inner_factor = routed_reduce_op(route, shard_group, reduction)
         inner_factor *= reduction.post_scale if reduction.post_scale is not None else 1.0
         outer_route = outer.peers.carrier(out)
         outer_op, outer_factor = routed_reduce_op(outer_route, outer_group, reduction)
-        record_comm("reduce_scatter", group_name(shard_group), numel, reduction.reduce_dtype)
+        record_comm("reduce_scatter", group_name(shard_group), _numel(inp), reduction.reduce_dtype)
         record_comm(
             "reduce_scatter", group_name(outer_group), partial.numel(), reduction.reduce_dtype
         )
@@ -300,16 +283,36 @@ class Route:
         def finish() -> None:
             finish_into(outer_stage.result(), out, factor=outer_factor, accumulate=accumulate)
 
-        return issue_stages(
-            [
-                (side_of(stream, "reduce_scatter"), inner_stage),
-                (side_of(stream, "outer"), run_outer),
-            ],
-            device=out.device,
-            finish=finish,
-            async_op=async_op,
-            keep_alive=(inp, partial, out),
-            reads=inp.pieces if isinstance(inp, FlatPieces) else (inp,),
-            writes=(partial, out),
-            label=f"HFSDP reduce_scatter on {group_name(shard_group)}, {group_name(outer_group)}",
-        )
+        label = f"HFSDP reduce_scatter on {group_name(shard_group)}, {group_name(outer_group)}"
+        stages: list[Stage] = [
+            (side_of(stream, "reduce_scatter"), inner_stage),
+            (side_of(stream, "outer"), run_outer),
+        ]
+        return _issue_reduction(stages, inp, (partial, out), finish, async_op=async_op, label=label)
+
+
+def _numel(inp: torch.Tensor | FlatPieces) -> int:
+    return inp.numel if isinstance(inp, FlatPieces) else inp.numel()
+
+
+def _issue_reduction(
+    stages: list[Stage],
+    inp: torch.Tensor | FlatPieces,
+    outs: tuple[torch.Tensor, ...],
+    finish: Callable[[], None],
+    *,
+    async_op: bool,
+    label: str,
+) -> CommHandle:
+    """Issue a gradient reduction's ``stages``: it reads ``inp`` (each of its pieces) and
+    writes ``outs``, the last of them its result, all kept alive until it landed."""
+    return issue_stages(
+        stages,
+        device=outs[-1].device,
+        finish=finish,
+        async_op=async_op,
+        keep_alive=(inp, *outs),
+        reads=inp.pieces if isinstance(inp, FlatPieces) else (inp,),
+        writes=outs,
+        label=label,
+    )
