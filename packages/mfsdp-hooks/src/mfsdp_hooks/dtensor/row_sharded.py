@@ -6,8 +6,7 @@ not even in mesh-rank order). A plain ``Shard(0)`` DTensor claims ``torch.chunk`
 and whatever gathers it (``full_tensor()``, ``redistribute()``) would silently put rows in
 the wrong place.
 
-:class:`RowShardedDTensor` behaves as a plain DTensor in every op (same C++ dispatch, no
-Python ``__torch_dispatch__``, so an optimizer step costs the same) and also knows every
+:class:`RowShardedDTensor` behaves as a plain DTensor in every op and also knows every
 rank's true row range along mesh dim 0 (``dp_row_ranges``). Its ``redistribute`` gathers
 those rows exactly over mesh dim 0 first; any further change (the TP dim of a 2-D
 ``(dp, tp)`` mesh) follows torch's own rules from there. ``full_tensor()`` calls
@@ -38,13 +37,16 @@ Checkpoints: DCP asks a DTensor where its piece goes (``__create_write_items__``
 ``dcp.save``/``dcp.load`` of ``model.state_dict()`` and of a bare optimizer's
 ``state_dict()`` are exact as they are with FSDP2.
 
-Known costs: torch's optimizers default to ``foreach`` only for exact ``DTensor`` types, so
-on CUDA pass ``foreach=True`` (or use the contiguous optimizer step). Every torch function on
-one of these runs a Python ``__torch_function__`` (about 3 us, beside DTensor's own ~8 us
-dispatch of an op: a bare single-tensor AdamW step costs ~1.3x FSDP2's); forward and
-backward never see them (they compute with the unsharded parameters). Where each rank's
-rows are ``torch.chunk``'s own (a 1-D mesh of one rank, or an even cut) the rows need no
-keeping and :class:`TorchChunkRowsDTensor` runs none.
+Cost: an elementwise op among tensors of one layout (every op of a torch optimizer's step,
+once its state is made by ``zeros_like``) runs on the local tensors
+(:mod:`.local_elementwise`), without DTensor's sharding propagation (~20 us an op); every
+other op goes through DTensor's dispatcher as before. Torch's optimizers default to
+``foreach`` only for exact ``DTensor`` types, so on CUDA pass ``foreach=True`` (or use the
+contiguous optimizer step). Every torch function on a :class:`RowShardedDTensor` runs a
+Python ``__torch_function__`` (about 3 us); where each rank's rows are ``torch.chunk``'s own
+(a 1-D mesh of one rank, or an even cut) the rows need no keeping and
+:class:`TorchChunkRowsDTensor` runs none. Forward and backward never see either (they
+compute with the unsharded parameters).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from mfsdp_collectives import all_gather_into
 from mfsdp_hooks.dtensor.dcp_protocol import row_chunks, row_write_items
+from mfsdp_hooks.dtensor.local_elementwise import NOT_LOCAL, run_locally
 from mfsdp_hooks.dtensor.row_placement import row_placements
 
 __all__ = [
@@ -102,6 +105,21 @@ class RowShardedDTensor(DTensor):
             source = args[0] if args else (kwargs or {}).get("input")
             if isinstance(source, RowShardedDTensor) and _same_layout(out, source):
                 return _rewrap(out, source)
+        return out
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        # An elementwise op among tensors of this one layout (an optimizer step) runs on
+        # the local tensors; anything else is DTensor's (its dispatcher, unchanged).
+        out = run_locally(cls, func, args, kwargs, _local_laid_out_as)
+        if out is NOT_LOCAL:
+            return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
         return out
 
     def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
@@ -262,6 +280,13 @@ def row_sharded(
         next_row = end
     return row_sharded_over(
         local, tensor._spec, ranges, tp_partition_stride, requires_grad=tensor.requires_grad
+    )
+
+
+def _local_laid_out_as(local: torch.Tensor, like: RowShardedDTensor) -> RowShardedDTensor:
+    """``local`` (no copy) as ``like``'s local tensor would be: same class, spec and rows."""
+    return new_row_sharded(
+        type(like), local, like._spec, like.dp_row_ranges, like.tp_partition_stride
     )
 
 
