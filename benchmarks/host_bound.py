@@ -16,14 +16,17 @@ implementation runs in its own process world, one after another, in one invocati
 Per world: median host seconds of forward, backward and optimizer step (+ ``zero_grad``)
 over ``--steps`` steps after ``--warmup``; then one step counted (not timed): aten ops
 dispatched and entries into the engine (``mfsdp_hooks.testing.host_counts``); on CUDA the
-peak memory allocated. ``python -m benchmarks.host_bound --world-sizes 1 2 --compile none
-block`` writes ``benchmarks/results/host_bound.json`` and prints the markdown table.
+peak memory allocated, on CPU the rank process's peak resident set (each implementation runs
+in processes of its own; a dispatch-mode tracker would miss what compiled code allocates).
+``python -m benchmarks.host_bound --world-sizes 1 2 --compile none block`` writes
+``benchmarks/results/host_bound.json`` and prints the markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -132,6 +135,8 @@ def _world(rank: int, world: int, impl: str, args: dict[str, Any]) -> dict[str, 
     out["engine_entries"] = sum(engine_entries(step, _engine_dirs(impl)).values())
     if cuda:
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 
 
@@ -152,7 +157,7 @@ def measure(args: dict[str, Any]) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: one row per world x compile x implementation, ratios to FSDP2's step."""
     columns = ["world", "compile", "impl", "forward ms", "backward ms", "optimizer ms"]
-    columns += ["step ms", "vs FSDP2", "aten ops", "engine entries"]
+    columns += ["step ms", "vs FSDP2", "aten ops", "engine entries", "peak memory"]
     cells = []
     for row in rows:
         fsdp2 = next(
@@ -170,8 +175,15 @@ def table(rows: list[dict[str, Any]]) -> str:
             [str(row[key]) for key in ("world", "compile", "impl")]
             + [f"{row[key]:.1f}" for key in ("forward_ms", "backward_ms", "optimizer_ms")]
             + [f"{row['step_ms']:.1f}", ratio, str(row["aten_ops"]), str(row["engine_entries"])]
+            + [_peak(row)]
         )
     return markdown_table(columns, cells)
+
+
+def _peak(row: dict[str, Any]) -> str:
+    if "peak_gib" in row:
+        return f"{row['peak_gib']:.2f} GiB"
+    return f"{row['peak_rss_mib']:.0f} MiB RSS" if "peak_rss_mib" in row else "-"
 
 
 def main(argv: list[str] | None = None) -> None:

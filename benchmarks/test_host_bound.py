@@ -22,4 +22,5 @@ def test_host_bound_reports_every_implementation(tmp_path: Path) -> None:
     for row in rows:
         assert row["step_ms"] > 0 and row["aten_ops"] > 0, row
         assert (row["engine_entries"] > 0) == (row["impl"] != "none"), row
+        assert row["peak_rss_mib"] > 0, row
     assert len(host_bound.table(rows).splitlines()) == 2 + len(rows)
