@@ -34,6 +34,7 @@ from mfsdp_hooks.runtime.elementwise_optimizers import (
     USER_CLASS_ATTR,
     refuse_sharded_non_elementwise,
 )
+from mfsdp_hooks.runtime.stale_optimizers import compute_params_of
 from mfsdp_hooks.weights.lookup import locate
 from mfsdp_hooks.weights.param_group import GroupRoot, ParameterGroup
 
@@ -298,6 +299,13 @@ def attach_optimizer(
         )
     if isinstance(optimizer, FSDPOptimizer):
         return optimizer
+    if gathered := compute_params_of(optimizer):
+        raise ValueError(
+            f"optimizer holds {len(gathered)} gathered compute weights ({gathered[0]}, ...) "
+            "that a unit keeps in the model from a forward with autograd on until its "
+            "backward, not the sharded parameters: build it on model.parameters() before "
+            "such a forward or after a backward (or run that forward under torch.no_grad())"
+        )
     wrapped_step = _step_wrapped_on_instance(optimizer)
     if wrapped_step and contiguous_step:
         raise ValueError(

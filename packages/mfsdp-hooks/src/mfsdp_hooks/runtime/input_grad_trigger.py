@@ -1,4 +1,7 @@
-"""A unit's backward ends when the gradients of its inputs exist: a trigger every rank shares.
+"""Where a unit's backward begins and ends in autograd's graph.
+
+It begins when the gradient of any of its outputs is computed (``register_pre_backward``).
+It ends when the gradients of its inputs exist: a trigger every rank shares.
 
 A unit could also call its backward done when every one of its parameters has a gradient,
 but that moment depends on the data: a parameter one rank's forward skipped (an expert that
@@ -49,3 +52,11 @@ def route_inputs_through_trigger(
         leaves[position] = tensor
     new_args, new_kwargs = tree_unflatten(leaves, spec)
     return new_args, new_kwargs, True
+
+
+def register_pre_backward(output: Any, hook: Callable[[torch.Tensor], None]) -> None:
+    """``hook`` runs when the gradient of any of ``output``'s tensors is computed."""
+    tensors, _ = tree_flatten(output)
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            tensor.register_hook(hook)  # type: ignore[no-untyped-call]

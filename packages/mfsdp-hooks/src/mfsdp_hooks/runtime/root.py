@@ -16,7 +16,10 @@ from mfsdp_hooks.grads.grad_reducer import GradReducer
 from mfsdp_hooks.grads.grad_sync import GradSync
 from mfsdp_hooks.runtime.execution_order import ExecutionOrder
 from mfsdp_hooks.runtime.observe import log_units
-from mfsdp_hooks.runtime.stale_optimizers import guard_optimizers_on_replaced_params
+from mfsdp_hooks.runtime.stale_optimizers import (
+    guard_optimizers_on_compute_params,
+    guard_optimizers_on_replaced_params,
+)
 from mfsdp_hooks.runtime.unit import FSDPUnit, unit_of, units_under
 from mfsdp_hooks.weights.param_group import ParameterGroup
 
@@ -172,6 +175,10 @@ class FSDPRoot:
             ]
             if left:
                 raise RuntimeError(f"FSDP units left unsharded after backward: {left}")
+            # Once, at the first backward: until now the model may have shown the root's
+            # gathered weights (a forward whose backward never came) to a new optimizer.
+            if not self.order.final:
+                guard_optimizers_on_compute_params()
             self.order.finalize()
             for allocator in self._grad_allocators():
                 end_iteration(allocator)

@@ -17,6 +17,12 @@ lays out as its parameters the state a load gave an optimizer of them (torch's
 ``load_state_dict`` of it (torch's public per-optimizer post-hook). This is collective: the
 optimizers are taken in the order of their parameters in the root (the same on every rank),
 not in the collector's order.
+
+A unit that keeps its gathered weights after a forward with autograd on (the root, as FSDP2's)
+shows them in its modules until its backward, so an optimizer built on ``model.parameters()``
+after a forward whose backward has not run (a shape probe) holds those compute weights. The
+root's first backward looks once for such optimizers (``guard_optimizers_on_compute_params``)
+and guards their step the same way.
 """
 
 from __future__ import annotations
@@ -34,7 +40,12 @@ from mfsdp_hooks.runtime.elementwise_optimizers import refuse_sharded_non_elemen
 from mfsdp_hooks.weights.lookup import locate, replaced_by_unit
 from mfsdp_hooks.weights.param_group import ParameterGroup
 
-__all__ = ["guard_optimizers_on_replaced_params", "replaced_params_of"]
+__all__ = [
+    "compute_params_of",
+    "guard_optimizers_on_compute_params",
+    "guard_optimizers_on_replaced_params",
+    "replaced_params_of",
+]
 
 _GUARDED_ATTR = "_mfsdp_replaced_params_guard"
 
@@ -49,16 +60,44 @@ def replaced_params_of(optimizer: torch.optim.Optimizer) -> list[str]:
     ]
 
 
+def compute_params_of(optimizer: torch.optim.Optimizer) -> list[str]:
+    """``"group g, position i: <name>"`` for each gathered compute weight it holds (a unit's
+    unsharded parameter, not the sharded one an optimizer steps)."""
+    return [
+        f"group {g}, position {i}: {location.group.full_names[location.index]}"
+        for g, group in enumerate(optimizer.param_groups)
+        for i, param in enumerate(group["params"])
+        if (location := locate(param)) is not None
+        and param is not location.dist_param
+        and replaced_by_unit(param) is None
+    ]
+
+
+def _listed(found: list[str]) -> str:
+    return "; ".join(found[:4]) + ("; ..." if len(found) > 4 else "")
+
+
 def _guard(optimizer: torch.optim.Optimizer) -> None:
     handle: Any = None
 
-    def refuse_replaced(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        stale = replaced_params_of(opt)
-        if not stale:
+    def refuse_stale_params(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        stale, gathered = replaced_params_of(opt), compute_params_of(opt)
+        if not stale and not gathered:
             handle.remove()
             opt.__dict__.pop(_GUARDED_ATTR, None)
             return
-        listed = "; ".join(stale[:4]) + ("; ..." if len(stale) > 4 else "")
+        if not stale:
+            raise RuntimeError(
+                f"{type(opt).__name__}.step(): {len(gathered)} of its parameters are gathered "
+                f"compute weights ({_listed(gathered)}), which a unit keeps in the model from "
+                "a forward with autograd on until its backward; it was built on "
+                "model.parameters() after a forward whose backward had not run, and would step "
+                "copies the model never reads, so those weights would not train. Build it "
+                "before such a forward (or after a backward), run that forward under "
+                "torch.no_grad(), or hand it over: megatron_fsdp.fully_shard_optimizer("
+                "optimizer) re-points it"
+            )
+        listed = _listed(stale)
         raise RuntimeError(
             f"{type(opt).__name__}.step(): {len(stale)} of its parameters were replaced by "
             f"fully_shard ({listed}); it would step stale copies the model no longer uses, "
@@ -67,7 +106,7 @@ def _guard(optimizer: torch.optim.Optimizer) -> None:
             "optimizer) or megatron_fsdp.fully_shard_optimizer(optimizer) re-point it"
         )
 
-    handle = optimizer.register_step_pre_hook(refuse_replaced)
+    handle = optimizer.register_step_pre_hook(refuse_stale_params)
     optimizer.__dict__[_GUARDED_ATTR] = True
 
 
@@ -83,6 +122,25 @@ def guard_optimizers_on_replaced_params(starting: Sequence[ParameterGroup] = ())
         _guard_live_optimizers, reason="a scan of gc's objects"
     )
     scan(starting)
+
+
+def guard_optimizers_on_compute_params() -> None:
+    """Guard the step of each live optimizer that holds gathered compute weights (local: no
+    collective; every rank built its optimizers alike, so every rank refuses alike)."""
+    scan = torch.compiler.disable(  # type: ignore[no-untyped-call]
+        _guard_compute_holders, reason="a scan of gc's objects"
+    )
+    scan()
+
+
+def _guard_compute_holders() -> None:
+    for obj in gc.get_objects():
+        if (
+            issubclass(type(obj), torch.optim.Optimizer)
+            and _GUARDED_ATTR not in obj.__dict__
+            and compute_params_of(obj)
+        ):
+            _guard(obj)
 
 
 def _guard_live_optimizers(starting: Sequence[ParameterGroup]) -> None:

@@ -8,7 +8,6 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from mfsdp_collectives import CommStreams, PostForwardGroup
 from mfsdp_hooks.config.comm_hooks import CommHooks
@@ -26,7 +25,10 @@ from mfsdp_hooks.runtime.compute_region import (
     installed_params,
 )
 from mfsdp_hooks.runtime.gather_ahead import gather_ahead
-from mfsdp_hooks.runtime.input_grad_trigger import route_inputs_through_trigger
+from mfsdp_hooks.runtime.input_grad_trigger import (
+    register_pre_backward,
+    route_inputs_through_trigger,
+)
 from mfsdp_hooks.runtime.member_forwards import MemberForwards
 from mfsdp_hooks.runtime.observe import describe_unit, log_event
 from mfsdp_hooks.runtime.root_protocol import UnitRoot
@@ -138,9 +140,10 @@ def _issue_gathers(unit: FSDPUnit, pending: list[Waitable], streams: CommStreams
         span.end(keep=len(pending) > before)  # nothing issued: its time was the caller's
 
 
-def _await_gathers(unit: FSDPUnit, handles: list[Waitable]) -> None:
-    """Wait for ``unit``'s all-gathers in flight: the part of a gather the compute thread
-    pays (a timeline sees the wait)."""
+def _await_gathers(unit: FSDPUnit) -> None:
+    """Wait for ``unit``'s all-gathers in flight (its pending list, emptied): the part of a
+    gather the compute thread pays (a timeline sees the wait)."""
+    handles, unit._pending_unshard = unit._pending_unshard, []
     if not handles:
         return
     recorder = timeline.ACTIVE
@@ -156,14 +159,6 @@ def _refuse_params_of_other_units(unit: str, slots: SlotMap) -> None:
         owner = replaced_by_unit(param)
         if owner is not None:
             raise tied_to_other_unit(name, unit, owner)
-
-
-def register_pre_backward(output: Any, hook: Callable[[torch.Tensor], None]) -> None:
-    """``hook`` runs when the gradient of any of ``output``'s tensors is computed."""
-    tensors, _ = tree_flatten(output)
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-            tensor.register_hook(hook)  # type: ignore[no-untyped-call]
 
 
 def _register_grad_hooks(
@@ -223,9 +218,7 @@ class FSDPUnit:
         self.forward_prefetch: list[FSDPUnit] | None = None
         self.backward_prefetch: list[FSDPUnit] | None = None
         self._pending_unshard: list[Waitable] = []
-        # This iteration's forward routed the unit's inputs through an input-grad trigger
-        # (input_grad_trigger.py): its backward then ends at the same point on every rank.
-        self._inputs_trigger_armed = False
+        self._inputs_trigger_armed = False  # this forward's inputs carry input_grad_trigger
         self.sync_flags = SyncFlags()  # FSDP2's set_requires_gradient_sync/_all_reduce
         self.comm_hooks = CommHooks()  # FSDP2's comm hooks (given out by set_comm_hooks)
         self._took_part = False  # its forward ran (with grad) since its backward ended
@@ -282,8 +275,7 @@ class FSDPUnit:
         _issue_gathers(self, self._pending_unshard, streams)
 
     def wait_unshard(self) -> None:
-        handles, self._pending_unshard = self._pending_unshard, []
-        _await_gathers(self, handles)
+        _await_gathers(self)
         self._swap(use_unsharded=True)
 
     def request_unshard(self) -> None:
@@ -298,8 +290,7 @@ class FSDPUnit:
         self.wait_unshard()
 
     def reshard(self, onto: PostForwardGroup | None = None) -> None:
-        handles, self._pending_unshard = self._pending_unshard, []
-        _await_gathers(self, handles)
+        _await_gathers(self)
         for group in self.groups:
             group.reshard(onto)
         self._swap(use_unsharded=False)
@@ -353,9 +344,8 @@ class FSDPUnit:
             for unit in self.root.units:  # units some member of which did not run
                 if unit.forwards.abandon():
                     unit._end_forward(is_root=False)
-        output = (
-            cast_outputs(forward_policy(self.options, self.region), output) if is_root else output
-        )
+        if is_root:
+            output = cast_outputs(forward_policy(self.options, self.region), output)
         if (recorder := timeline.ACTIVE) is not None:
             recorder.forward_ends(self)
         return output
@@ -365,8 +355,13 @@ class FSDPUnit:
             return
         reshard = self.options.reshard_after_forward
         keep = is_root if reshard is None else not reshard
-        if not keep or (is_root and not torch.is_grad_enabled()):
-            self.reshard(self.options.post_forward if torch.is_grad_enabled() else None)
+        grad = torch.is_grad_enabled()
+        if not keep or (is_root and not grad):
+            self.reshard(self.options.post_forward if grad else None)
+        elif not grad:
+            # No backward comes: the gathered weights wait in their buffers for the next forward,
+            # but an optimizer built on model.parameters() now must get the sharded ones.
+            self._swap(use_unsharded=False)
         self._move_to(TrainingState.IDLE)
 
     # ----------------------------------------------------------------- backward
