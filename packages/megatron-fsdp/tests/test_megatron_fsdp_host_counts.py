@@ -1,7 +1,8 @@
 """What the host issues per training step (issue 50), ours against torch's FSDP2 on the same
 32-layer launch-bound Llama at world size 1: aten ops dispatched, and entries into the
 engine (each time torch or the user calls into it: module hooks, autograd hooks and
-functions, backward callbacks, optimizer hooks, API calls).
+functions, backward callbacks, optimizer hooks, API calls), the DTensor layer included (each
+op of the optimizer's step on DTensor parameters enters Python there).
 
 On a GPU a step of many small layers is bound by what the host issues, not by the device.
 Times vary by machine and belong in the benchmark (``benchmarks/RESULTS.md``, launch-bound
@@ -38,19 +39,23 @@ def _llama() -> nn.Module:
 
 
 def _engine_dirs(impl: str) -> tuple[str, ...]:
+    """The implementation's code and the DTensor layer it hands the optimizer: FSDP2's
+    parameters run DTensor's dispatcher (C++ calling into its Python on each op), ours run
+    ours (``RowShardedDTensor.__torch_dispatch__``) and DTensor's where they fall back."""
+    import torch.distributed.tensor as dtensor
+
     if impl == "fsdp2":
         import torch.distributed.fsdp._fully_shard as fsdp2
 
-        return package_dirs([fsdp2])
+        return package_dirs([fsdp2, dtensor])
     import megatron_fsdp
     import mfsdp_buffers
     import mfsdp_checkpoint
     import mfsdp_collectives
     import mfsdp_hooks
 
-    return package_dirs(
-        [mfsdp_buffers, mfsdp_collectives, mfsdp_hooks, mfsdp_checkpoint, megatron_fsdp]
-    )
+    ours = [mfsdp_buffers, mfsdp_collectives, mfsdp_hooks, mfsdp_checkpoint, megatron_fsdp]
+    return package_dirs([*ours, dtensor])
 
 
 def _count(impl: str) -> dict[str, Any]:
