@@ -286,7 +286,7 @@ def build(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Side-by-side benchmark against torch FSDP2 (see benchmarks/README.md)."""
-    _install_workspace(session)
+    _install_workspace(session, bytecode=True)
     session.install("matplotlib")
     session.run("python", str(ROOT / "benchmarks" / "run.py"), *session.posargs)
 
