@@ -58,6 +58,8 @@ _KEEPING: list[tuple[str, _Op]] = [
     ("zeros_like", lambda x, y, z: torch.zeros_like(x)),
     ("full_like", lambda x, y, z: torch.full_like(y, 2.0)),
     ("clone", lambda x, y, z: y.clone()),
+    ("detach", lambda x, y, z: y.detach()),
+    ("nn.Parameter", lambda x, y, z: torch.nn.Parameter(y)),
 ]
 _DTENSORS_OWN: list[tuple[str, _Op]] = [
     ("to float64", lambda x, y, z: y.to(torch.float64)),

@@ -13,8 +13,9 @@ many small parameters that overhead, not the arithmetic, is the step.
 It answers only what it can prove (below); everything else is left to DTensor, unchanged:
 
 - the op is tagged ``pointwise`` (or is one of the "same layout, new values" factories:
-  ``zeros_like``, ``ones_like``, ``empty_like``, ``full_like``, ``fill_``, ``zero_``), returns
-  one tensor, and is not random (DTensor keeps random ops consistent across shards);
+  ``zeros_like``, ``ones_like``, ``empty_like``, ``full_like``, ``fill_``, ``zero_``; or
+  ``detach``, the same values without autograd's history: ``nn.Parameter``, ``.data``),
+  returns one tensor, and is not random (DTensor keeps random ops consistent across shards);
 - every tensor argument is either of the same row-sharded class with the same spec and row
   ranges as the first, or a 0-dim plain tensor (a scalar every shard sees alike);
 - no keyword names a device, dtype, layout or output, and the result has the first
@@ -39,7 +40,7 @@ NOT_LOCAL: Any = object()
 """What :func:`run_locally` returns when the op is not provably local: dispatch it as DTensor."""
 
 _aten = torch.ops.aten
-_SAME_LAYOUT_FACTORIES = frozenset(
+_SAME_LAYOUT_OPS = frozenset(
     {
         _aten.zeros_like.default,
         _aten.ones_like.default,
@@ -47,6 +48,7 @@ _SAME_LAYOUT_FACTORIES = frozenset(
         _aten.full_like.default,
         _aten.fill_.Scalar,
         _aten.zero_.default,
+        _aten.detach.default,
     }
 )
 _KEYWORDS_THAT_MOVE = ("device", "dtype", "layout", "pin_memory", "out")  # unless None/False
@@ -71,7 +73,7 @@ def _kind(func: torch._ops.OpOverload) -> _Kind:
 def _classify(func: torch._ops.OpOverload) -> _Kind:
     tags = func.tags
     schema = func._schema
-    elementwise = torch.Tag.pointwise in tags or func in _SAME_LAYOUT_FACTORIES
+    elementwise = torch.Tag.pointwise in tags or func in _SAME_LAYOUT_OPS
     if not elementwise or torch.Tag.nondeterministic_seeded in tags or len(schema.returns) != 1:
         return _Kind.NOT_ELEMENTWISE
     if not schema.arguments or schema.overload_name.startswith("out"):
