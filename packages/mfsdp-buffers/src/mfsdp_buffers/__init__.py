@@ -35,6 +35,7 @@ from mfsdp_buffers.poison import (
     poisoning_released_buffers,
     release_to,
 )
+from mfsdp_buffers.residence import mark_host, on_host
 
 __version__ = "1.0.0"
 
@@ -66,6 +67,8 @@ __all__ = [
     "build_buckets",
     "has_stable_storage",
     "is_poisoned",
+    "mark_host",
+    "on_host",
     "peak_live_numel",
     "plan_offsets",
     "poison_",

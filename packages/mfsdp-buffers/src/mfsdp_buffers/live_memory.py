@@ -16,6 +16,11 @@ tensor storages only, the same way for both FSDP implementations:
   not go through the dispatcher, so ``UntypedStorage.resize_`` is wrapped while a tracker is
   open and the storage's bytes are re-read after every resize.
 
+Host and device: given the compute ``device``, the tracker counts the storages on the host
+(``residence``: a CPU storage while an accelerator computes, host offload's buffers, what an
+op made from host storages alone) apart, in ``host_live``/``host_peak``; ``live``, ``peak``
+and the marks' sites then count the device alone.
+
 Blind spots (the same for both implementations): temporaries that C++ kernels allocate
 internally (e.g. inside gloo collectives) and storages created before the tracker opened.
 Open it before building the model.
@@ -34,6 +39,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
+
+from mfsdp_buffers import residence
 
 __all__ = ["LiveTensorTracker", "PhaseMark", "SiteNamer"]
 
@@ -60,6 +67,10 @@ class PhaseMark:
     live: int
     peak: int
     peak_by_site: dict[str, int] | None = None
+    host_live: int = 0
+    """Host bytes at the end of the phase (a tracker given the compute ``device``)."""
+    host_peak: int = 0
+    """The host's peak during the phase."""
 
 
 _SKIP_PARTS = (
@@ -147,6 +158,7 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         fake: bool = False,
         name_site: SiteNamer | None = None,
         granularity: int = 1,
+        device: torch.device | str | None = None,
     ) -> None:
         """``attribute``: record allocation sites; ``skip_sites``: more file-name parts to look
         past when attributing (e.g. another dispatch mode stacked on this one); ``fake``:
@@ -154,7 +166,9 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         that allocates nothing (open the tracker inside the fake mode); ``name_site``: how
         sites are named (default ``dir/file.py:function``); ``granularity``: count each
         storage rounded up to a multiple of this many bytes (CUDA's caching allocator hands
-        out 512-byte blocks, and ``max_memory_allocated`` counts the blocks)."""
+        out 512-byte blocks, and ``max_memory_allocated`` counts the blocks; the device's
+        storages only); ``device``: the compute device, to count what lives on the host
+        apart (module docstring)."""
         super().__init__()  # type: ignore[no-untyped-call]
         if isinstance(granularity, bool) or not isinstance(granularity, int) or granularity < 1:
             raise ValueError(f"granularity={granularity!r}: give a positive int of bytes")
@@ -177,10 +191,19 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.phase_peak = 0
         """Highest ``live`` since the last ``mark`` (or ``reset_phase``)."""
         self.marks: list[PhaseMark] = []
+        self.device = None if device is None else torch.device(device)
+        self._host_keys: set[int] = set()
+        self.host_live = 0
+        """Live bytes on the host (with ``device`` given; 0 otherwise)."""
+        self.host_peak = 0
+        """Highest ``host_live`` since the tracker opened."""
+        self.phase_host_peak = 0
 
     # ------------------------------------------------------------------ mode protocol
     def __enter__(self) -> LiveTensorTracker:
         _install_resize_patch(self)
+        if self.device is not None:
+            residence.listen(self._moved_to_host)
         super().__enter__()  # type: ignore[no-untyped-call]
         return self
 
@@ -191,6 +214,8 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         tb: TracebackType | None,
     ) -> None:
         super().__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
+        if self.device is not None:
+            residence.unlisten(self._moved_to_host)
         _remove_resize_patch(self)
 
     def __torch_dispatch__(
@@ -204,12 +229,13 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             device: torch.device = args[0].device
             return device
         out = func(*args, **(kwargs or {}))
+        sides = None if self.device is None else _Sides(self, args, kwargs)
         if isinstance(out, torch.Tensor) and not is_traceable_wrapper_subclass(out):
             if out.device.type != "meta":  # most ops: one tensor, no pytree walk
-                self._observe_storage(out.untyped_storage())
+                self._observe_storage(out.untyped_storage(), sides, out)
         elif isinstance(out, torch.Tensor | list | tuple | dict):  # not a device, size, None
             for tensor in _plain_tensors(out):
-                self._observe_storage(tensor.untyped_storage())
+                self._observe_storage(tensor.untyped_storage(), sides, tensor)
         return out
 
     def ignore(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -231,31 +257,64 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._add(nbytes, site)
 
     # ------------------------------------------------------------------ accounting
-    def _observe_storage(self, storage: torch.UntypedStorage) -> None:
+    def _observe_storage(
+        self,
+        storage: torch.UntypedStorage,
+        sides: _Sides | None = None,
+        tensor: torch.Tensor | None = None,
+    ) -> None:
         if storage.device.type == "meta" and not self._count_meta:
             return
         if self._ignored.get(id(storage)) is storage:
             return
         key = id(storage)
-        nbytes = -(-storage.nbytes() // self._granularity) * self._granularity
         with self._lock:
             old = self._sizes.get(key)
             if old is None:
                 weakref.finalize(storage, self._release, key)
                 if self.attribute:
                     self._site_of[key] = _allocation_site(self._skip, self._name_site)
+                if sides is not None and sides.made_on_host(storage, tensor):
+                    self._host_keys.add(key)
                 old = 0
-            elif old == nbytes:
+            nbytes = self._bytes(storage, key in self._host_keys)
+            if old == nbytes:
                 return
             self._sizes[key] = nbytes
-            self._add(nbytes - old, self._site_of.get(key))
+            self._add(nbytes - old, self._site_of.get(key), key in self._host_keys)
+
+    def _bytes(self, storage: torch.UntypedStorage, host: bool) -> int:
+        if host:  # the granularity is the device allocator's
+            return int(storage.nbytes())
+        return -(-storage.nbytes() // self._granularity) * self._granularity
+
+    def _moved_to_host(self, storage: torch.UntypedStorage) -> None:
+        """A storage counted on the device was marked host memory (``residence``)."""
+        key = id(storage)
+        with self._lock:
+            if key in self._host_keys or self._ignored.get(key) is storage:
+                return
+            old = self._sizes.get(key)
+            self._host_keys.add(key)
+            if old is None:
+                return
+            self._add(-old, self._site_of.get(key), False)
+            self._sizes[key] = self._bytes(storage, True)
+            self._add(self._sizes[key], self._site_of.get(key), True)
 
     def _release(self, key: int) -> None:
         with self._lock:
             nbytes = self._sizes.pop(key, 0)
-            self._add(-nbytes, self._site_of.pop(key, None))
+            host = key in self._host_keys
+            self._host_keys.discard(key)
+            self._add(-nbytes, self._site_of.pop(key, None), host)
 
-    def _add(self, delta: int, site: str | None) -> None:
+    def _add(self, delta: int, site: str | None, host: bool = False) -> None:
+        if host:
+            self.host_live += delta
+            self.host_peak = max(self.host_peak, self.host_live)
+            self.phase_host_peak = max(self.phase_host_peak, self.host_live)
+            return
         self.live += delta
         if site is not None:
             self._by_site[site] = self._by_site.get(site, 0) + delta
@@ -271,13 +330,16 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """Start a new phase window: its peak starts from the bytes live now."""
         with self._lock:
             self.phase_peak = self.live
+            self.phase_host_peak = self.host_live
             self._phase_peak_by_site = {k: v for k, v in self._by_site.items() if v}
 
     def mark(self, name: str) -> PhaseMark:
         """Close the current phase: record live bytes and the phase's peak, start the next."""
         with self._lock:
             by_site = dict(self._phase_peak_by_site) if self._snapshot_sites else None
-            mark = PhaseMark(name, self.live, self.phase_peak, by_site)
+            mark = PhaseMark(
+                name, self.live, self.phase_peak, by_site, self.host_live, self.phase_host_peak
+            )
             self.marks.append(mark)
             self.reset_phase()
         return mark
@@ -286,3 +348,27 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def tracked_storages(self) -> int:
         with self._lock:
             return len(self._sizes)
+
+
+class _Sides:
+    """Which side an op's new storages are on (``residence``): the host when the compute
+    device is an accelerator and they are CPU storages, when they were made as host memory,
+    or when every storage the op read is on the host (the optimizer's state and temporaries
+    made like its host parameters). Read lazily: most outputs are views of known storages."""
+
+    def __init__(self, tracker: LiveTensorTracker, args: Any, kwargs: Any) -> None:
+        self._tracker, self._inputs = tracker, (args, kwargs)
+        self._from_host: bool | None = None
+
+    def made_on_host(self, storage: torch.UntypedStorage, tensor: torch.Tensor | None) -> bool:
+        device = self._tracker.device
+        assert device is not None
+        if tensor is not None and residence.on_host(tensor, device):
+            return True
+        if residence.marked_host(storage):
+            return True
+        if self._from_host is None:
+            keys = self._tracker._host_keys
+            read = [id(t.untyped_storage()) for t in _plain_tensors(list(self._inputs))]
+            self._from_host = bool(read) and all(key in keys for key in read)
+        return self._from_host

@@ -33,6 +33,7 @@ from mfsdp_hooks.config.codec import (
 from mfsdp_hooks.config.experts import ExpertSharding, is_megatron_expert
 from mfsdp_hooks.config.grad_allocator import GRAD_ALLOCATORS, DoubleBuffer, make_grad_allocator
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
+from mfsdp_hooks.config.offload import forced_host_copies
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.strategy import (
     ShardingStrategy,
@@ -86,6 +87,7 @@ __all__ = [
     "ShardingSummary",
     "describe",
     "MODEL_STATE_CATEGORIES",
+    "forced_host_copies",
     "format_bytes",
     "CodecContext",
     "ExpertSharding",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import gc
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from mfsdp_hooks import (
     ACCELERATOR_CHUNK_NUMEL,
     ShardingSummary,
     describe,
+    forced_host_copies,
     fsdp_units,
     record_timeline,
 )
@@ -100,6 +102,11 @@ class RunRoute:
     step_chunk_numel: int | None
     """The contiguous optimizer step takes CPU tensors in cache-sized chunks, an
     accelerator's runs whole: the fake run on a CPU takes the accelerator's choice."""
+    forced_host_copies: bool = False
+    """The CPU stands in for the accelerator: host offload (``optimizer_cpu_offload``,
+    ``CPUOffloadPolicy``) would see nothing to move from the CPU to itself, so its copies are
+    forced (``mfsdp_hooks.config.offload.forced_host_copies``) as on the accelerator, and
+    the host buffers it makes are told apart by ``mfsdp_buffers.residence``."""
 
 
 def run_route(device: torch.device, host_transport: str) -> RunRoute:
@@ -109,7 +116,8 @@ def run_route(device: torch.device, host_transport: str) -> RunRoute:
     if device.type == "cpu":
         return RunRoute(device, host_transport, 1, None)
     faked = device if device.type == "cuda" and torch.cuda.is_available() else torch.device("cpu")
-    return RunRoute(faked, "gloo", 512, ACCELERATOR_CHUNK_NUMEL)
+    forced = faked.type == "cpu"
+    return RunRoute(faked, "gloo", 512, ACCELERATOR_CHUNK_NUMEL, forced)
 
 
 @dataclass(frozen=True)
@@ -122,7 +130,9 @@ class RankRun:
     segments: tuple[PhaseMark, ...]
     """Each segment of the step, in order, with its peak (and by site at that peak)."""
     between_steps: int
-    """Live bytes after ``optimizer.step()``, before ``zero_grad``."""
+    """Live bytes after ``optimizer.step()``, before ``zero_grad`` (on the device)."""
+    host_between_steps: int
+    """The same on the host (host offload's main weights, gradients, optimizer state)."""
     states: ShardingSummary
     """``describe`` of the rank with its optimizer, after the step."""
     largest_rank: int
@@ -159,13 +169,21 @@ def run_rank(
         owned = not isinstance(module, nn.Module)
         with RealMeshesFakeMode(allow_non_fake_inputs=True) as mode:
             tracker = LiveTensorTracker(
-                True, fake=True, name_site=_site, granularity=route.granularity
+                True,
+                fake=True,
+                name_site=_site,
+                granularity=route.granularity,
+                device=route.run_device,
             )
             with tracker:
                 model = _fake_model(model, owned=owned, mode=mode, device=route.run_device)
                 if route.run_device.type != "cpu":  # the fake tensors are made there already
                     arguments["device"] = route.run_device
-                sharded = fully_shard_model(model, **arguments)
+                forced: AbstractContextManager[None] = nullcontext()
+                if route.forced_host_copies:
+                    forced = forced_host_copies()
+                with forced:
+                    sharded = fully_shard_model(model, **arguments)
                 del model
                 if after_wrap is not None:
                     after_wrap(sharded)
@@ -224,10 +242,11 @@ def _recorded_step(step: _Step, tracker: LiveTensorTracker, rank: int) -> RankRu
     with record_timeline(units, step.optimizer, on_segment=on_segment):
         step.run()
         segments.append(tracker.mark(current[0]))
-    between = tracker.live
+    between, host_between = tracker.live, tracker.host_live
     states = describe(step.model, step.optimizer)
     step.optimizer.zero_grad()
-    return RankRun(rank, start, tuple(segments[1:]), between, states, _largest_rank(units))
+    largest = _largest_rank(units)
+    return RankRun(rank, start, tuple(segments[1:]), between, host_between, states, largest)
 
 
 def _largest_rank(units: Sequence[Any]) -> int:

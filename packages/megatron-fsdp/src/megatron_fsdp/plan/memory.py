@@ -14,6 +14,12 @@ torch's fake process group and fake tensors (``fake_run``), so every option
   activations, autograd's gradients before the engine takes them, the optimizer's
   temporaries.
 
+With host offload (``optimizer_cpu_offload=True``) the main weights, the gradients and the
+optimizer state live on the host: the peak and its categories are the device's, and the
+host's bytes are planned apart (``host_peak_bytes``, ``host_states``: what moved). On a CPU
+standing in for the accelerator (``device="cuda"`` on a CPU-only torch) the offload's copies
+are made as on the accelerator (``fake_run.run_route``).
+
 Ranks differ only in how many parameter elements their shards hold (the shards are equal
 in size); the plan runs the rank holding the most, found on the engine's layouts after a
 first run of rank 0 (``rank=`` plans a given one).
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -77,7 +83,16 @@ class MemoryPlan:
     """What the rank holds between steps, unit by unit (``describe``)."""
     phases: tuple[PhaseBytes, ...]
     between_steps_bytes: int
-    """Every live byte after ``optimizer.step()``: weights, gradients, optimizer state."""
+    """Every live byte on the device after ``optimizer.step()``: weights, gradients,
+    optimizer state."""
+    host_peak_bytes: int = 0
+    """The host's peak through the step (host offload: what moved there, and the optimizer
+    step's temporaries on the host); 0 without offload."""
+    host_states: dict[str, int] = field(default_factory=dict)
+    """What lives on the host between steps, by category (``describe``'s
+    ``host_totals``: ``main_weights``, ``gradients``, ``optimizer_state``)."""
+    host_between_steps_bytes: int = 0
+    """Every live byte on the host after ``optimizer.step()``."""
 
     @property
     def _peak(self) -> PhaseBytes:
@@ -105,6 +120,10 @@ class MemoryPlan:
         for name, nbytes in self.categories.items():
             lines.append(f"    {name:<18} {format_bytes(nbytes, 2)}")
         lines.append(f"  between steps {format_bytes(self.between_steps_bytes, 2)}")
+        if self.host_peak_bytes:
+            lines.append(f"  on the host: peak {format_bytes(self.host_peak_bytes, 2)}, of it")
+            for name, nbytes in self.host_states.items():
+                lines.append(f"    {name:<18} {format_bytes(nbytes, 2)}")
         return "\n".join(lines)
 
 
@@ -189,13 +208,24 @@ def _hsdp(outer: int, world_size: int) -> Callable[[str], dict[str, Any]]:
 
 
 def _plan(run: RankRun, world_size: int) -> MemoryPlan:
-    totals = run.states.totals()
+    totals = run.states.device_totals()
     states = {name: totals[name] for name in _STATES}
     states["other_states"] = run.start.live - sum(states.values())
     phases = tuple(
         PhaseBytes(mark.name, {**states, **_transient(mark, run.start)}) for mark in run.segments
     )
-    return MemoryPlan(world_size, run.rank, run.states, phases, run.between_steps)
+    host = run.states.host_totals()
+    host_peak = max([run.start.host_live, *(mark.host_peak for mark in run.segments)])
+    return MemoryPlan(
+        world_size,
+        run.rank,
+        run.states,
+        phases,
+        run.between_steps,
+        host_peak,
+        {name: host[name] for name in MODEL_STATE_CATEGORIES if host[name]},
+        run.host_between_steps,
+    )
 
 
 def _transient(mark: PhaseMark, start: PhaseMark) -> dict[str, int]:

@@ -17,18 +17,27 @@ and the bytes it holds on this rank in each category:
 * ``gathered_weights``: the unsharded compute weights that exist only while the unit is
   gathered (ZeRO-3), not between steps.
 
+With host offload (``CPUOffloadPolicy``, ``optimizer_cpu_offload``) the main weights, the
+gradients and the optimizer state live on the host: ``host_bytes`` says, by category, how
+many of a group's bytes are there, read off the buffers themselves
+(``mfsdp_buffers.residence``); the rest are on the device (``device_bytes``), and the table
+marks them ``host``.
+
 Nothing is communicated: every rank describes itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from mfsdp_buffers import DataParallelBuffer, on_host
 from mfsdp_hooks.dtensor.dtensor_views import local_tensor
+from mfsdp_hooks.grads.grad_shard import GradShard
 from mfsdp_hooks.runtime.observe import format_bytes, group_bytes_per_rank, held_bytes
 from mfsdp_hooks.runtime.root import unit_paths
 from mfsdp_hooks.weights.param_group import ParameterGroup
@@ -39,6 +48,7 @@ MODEL_STATE_CATEGORIES = ("compute_weights", "main_weights", "gradients", "optim
 """The categories held from one step to the next (``megatron_fsdp.plan`` plans the same)."""
 CATEGORIES = (*MODEL_STATE_CATEGORIES, "gathered_weights")
 """What ``describe`` reports: the model states and the transient ``gathered_weights``."""
+_NONE: Mapping[str, int] = dict.fromkeys(CATEGORIES, 0)
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,13 @@ class GroupSummary:
     reduce_dtype: torch.dtype | None
     """What the gradient reduction carries (None for frozen parameters)."""
     bytes: Mapping[str, int]
+    host_bytes: Mapping[str, int] = dataclasses.field(default_factory=lambda: _NONE)
+    """Of ``bytes``, those on the host (host offload), by category."""
+
+    @property
+    def device_bytes(self) -> dict[str, int]:
+        """Of ``bytes``, those on the device, by category."""
+        return {c: self.bytes[c] - self.host_bytes[c] for c in CATEGORIES}
 
     @property
     def between_steps_bytes(self) -> int:
@@ -79,10 +96,23 @@ class ShardingSummary:
         """Bytes on this rank by category, over every group."""
         return {c: sum(g.bytes[c] for g in self.groups) for c in CATEGORIES}
 
+    def host_totals(self) -> dict[str, int]:
+        """Of ``totals()``, the bytes on the host (host offload), by category."""
+        return {c: sum(g.host_bytes[c] for g in self.groups) for c in CATEGORIES}
+
+    def device_totals(self) -> dict[str, int]:
+        """Of ``totals()``, the bytes on the device, by category."""
+        return {c: sum(g.device_bytes[c] for g in self.groups) for c in CATEGORIES}
+
     @property
     def between_steps_bytes(self) -> int:
         """What the sharded model (and the optimizer, if given) hold between steps."""
         return sum(g.between_steps_bytes for g in self.groups)
+
+    @property
+    def host_between_steps_bytes(self) -> int:
+        """Of ``between_steps_bytes``, those on the host."""
+        return sum(g.host_bytes[c] for g in self.groups for c in MODEL_STATE_CATEGORIES)
 
     def __str__(self) -> str:
         header = ["unit", "params", "numel", "strategy", "mesh", "wire (AG/RS)"]
@@ -91,17 +121,18 @@ class ShardingSummary:
         for g in self.groups:
             wire = f"{_dtype(g.gather_dtype)}/{_dtype(g.reduce_dtype)}"
             cells = [g.unit or "(root)", str(len(g.params)), f"{g.numel:,}", g.strategy, g.mesh]
-            rows.append(cells + [wire] + [format_bytes(g.bytes[c], 2) for c in CATEGORIES])
-        totals = self.totals()
+            rows.append(cells + [wire] + [_cell(g.bytes[c], g.host_bytes[c]) for c in CATEGORIES])
+        totals, host = self.totals(), self.host_totals()
         numel = sum(g.numel for g in self.groups)
         rows.append(
             ["total", "", f"{numel:,}", "", "", ""]
-            + [format_bytes(totals[c], 2) for c in CATEGORIES]
+            + [_cell(totals[c], host[c]) for c in CATEGORIES]
         )
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = [
             f"megatron-fsdp on rank {self.rank} of {self.world_size}: "
             f"{format_bytes(self.between_steps_bytes, 2)} held between steps"
+            + _on_host(self.host_between_steps_bytes)
         ]
         for index, row in enumerate(rows):
             padded = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
@@ -140,12 +171,21 @@ def _summarise(
 ) -> GroupSummary:
     layout = group.model.layout
     gathered = layout.padded_numel * group.compute_dtype.itemsize if group.model.sharded else 0
+    state, state_on_host = _optimizer_bytes(group, optimizer, counted)
     sizes = {
         "compute_weights": held_bytes(group.model),
         "main_weights": held_bytes(group.main),
         "gradients": group_bytes_per_rank(group)[1],
-        "optimizer_state": _optimizer_bytes(group, optimizer, counted),
+        "optimizer_state": state,
         "gathered_weights": gathered,
+    }
+    device = group.topology.device
+    host = {
+        "compute_weights": sizes["compute_weights"] * _held_on_host(group.model, device),
+        "main_weights": sizes["main_weights"] * _held_on_host(group.main, device),
+        "gradients": sizes["gradients"] * _grads_on_host(group.grads, device),
+        "optimizer_state": state_on_host,
+        "gathered_weights": 0,  # gathered where the device computes
     }
     return GroupSummary(
         unit=unit,
@@ -159,26 +199,61 @@ def _summarise(
         gather_dtype=group.compute_dtype,
         reduce_dtype=group.reduce_dtype if group.requires_grad else None,
         bytes=sizes,
+        host_bytes=host,
     )
+
+
+def _held_on_host(buffer: DataParallelBuffer | None, device: torch.device) -> bool:
+    return buffer is not None and buffer.has_persistent_shard and on_host(buffer.shard, device)
+
+
+def _grads_on_host(grads: GradShard | None, device: torch.device) -> bool:
+    """Where the reduced gradients are: their flat tensor, or where the next one is made."""
+    if grads is None:
+        return False
+    flat = grads.storage
+    if flat is None:
+        return grads.host or (grads.device.type == "cpu" and device.type != "cpu")
+    return on_host(flat, device)
 
 
 def _optimizer_bytes(
     group: ParameterGroup, optimizer: torch.optim.Optimizer | None, counted: set[int]
-) -> int:
-    """The bytes of the state storages of the group's parameters not ``counted`` yet: the
+) -> tuple[int, int]:
+    """The bytes of the state storages of the group's parameters not ``counted`` yet (the
     contiguous step keeps one step counter for a run of parameters, and its moments are
-    views of one buffer per run."""
+    views of one buffer per run), and of those the bytes on the host: a state tensor is
+    where it is, or (torch's optimizers make their state like the parameter) where the
+    parameter it steps is, which tells where the CPU stands in for the device."""
     if optimizer is None:
-        return 0
-    total = 0
+        return 0, 0
+    total = host = 0
+    device = group.topology.device
     for param in group.dist_params:
+        param_on_host = on_host(local_tensor(param), device)
         for value in optimizer.state.get(param, {}).values():
             if isinstance(value, torch.Tensor):
-                storage = local_tensor(value).untyped_storage()
+                local = local_tensor(value)
+                storage = local.untyped_storage()
                 if id(storage) not in counted:
                     counted.add(id(storage))
                     total += storage.nbytes()
-    return total
+                    on_the_host = param_on_host or on_host(local, device)
+                    host += storage.nbytes() if on_the_host else 0
+    return total, host
+
+
+def _cell(nbytes: int, host: int) -> str:
+    """A table cell: the bytes, marked ``host`` where they are on the host."""
+    if host == 0:
+        return format_bytes(nbytes, 2)
+    if host == nbytes:
+        return f"{format_bytes(nbytes, 2)} host"
+    return f"{format_bytes(nbytes - host, 2)} + {format_bytes(host, 2)} host"
+
+
+def _on_host(nbytes: int) -> str:
+    return f" ({format_bytes(nbytes, 2)} of it on the host)" if nbytes else ""
 
 
 def _mesh(group: ParameterGroup) -> str:

@@ -43,8 +43,9 @@ _FORCED: list[bool] = [False]
 
 @contextlib.contextmanager
 def forced_host_copies() -> Iterator[None]:
-    """Tests: a ``CPUOffloadPolicy`` given to a model on CPU inside the block runs the
-    offload path with every copy made, as on an accelerator (read at wrap time)."""
+    """Tests, and a plan's fake run where the CPU stands in for an accelerator
+    (``megatron_fsdp.plan``): a ``CPUOffloadPolicy`` given to a model on CPU inside the block
+    runs the offload path with every copy made, as on an accelerator (read at wrap time)."""
     previous, _FORCED[0] = _FORCED[0], True
     try:
         yield

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mfsdp_buffers import FlatLayout
+from mfsdp_buffers import FlatLayout, mark_host
 from mfsdp_hooks.dtensor.dtensor_views import DTensorLayout, local_tensor
 
 
@@ -57,10 +57,13 @@ class GradShard:
         make_dtensor: DTensorMaker,
         attribute: str = "grad",
         pin_memory: bool = False,
+        host: bool = False,
     ) -> None:
-        """``pin_memory``: host gradients an accelerator copies into asynchronously."""
+        """``pin_memory``: host gradients an accelerator copies into asynchronously.
+        ``host``: host offload's gradients, host memory even where the CPU stands in for
+        the device (``mfsdp_buffers.residence``)."""
         self.layout = layout
-        self.pin_memory = pin_memory
+        self.pin_memory, self.host = pin_memory, host
         self.rank = rank
         self.dtype = dtype
         self.device = device
@@ -137,7 +140,8 @@ class GradShard:
 
     def new_flat(self, numel: int) -> torch.Tensor:
         """An uninitialised flat tensor of the gradients' dtype and device."""
-        return torch.empty(numel, dtype=self.dtype, device=self.device, pin_memory=self.pin_memory)
+        flat = torch.empty(numel, dtype=self.dtype, device=self.device, pin_memory=self.pin_memory)
+        return mark_host(flat) if self.host else flat
 
     def prepare(self, params: Sequence[nn.Parameter]) -> tuple[torch.Tensor, bool]:
         """The flat tensor the next reduction writes into, and whether it must add to it.

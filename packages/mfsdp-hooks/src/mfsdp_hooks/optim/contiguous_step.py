@@ -163,7 +163,9 @@ class _Run:
             # Each chunk's tensor is dropped as soon as it is copied, so at most one key of
             # one run is held twice.
             first = created[0][key]
-            flat = torch.empty(self.numel, dtype=first.dtype, device=first.device)
+            # Made from the state it replaces: on its side of the host/device line, as a
+            # tracker reads it where the CPU stands in for the device (mfsdp_buffers.residence).
+            flat = first.new_empty(self.numel)
             del first
             for entry, (start, end) in zip(created, self.chunk_bounds, strict=True):
                 flat[start:end].copy_(entry.pop(key))

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mfsdp_buffers import BufferRole, DataParallelBuffer
+from mfsdp_buffers import BufferRole, DataParallelBuffer, mark_host
 from mfsdp_hooks.config.codec import GroupCodec
 from mfsdp_hooks.config.offload import HostOffload
 from mfsdp_hooks.config.strategy import ShardingStrategy
@@ -67,6 +67,8 @@ def weight_buffers(
         name=f"{name}:main",
         pin_memory=offload is not None and offload.pin_memory,
     )
+    if offload is not None:  # host memory even where the CPU stands in for the device
+        mark_host(main.shard)
     return model, main
 
 
@@ -97,6 +99,7 @@ def grad_shard(
         make_dtensor=make_dtensor,
         attribute=attribute,
         pin_memory=offload is not None and offload.pin_memory,
+        host=offload is not None,
     )
 
 

@@ -1,0 +1,55 @@
+"""Which side of the host/device line a tensor's storage lives on: the one owner of it
+(``describe`` reads it of the engine's buffers, ``LiveTensorTracker`` counts by it).
+
+While an accelerator computes, a storage's device says it: a CPU storage lives on the host.
+Where the CPU stands in for the accelerator (host offload's forced copies in tests, a plan's
+fake run of an accelerator on a CPU-only torch) both sides are CPU tensors: there a storage
+lives on the host when whoever made it as host memory said so (:func:`mark_host`: host
+offload's main weights and gradients), or, to a tracker, when an op made it from host
+storages alone (the optimizer's state and temporaries, made like its host parameters), as
+it would be on the accelerator.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["mark_host", "marked_host", "on_host"]
+
+_HOST: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
+# Open trackers, told of a storage marked after they counted it (on the device side).
+_LISTENERS: list[Callable[[torch.UntypedStorage], None]] = []
+
+
+def mark_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Record that ``tensor``'s storage is host memory apart from the compute device (made
+    by host offload), and return it."""
+    storage = tensor.untyped_storage()
+    _HOST.add(storage)
+    for listener in list(_LISTENERS):
+        listener(storage)
+    return tensor
+
+
+def marked_host(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage`` was made as host memory (:func:`mark_host`)."""
+    return storage in _HOST
+
+
+def on_host(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``tensor`` lives on the host while ``device`` computes (module docstring)."""
+    if tensor.device.type == "cpu" and device.type != "cpu":
+        return True
+    return marked_host(tensor.untyped_storage())
+
+
+def listen(listener: Callable[[torch.UntypedStorage], None]) -> None:
+    """``listener(storage)`` on each :func:`mark_host` until :func:`unlisten` (trackers)."""
+    _LISTENERS.append(listener)
+
+
+def unlisten(listener: Callable[[torch.UntypedStorage], None]) -> None:
+    _LISTENERS.remove(listener)
