@@ -10,7 +10,9 @@ matches a one-process AdamW exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -18,6 +20,8 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import RowShardedDTensor, TorchChunkRowsDTensor, row_sharded
+from mfsdp_hooks.dtensor import row_sharded as row_sharded_module
+from mfsdp_hooks.dtensor.local_elementwise import NOT_LOCAL
 
 _ROWS, _COLS = 6, 4
 _CUTS = {"uneven": ((0, 5), (5, 6)), "even": ((0, 3), (3, 6))}
@@ -109,34 +113,86 @@ def _check_partial_is_left_to_dtensor(rank: int, mesh: DeviceMesh) -> None:
     torch.testing.assert_close(rooted.to_local(), _value(0).abs()[start:end], rtol=1e-6, atol=0)
 
 
-def _check_adamw(mesh: DeviceMesh) -> None:
-    whole = [torch.nn.Parameter(_value(seed)) for seed in range(2)]
-    ours = [
+def _params(mesh: DeviceMesh | None) -> list[torch.nn.Parameter]:
+    """One parameter per cut, whole (``mesh`` None) or row-sharded over ``mesh``."""
+    if mesh is None:
+        return [torch.nn.Parameter(_value(seed)) for seed in range(len(_CUTS))]
+    return [
         torch.nn.Parameter(_rows(_value(seed), mesh, ranges))
         for seed, ranges in enumerate(_CUTS.values())
     ]
-    optimizers = [torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1) for params in (whole, ours)]
-    for step in range(10):
-        for index, (plain, sharded) in enumerate(zip(whole, ours, strict=True)):
-            grad = _value(100 + 10 * step + index)
-            plain.grad = grad
-            sharded.grad = _rows(grad, mesh, sharded.dp_row_ranges)
-        for optimizer in optimizers:
-            optimizer.step()
+
+
+def _set_grads(whole: list[Any], ours: list[Any], mesh: DeviceMesh, seed: int) -> None:
+    for index, (plain, sharded) in enumerate(zip(whole, ours, strict=True)):
+        grad = _value(seed + index)
+        plain.grad = grad
+        sharded.grad = _rows(grad, mesh, sharded.dp_row_ranges)
+
+
+@contextlib.contextmanager
+def _counting_fallbacks() -> Iterator[list[str]]:
+    """The ops the row-sharded tensors hand to DTensor's dispatcher inside the block."""
+    seen: list[str] = []
+    original = row_sharded_module.run_locally
+
+    def counted(cls: Any, func: Any, *rest: Any) -> Any:
+        out = original(cls, func, *rest)
+        if out is NOT_LOCAL:
+            seen.append(str(func))
+        return out
+
+    row_sharded_module.run_locally = counted
+    try:
+        yield seen
+    finally:
+        row_sharded_module.run_locally = original
+
+
+def _check_adamw(mesh: DeviceMesh, *, foreach: bool) -> None:
+    whole, ours = _params(None), _params(mesh)
+    optimizers = [
+        torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=foreach)
+        for params in (whole, ours)
+    ]
+    with _counting_fallbacks() as fallbacks:
+        for step in range(10):
+            _set_grads(whole, ours, mesh, 100 + 10 * step)
+            for optimizer in optimizers:
+                optimizer.step()
+    assert fallbacks == [], f"foreach={foreach}: ops left to DTensor: {sorted(set(fallbacks))}"
     for plain, sharded in zip(whole, ours, strict=True):
         torch.testing.assert_close(sharded.full_tensor(), plain.detach(), rtol=0, atol=0)
         for key in ("exp_avg", "exp_avg_sq"):
             state = optimizers[1].state[sharded][key]
-            assert type(state) is type(sharded), f"{key}: {type(state).__name__}"
+            assert type(state) is type(sharded), f"foreach={foreach} {key}: {type(state).__name__}"
             assert state.dp_row_ranges == sharded.dp_row_ranges, key
             want = optimizers[0].state[plain][key]
             torch.testing.assert_close(state.full_tensor(), want, rtol=0, atol=0)
 
 
+def _check_clip_grad_norm(mesh: DeviceMesh) -> None:
+    """The norm is DTensor's (a reduction, left to it); scaling the gradients by the clip
+    factor, a replicated 0-dim DTensor, is local and keeps their class."""
+    whole, ours = _params(None), _params(mesh)
+    _set_grads(whole, ours, mesh, 7)
+    for foreach in (False, True):
+        want = torch.nn.utils.clip_grad_norm_(whole, 0.5, foreach=foreach)
+        norm = torch.nn.utils.clip_grad_norm_(ours, 0.5, foreach=foreach)
+        assert isinstance(norm, DTensor)
+        torch.testing.assert_close(norm.full_tensor(), want, rtol=1e-6, atol=0)
+        for plain, sharded in zip(whole, ours, strict=True):
+            assert type(sharded.grad) is type(sharded), type(sharded.grad).__name__
+            assert plain.grad is not None and sharded.grad is not None
+            torch.testing.assert_close(sharded.grad.full_tensor(), plain.grad, rtol=1e-6, atol=0)
+
+
 def _worker(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     _check_ops(mesh)
-    _check_adamw(mesh)
+    _check_adamw(mesh, foreach=False)
+    _check_adamw(mesh, foreach=True)
+    _check_clip_grad_norm(mesh)
     _check_partial_is_left_to_dtensor(rank, init_device_mesh("cpu", (world, 1)))
 
 
@@ -144,5 +200,6 @@ def test_elementwise_ops_on_one_layout_run_locally_and_exactly() -> None:
     """Every op equals the whole-tensor op; those proven local keep the class and rows; a
     pending ``Partial`` sum is DTensor's to take. Torch's AdamW keeps its state (``zeros_like``
     of the parameter, then elementwise updates) in the parameter's class, so its steps never
-    leave the local path, and matches a one-process AdamW exactly."""
+    leave the local path, and matches a one-process AdamW exactly, single-tensor and
+    ``foreach``; ``clip_grad_norm_`` equals the whole tensors'."""
     run_distributed(_worker, 2, timeout=90)

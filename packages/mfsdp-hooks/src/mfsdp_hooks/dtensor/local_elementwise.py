@@ -15,14 +15,19 @@ It answers only what it can prove (below); everything else is left to DTensor, u
 - the op is tagged ``pointwise`` (or is one of the "same layout, new values" factories:
   ``zeros_like``, ``ones_like``, ``empty_like``, ``full_like``, ``fill_``, ``zero_``; or
   ``detach``, the same values without autograd's history: ``nn.Parameter``, ``.data``),
-  returns one tensor, and is not random (DTensor keeps random ops consistent across shards);
+  or is the ``_foreach_`` form of one (``foreach=True`` optimizers, gradient clipping's
+  scaling), and is not random (DTensor keeps random ops consistent across shards);
 - every tensor argument is either of the same row-sharded class with the same spec and row
-  ranges as the first, or a 0-dim plain tensor (a scalar every shard sees alike);
+  ranges as the first (for a ``_foreach_`` op: element by element of the lists), or a scalar
+  every shard sees alike: a 0-dim plain tensor, or a 0-dim DTensor replicated everywhere
+  (``clip_grad_norm_``'s factor);
 - no keyword names a device, dtype, layout or output, and the result has the first
   argument's dtype, device and strides (type promotion or a copy elsewhere falls back).
 
 Torch's optimizers then keep their state in the parameter's class (``zeros_like`` of it),
-so the whole step stays on this path.
+so the whole step stays on this path. What falls back (a norm, a copy between layouts) goes
+to DTensor with the row-sharded tensors as plain DTensors over the same local tensors
+(:func:`as_plain_dtensors`): DTensor's rules, as if the subclass were not there.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["NOT_LOCAL", "run_locally"]
+__all__ = ["NOT_LOCAL", "as_plain_dtensors", "run_locally"]
 
 NOT_LOCAL: Any = object()
 """What :func:`run_locally` returns when the op is not provably local: dispatch it as DTensor."""
@@ -52,11 +57,14 @@ _SAME_LAYOUT_OPS = frozenset(
     }
 )
 _KEYWORDS_THAT_MOVE = ("device", "dtype", "layout", "pin_memory", "out")  # unless None/False
+_FOREACH = "aten::_foreach_"
 
 
 class _Kind(enum.Enum):
     IN_PLACE = "in_place"  # writes its first argument and returns it
     NEW = "new"  # returns a new tensor laid out as its first argument
+    FOREACH_IN_PLACE = "foreach_in_place"  # writes each tensor of its first list
+    FOREACH_NEW = "foreach_new"  # returns one new tensor per tensor of its first list
     NOT_ELEMENTWISE = "not_elementwise"
 
 
@@ -71,34 +79,48 @@ def _kind(func: torch._ops.OpOverload) -> _Kind:
 
 
 def _classify(func: torch._ops.OpOverload) -> _Kind:
-    tags = func.tags
     schema = func._schema
-    elementwise = torch.Tag.pointwise in tags or func in _SAME_LAYOUT_OPS
-    if not elementwise or torch.Tag.nondeterministic_seeded in tags or len(schema.returns) != 1:
-        return _Kind.NOT_ELEMENTWISE
     if not schema.arguments or schema.overload_name.startswith("out"):
         return _Kind.NOT_ELEMENTWISE
-    first = schema.arguments[0].alias_info
-    return _Kind.IN_PLACE if first is not None and first.is_write else _Kind.NEW
+    writes_first = (alias := schema.arguments[0].alias_info) is not None and alias.is_write
+    if schema.name.startswith(_FOREACH):
+        single = getattr(_aten, schema.name.removeprefix(_FOREACH), None)
+        overloads = [] if single is None else [getattr(single, o) for o in single.overloads()]
+        if not any(_elementwise(op) for op in overloads):
+            return _Kind.NOT_ELEMENTWISE
+        if writes_first and not schema.returns:
+            return _Kind.FOREACH_IN_PLACE
+        return _Kind.FOREACH_NEW if len(schema.returns) == 1 else _Kind.NOT_ELEMENTWISE
+    if not _elementwise(func) or len(schema.returns) != 1:
+        return _Kind.NOT_ELEMENTWISE
+    return _Kind.IN_PLACE if writes_first else _Kind.NEW
+
+
+def _elementwise(func: torch._ops.OpOverload) -> bool:
+    tags = func.tags
+    pointwise = torch.Tag.pointwise in tags or func in _SAME_LAYOUT_OPS
+    return pointwise and torch.Tag.nondeterministic_seeded not in tags
 
 
 def run_locally(
-    cls: type[DTensor],
+    base: type[DTensor],
     func: torch._ops.OpOverload,
     args: Sequence[Any],
     kwargs: dict[str, Any] | None,
     rebuild: Any,
 ) -> Any:
     """``func(*args, **kwargs)`` on the local tensors where that is provably DTensor's result
-    (see the module docstring), else :data:`NOT_LOCAL`. ``rebuild(local, like)`` lays a new
-    local tensor out as ``like`` (the class's own constructor)."""
+    (see the module docstring), else :data:`NOT_LOCAL`. ``base``: the row-sharded class (its
+    subclasses too); ``rebuild(local, like)`` lays a new local tensor out as ``like``."""
     kind = _kind(func)
     if kind is _Kind.NOT_ELEMENTWISE or not args:
         return NOT_LOCAL
-    first = args[0]
-    if type(first) is not cls:
-        return NOT_LOCAL
     if kwargs and (_moves(kwargs) or _any_tensor(kwargs.values())):
+        return NOT_LOCAL
+    if kind in (_Kind.FOREACH_IN_PLACE, _Kind.FOREACH_NEW):
+        return _run_foreach(base, func, kind, args, kwargs, rebuild)
+    first = args[0]
+    if not isinstance(first, base):
         return NOT_LOCAL
     locals_ = _locals_of_one_layout(first, args)
     if locals_ is None:
@@ -106,15 +128,53 @@ def run_locally(
     out = func(*locals_, **(kwargs or {}))
     if kind is _Kind.IN_PLACE:
         return first
-    local = first._local_tensor
-    if out.dtype != local.dtype or out.device != local.device or out.stride() != local.stride():
+    if not _laid_out_as(out, first):
         return NOT_LOCAL  # out-of-place, so running it again through DTensor is harmless
     return rebuild(out, first)
 
 
+def _run_foreach(
+    base: type[DTensor],
+    func: torch._ops.OpOverload,
+    kind: _Kind,
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None,
+    rebuild: Any,
+) -> Any:
+    """A ``_foreach_`` op: element ``i`` of every tensor list laid out as ``args[0][i]``."""
+    firsts = args[0]
+    if not isinstance(firsts, (list, tuple)) or not firsts:
+        return NOT_LOCAL
+    is_list = [isinstance(arg, (list, tuple)) and _any_tensor(arg) for arg in args]
+    lists = [arg for arg, listed in zip(args, is_list, strict=True) if listed]
+    if any(len(tensors) != len(firsts) for tensors in lists):
+        return NOT_LOCAL
+    columns = []
+    for index, first in enumerate(firsts):
+        if not isinstance(first, base):
+            return NOT_LOCAL
+        column = _locals_of_one_layout(first, [tensors[index] for tensors in lists])
+        if column is None:
+            return NOT_LOCAL
+        columns.append(column)
+    local_lists = iter([list(locals_) for locals_ in zip(*columns, strict=True)])
+    local_args = [
+        next(local_lists) if listed else _scalar(arg)
+        for arg, listed in zip(args, is_list, strict=True)
+    ]
+    if any(arg is NOT_LOCAL for arg in local_args):
+        return NOT_LOCAL
+    out = func(*local_args, **(kwargs or {}))
+    if kind is _Kind.FOREACH_IN_PLACE:
+        return out
+    if not all(_laid_out_as(o, first) for o, first in zip(out, firsts, strict=True)):
+        return NOT_LOCAL  # out-of-place: harmless to run again through DTensor
+    return [rebuild(o, first) for o, first in zip(out, firsts, strict=True)]
+
+
 def _locals_of_one_layout(first: Any, args: Sequence[Any]) -> list[Any] | None:
-    """The arguments with each tensor of ``first``'s layout replaced by its local tensor, or
-    None where one is not of that layout (nor a 0-dim plain tensor)."""
+    """The arguments with each tensor of ``first``'s layout replaced by its local tensor and
+    each scalar tensor by its value's tensor, or None where one is neither."""
     spec, ranges, stride = first._spec, first.dp_row_ranges, first.tp_partition_stride
     if any(placement.is_partial() for placement in spec.placements):
         return None
@@ -129,12 +189,48 @@ def _locals_of_one_layout(first: Any, args: Sequence[Any]) -> list[Any] | None:
                 return None
             out.append(same._local_tensor)
             continue
-        if isinstance(arg, torch.Tensor) and (isinstance(arg, DTensor) or arg.dim() != 0):
+        value = _scalar(arg)
+        if value is NOT_LOCAL:
             return None
-        if isinstance(arg, (list, tuple)) and _any_tensor(arg):
-            return None
-        out.append(arg)
+        out.append(value)
     return out
+
+
+def _scalar(arg: Any) -> Any:
+    """``arg`` as every shard may read it: a non-tensor as it is, a 0-dim tensor that each
+    rank holds whole (plain, or a DTensor replicated on every mesh dim) as its value;
+    anything else :data:`NOT_LOCAL`."""
+    if isinstance(arg, DTensor):
+        if arg.dim() == 0 and all(placement.is_replicate() for placement in arg.placements):
+            return arg._local_tensor
+        return NOT_LOCAL
+    if isinstance(arg, torch.Tensor):
+        return arg if arg.dim() == 0 else NOT_LOCAL
+    if isinstance(arg, (list, tuple)) and _any_tensor(arg):
+        return NOT_LOCAL
+    return arg
+
+
+def _laid_out_as(out: torch.Tensor, like: Any) -> bool:
+    local: torch.Tensor = like._local_tensor
+    return (
+        out.dtype == local.dtype and out.device == local.device and out.stride() == local.stride()
+    )
+
+
+def as_plain_dtensors(cls: type[DTensor], values: Sequence[Any]) -> list[Any]:
+    """``values`` with each tensor of ``cls`` (also inside a list) as a plain ``DTensor`` over
+    the same local tensor and spec: what DTensor's own dispatcher then takes."""
+    return [_plain(cls, value) for value in values]
+
+
+def _plain(cls: type[DTensor], value: Any) -> Any:
+    if isinstance(value, cls):
+        requires_grad = value.requires_grad
+        return DTensor(value._local_tensor, value._spec, requires_grad=requires_grad)  # type: ignore[no-untyped-call]
+    if isinstance(value, (list, tuple)) and any(isinstance(v, cls) for v in value):
+        return type(value)(_plain(cls, v) for v in value)
+    return value
 
 
 def _moves(kwargs: dict[str, Any]) -> bool:

@@ -64,7 +64,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from mfsdp_collectives import all_gather_into
 from mfsdp_hooks.dtensor.dcp_protocol import row_chunks, row_write_items
-from mfsdp_hooks.dtensor.local_elementwise import NOT_LOCAL, run_locally
+from mfsdp_hooks.dtensor.local_elementwise import NOT_LOCAL, as_plain_dtensors, run_locally
 from mfsdp_hooks.dtensor.row_placement import row_placements
 
 __all__ = [
@@ -116,11 +116,22 @@ class RowShardedDTensor(DTensor):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         # An elementwise op among tensors of this one layout (an optimizer step) runs on
-        # the local tensors; anything else is DTensor's (its dispatcher, unchanged).
-        out = run_locally(cls, func, args, kwargs, _local_laid_out_as)
-        if out is NOT_LOCAL:
-            return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
-        return out
+        # the local tensors; anything else goes to DTensor's dispatcher, as plain DTensors.
+        out = run_locally(RowShardedDTensor, func, args, kwargs, _local_laid_out_as)
+        if out is not NOT_LOCAL:
+            return out
+        kwargs = kwargs or {}
+        plain = as_plain_dtensors(RowShardedDTensor, [*args, *kwargs.values()])
+        result = func(*plain[: len(args)], **dict(zip(kwargs, plain[len(args) :], strict=True)))
+        first = args[0] if args else None
+        if isinstance(first, DTensor) and result is plain[0] and result._spec != first._spec:
+            # DTensor re-lays an in-place result out by changing its spec (squeeze_ of an
+            # unsharded dim); the rows this tensor keeps would no longer be its rows.
+            raise NotImplementedError(
+                f"{func}: an in-place op that moves a row-sharded DTensor's sharded dim is not "
+                "supported; apply it out of place to the tensor's full_tensor()"
+            )
+        return result
 
     def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
         return row_write_items(fqn, self, self.__create_chunks())
