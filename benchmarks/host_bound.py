@@ -6,7 +6,9 @@ per-parameter work and DTensor dispatches decide the step time (issue 50). Every
 implementation runs in its own process world, one after another, in one invocation:
 
 * ``none``: the model unwrapped (each rank alone, no communication: the floor);
-* ``fsdp2``: torch's ``fully_shard`` on each layer, then the root, ``torch.optim.AdamW``;
+* ``fsdp2``: torch's ``fully_shard`` on each layer, then the root, ``torch.optim.AdamW``
+  (``--foreach``: its foreach form; ``--clip-grad-norm``: ``clip_grad_norm_`` before each step,
+  timed with the optimizer);
 * ``per_module``: ``mfsdp_hooks.fully_shard`` the same way, the same optimizer;
 * ``seed``: ``megatron_fsdp.fully_shard(model, optimizer)`` (contiguous optimizer step).
 
@@ -43,7 +45,7 @@ IMPLS = ("none", "fsdp2", "per_module", "seed")
 
 
 def _wrap(
-    impl: str, model: nn.Module, device: torch.device
+    impl: str, model: nn.Module, device: torch.device, foreach: bool | None
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     layers = list(model.model.layers)  # type: ignore[union-attr,arg-type]
     if impl in ("fsdp2", "per_module"):
@@ -62,12 +64,16 @@ def _wrap(
 
         import megatron_fsdp
 
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
         return megatron_fsdp.fully_shard(model, optimizer, fsdp_unit_modules=[LlamaDecoderLayer])
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
 
 
 def _engine_dirs(impl: str) -> tuple[str, ...]:
+    """The implementation's code and the DTensor layer it hands the optimizer (as
+    test_megatron_fsdp_host_counts counts: each DTensor op enters Python there or in ours)."""
+    import torch.distributed.tensor as dtensor
+
     from mfsdp_hooks.testing.host_counts import package_dirs
 
     if impl == "none":
@@ -75,7 +81,7 @@ def _engine_dirs(impl: str) -> tuple[str, ...]:
     if impl == "fsdp2":
         import torch.distributed.fsdp._fully_shard as fsdp2
 
-        return package_dirs([fsdp2])
+        return package_dirs([fsdp2, dtensor])
     import megatron_fsdp
     import mfsdp_buffers
     import mfsdp_checkpoint
@@ -83,7 +89,7 @@ def _engine_dirs(impl: str) -> tuple[str, ...]:
     import mfsdp_hooks
 
     layers = [mfsdp_buffers, mfsdp_collectives, mfsdp_hooks, mfsdp_checkpoint, megatron_fsdp]
-    return package_dirs(layers)
+    return package_dirs([*layers, dtensor])
 
 
 def _world(rank: int, world: int, impl: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +106,8 @@ def _world(rank: int, world: int, impl: str, args: dict[str, Any]) -> dict[str, 
         stack: nn.ModuleList = model.model.layers  # type: ignore[union-attr,assignment]
         for index, layer in enumerate(stack):
             stack[index] = torch.compile(layer, backend=args["backend"])  # type: ignore[assignment]
-    wrapped, optimizer = _wrap(impl, model, device)
+    wrapped, optimizer = _wrap(impl, model, device, args["foreach"])
+    clip = args["clip_grad_norm"]
     generator = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, 256, (args["batch"], args["seq"]), generator=generator).to(device)
 
@@ -116,6 +123,8 @@ def _world(rank: int, world: int, impl: str, args: dict[str, Any]) -> dict[str, 
         loss.backward()
         sync()
         t2 = time.perf_counter()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(wrapped.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
         sync()
@@ -198,6 +207,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--foreach", action="store_true", default=None, help="AdamW(foreach=True) for every impl"
+    )
+    p.add_argument(
+        "--clip-grad-norm", type=float, default=None, help="clip_grad_norm_ before each step"
+    )
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "host_bound.json")
     args = vars(p.parse_args(argv))
