@@ -147,17 +147,10 @@ def _run_foreach(
         return NOT_LOCAL
     is_list = [isinstance(arg, (list, tuple)) and _any_tensor(arg) for arg in args]
     lists = [arg for arg, listed in zip(args, is_list, strict=True) if listed]
-    if any(len(tensors) != len(firsts) for tensors in lists):
+    columns = _local_lists(base, firsts, lists)
+    if columns is None:
         return NOT_LOCAL
-    columns = []
-    for index, first in enumerate(firsts):
-        if not isinstance(first, base):
-            return NOT_LOCAL
-        column = _locals_of_one_layout(first, [tensors[index] for tensors in lists])
-        if column is None:
-            return NOT_LOCAL
-        columns.append(column)
-    local_lists = iter([list(locals_) for locals_ in zip(*columns, strict=True)])
+    local_lists = iter(columns)
     local_args = [
         next(local_lists) if listed else _scalar(arg)
         for arg, listed in zip(args, is_list, strict=True)
@@ -172,11 +165,44 @@ def _run_foreach(
     return [rebuild(o, first) for o, first in zip(out, firsts, strict=True)]
 
 
+def _local_lists(
+    base: type[Any], firsts: Sequence[Any], lists: Sequence[Sequence[Any]]
+) -> list[list[torch.Tensor]] | None:
+    """Each of a ``_foreach_`` op's tensor lists as local tensors, where element ``i`` of every
+    list has the layout of ``firsts[i]``; else None. The loop an optimizer's foreach step
+    runs per parameter and op, so identity is tried before equality."""
+    if any(len(tensors) != len(firsts) for tensors in lists):
+        return None
+    columns: list[list[torch.Tensor]] = [[] for _ in lists]
+    for index, first in enumerate(firsts):
+        if not isinstance(first, base) or _pending_sum(first._spec):
+            return None
+        kind, spec, ranges = type(first), first._spec, first.dp_row_ranges
+        stride = first.tp_partition_stride
+        for column, tensors in zip(columns, lists, strict=True):
+            tensor: Any = tensors[index]
+            if tensor is not first:
+                if type(tensor) is not kind or (tensor._spec is not spec and tensor._spec != spec):
+                    return None
+                same_rows = tensor.dp_row_ranges is ranges or tensor.dp_row_ranges == ranges
+                if not same_rows or tensor.tp_partition_stride != stride:
+                    return None
+            column.append(tensor._local_tensor)
+    return columns
+
+
+def _pending_sum(spec: Any) -> bool:
+    """Whether a mesh dim holds a pending sum (``Partial``). Mesh dim 0 of a row-sharded
+    tensor is its ``Shard``, so on a 1-D mesh (every parameter of plain FSDP) none does."""
+    placements = spec.placements
+    return len(placements) > 1 and any(placement.is_partial() for placement in placements)
+
+
 def _locals_of_one_layout(first: Any, args: Sequence[Any]) -> list[Any] | None:
     """The arguments with each tensor of ``first``'s layout replaced by its local tensor and
     each scalar tensor by its value's tensor, or None where one is neither."""
     spec, ranges, stride = first._spec, first.dp_row_ranges, first.tp_partition_stride
-    if any(placement.is_partial() for placement in spec.placements):
+    if _pending_sum(spec):
         return None
     cls = type(first)
     out: list[Any] = []
