@@ -229,13 +229,13 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             device: torch.device = args[0].device
             return device
         out = func(*args, **(kwargs or {}))
-        sides = None if self.device is None else _Sides(self, args, kwargs)
+        inputs = (args, kwargs)
         if isinstance(out, torch.Tensor) and not is_traceable_wrapper_subclass(out):
             if out.device.type != "meta":  # most ops: one tensor, no pytree walk
-                self._observe_storage(out.untyped_storage(), sides, out)
+                self._observe_storage(out.untyped_storage(), inputs, out)
         elif isinstance(out, torch.Tensor | list | tuple | dict):  # not a device, size, None
             for tensor in _plain_tensors(out):
-                self._observe_storage(tensor.untyped_storage(), sides, tensor)
+                self._observe_storage(tensor.untyped_storage(), inputs, tensor)
         return out
 
     def ignore(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -260,7 +260,7 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def _observe_storage(
         self,
         storage: torch.UntypedStorage,
-        sides: _Sides | None = None,
+        inputs: Any = None,
         tensor: torch.Tensor | None = None,
     ) -> None:
         if storage.device.type == "meta" and not self._count_meta:
@@ -274,7 +274,7 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 weakref.finalize(storage, self._release, key)
                 if self.attribute:
                     self._site_of[key] = _allocation_site(self._skip, self._name_site)
-                if sides is not None and sides.made_on_host(storage, tensor):
+                if self.device is not None and self._made_on_host(storage, tensor, inputs):
                     self._host_keys.add(key)
                 old = 0
             nbytes = self._bytes(storage, key in self._host_keys)
@@ -282,6 +282,23 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 return
             self._sizes[key] = nbytes
             self._add(nbytes - old, self._site_of.get(key), key in self._host_keys)
+
+    def _made_on_host(
+        self, storage: torch.UntypedStorage, tensor: torch.Tensor | None, inputs: Any
+    ) -> bool:
+        """Whether a new storage is on the host (``residence``): a CPU storage while an
+        accelerator computes, one made as host memory, or one an op made from host storages
+        alone (the optimizer's state and temporaries, made like its host parameters)."""
+        assert self.device is not None
+        if tensor is not None and residence.on_host(tensor, self.device):
+            return True
+        if residence.marked_host(storage):
+            return True
+        keys = self._host_keys
+        if not keys or inputs is None:  # nothing on the host yet (no offload): nothing to walk
+            return False
+        read = [id(t.untyped_storage()) for t in _plain_tensors(list(inputs))]
+        return bool(read) and all(key in keys for key in read)
 
     def _bytes(self, storage: torch.UntypedStorage, host: bool) -> int:
         if host:  # the granularity is the device allocator's
@@ -348,27 +365,3 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def tracked_storages(self) -> int:
         with self._lock:
             return len(self._sizes)
-
-
-class _Sides:
-    """Which side an op's new storages are on (``residence``): the host when the compute
-    device is an accelerator and they are CPU storages, when they were made as host memory,
-    or when every storage the op read is on the host (the optimizer's state and temporaries
-    made like its host parameters). Read lazily: most outputs are views of known storages."""
-
-    def __init__(self, tracker: LiveTensorTracker, args: Any, kwargs: Any) -> None:
-        self._tracker, self._inputs = tracker, (args, kwargs)
-        self._from_host: bool | None = None
-
-    def made_on_host(self, storage: torch.UntypedStorage, tensor: torch.Tensor | None) -> bool:
-        device = self._tracker.device
-        assert device is not None
-        if tensor is not None and residence.on_host(tensor, device):
-            return True
-        if residence.marked_host(storage):
-            return True
-        if self._from_host is None:
-            keys = self._tracker._host_keys
-            read = [id(t.untyped_storage()) for t in _plain_tensors(list(self._inputs))]
-            self._from_host = bool(read) and all(key in keys for key in read)
-        return self._from_host

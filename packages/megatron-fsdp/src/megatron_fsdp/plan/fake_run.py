@@ -168,12 +168,15 @@ def run_rank(
         arguments.update(made)
         owned = not isinstance(module, nn.Module)
         with RealMeshesFakeMode(allow_non_fake_inputs=True) as mode:
+            offload = bool(wrap_arguments.get("optimizer_cpu_offload"))
             tracker = LiveTensorTracker(
                 True,
                 fake=True,
                 name_site=_site,
                 granularity=route.granularity,
-                device=route.run_device,
+                # Only host offload puts states on the host; a run without it skips the
+                # per-storage question (a 70B plan makes ~70k storages).
+                device=route.run_device if offload else None,
             )
             with tracker:
                 model = _fake_model(model, owned=owned, mode=mode, device=route.run_device)
