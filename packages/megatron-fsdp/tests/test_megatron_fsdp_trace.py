@@ -27,7 +27,7 @@ from megatron_fsdp import (
     fully_shard_optimizer,
 )
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import EventKind
+from mfsdp_hooks import EventKind, fsdp_units, record_timeline
 from mfsdp_hooks import fully_shard as fully_shard_module
 from mfsdp_hooks.testing import Block, make_batches, make_model, train_single_process
 
@@ -160,16 +160,23 @@ def test_save_writes_each_ranks_chrome_trace_whole(tmp_path: Any) -> None:
 # ----------------------------------------------------------------- torch.profiler
 
 
-def _profiler_worker(rank: int, world: int) -> list[str]:
+def _profiler_worker(rank: int, world: int) -> tuple[list[str], list[str], int]:
     model, optimizer = _build("fully_shard")
     _train(model, optimizer, rank, 1)
     with megatron_fsdp.trace(model, optimizer), torch.profiler.profile() as profile:
         _train(model, optimizer, rank, 1)
-    return sorted({e.name for e in profile.events() if e.name.startswith("mfsdp:")})
+    ranged = sorted({e.name for e in profile.events() if e.name.startswith("mfsdp:")})
+    # A planning run records segments without profiler ranges (each one is a dispatched op).
+    quiet = record_timeline(fsdp_units(model), optimizer, profiler_ranges=False)
+    with quiet as recorder, torch.profiler.profile() as profile:
+        _train(model, optimizer, rank, 1)
+    unranged = sorted({e.name for e in profile.events() if e.name.startswith("mfsdp:")})
+    return ranged, unranged, len(recorder.steps)
 
 
 def test_profiler_trace_holds_the_timeline_ranges() -> None:
-    for names in run_distributed(_profiler_worker, 2, timeout=120):
+    for names, unranged, steps in run_distributed(_profiler_worker, 2, timeout=120):
+        assert unranged == [] and steps == 1, (unranged, steps)
         for wanted in (
             "mfsdp:forward blocks.0 (Block)",
             "mfsdp:backward blocks.1 (Block)",

@@ -242,7 +242,7 @@ def _recorded_step(step: _Step, tracker: LiveTensorTracker, rank: int) -> RankRu
         current[0] = name
 
     units = fsdp_units(step.model)
-    with record_timeline(units, step.optimizer, on_segment=on_segment):
+    with record_timeline(units, step.optimizer, on_segment=on_segment, profiler_ranges=False):
         step.run()
         segments.append(tracker.mark(current[0]))
     between, host_between = tracker.live, tracker.host_live

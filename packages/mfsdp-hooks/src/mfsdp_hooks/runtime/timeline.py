@@ -88,15 +88,18 @@ class _Span:
         self.self_ns = 0
         self.issued_ns: int | None = None  # a wait: when what it waits for was issued
         self.device: DeviceMark | None = None
-        self._range = record_function(f"mfsdp:{kind.value}" + (f" {unit}" if unit else ""))
-        self._range.__enter__()  # type: ignore[no-untyped-call]
+        self._range: record_function | None = None
+        if recorder.profiler_ranges:
+            self._range = record_function(f"mfsdp:{kind.value}" + (f" {unit}" if unit else ""))
+            self._range.__enter__()  # type: ignore[no-untyped-call]
 
     def end(self, keep: bool = True) -> None:
         """Close the span; ``keep=False`` forgets it (its time goes to the span around it)."""
         self._recorder.close(self, keep)
 
     def exit_range(self) -> None:
-        self._range.__exit__(None, None, None)
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
 
 
 class _OpenStep:
@@ -120,9 +123,11 @@ class TimelineRecorder:
         units: Sequence[ShownUnit],
         optimizer: torch.optim.Optimizer | None = None,
         on_segment: Callable[[str], None] | None = None,
+        profiler_ranges: bool = True,
     ) -> None:
         self._units = list(units)
         self._on_segment = on_segment
+        self.profiler_ranges = profiler_ranges
         self._segment: str | None = None
         self._traced = {id(unit) for unit in units}
         self._reducer_unit = {
@@ -358,6 +363,7 @@ def record_timeline(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     on_segment: Callable[[str], None] | None = None,
+    profiler_ranges: bool = True,
 ) -> Iterator[TimelineRecorder]:
     """Record ``units`` (one model's, its root among them) until the block ends.
 
@@ -365,7 +371,9 @@ def record_timeline(
     without one a step ends at the next forward of the root. ``on_segment(name)`` is called
     on the compute thread as a step enters each segment (``"forward of blocks.0 (Block)"``,
     ``"backward of ..."``, ``"optimizer step"``, ``OUTSIDE_UNITS``), before its work runs:
-    a memory planner closes a phase there.
+    a memory planner closes a phase there. ``profiler_ranges=False``: no ``torch.profiler``
+    range per span (each is an op through the dispatcher; a planning run's fake ops cost
+    ~100 us each).
     """
     global ACTIVE
     if not units:
@@ -374,7 +382,7 @@ def record_timeline(
         raise RuntimeError(
             "a timeline is already recording: traces run one at a time (end the other first)"
         )
-    recorder = TimelineRecorder(units, optimizer, on_segment)
+    recorder = TimelineRecorder(units, optimizer, on_segment, profiler_ranges)
     hooks = []
     if optimizer is not None:
         hooks = [
