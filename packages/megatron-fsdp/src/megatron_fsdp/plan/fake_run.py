@@ -103,10 +103,8 @@ class RunRoute:
     """The contiguous optimizer step takes CPU tensors in cache-sized chunks, an
     accelerator's runs whole: the fake run on a CPU takes the accelerator's choice."""
     forced_host_copies: bool = False
-    """The CPU stands in for the accelerator: host offload (``optimizer_cpu_offload``,
-    ``CPUOffloadPolicy``) would see nothing to move from the CPU to itself, so its copies are
-    forced (``mfsdp_hooks.config.offload.forced_host_copies``) as on the accelerator, and
-    the host buffers it makes are told apart by ``mfsdp_buffers.residence``."""
+    """The CPU stands in for the accelerator: host offload's copies are forced, as there
+    (``forced_host_copies``; ``mfsdp_buffers.residence`` tells its host buffers apart)."""
 
 
 def run_route(device: torch.device, host_transport: str) -> RunRoute:
@@ -131,7 +129,7 @@ class RankRun:
     """Each segment of the step, in order, with its peak (and by site at that peak)."""
     between_steps: int
     """Live bytes after ``optimizer.step()``, before ``zero_grad`` (on the device)."""
-    host_between_steps: int
+    host_between: int
     """The same on the host (host offload's main weights, gradients, optimizer state)."""
     states: ShardingSummary
     """``describe`` of the rank with its optimizer, after the step."""

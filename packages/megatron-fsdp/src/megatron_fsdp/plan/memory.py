@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,11 +88,13 @@ class MemoryPlan:
     host_peak_bytes: int = 0
     """The host's peak through the step (host offload: what moved there, and the optimizer
     step's temporaries on the host); 0 without offload."""
-    host_states: dict[str, int] = field(default_factory=dict)
-    """What lives on the host between steps, by category (``describe``'s
-    ``host_totals``: ``main_weights``, ``gradients``, ``optimizer_state``)."""
     host_between_steps_bytes: int = 0
     """Every live byte on the host after ``optimizer.step()``."""
+
+    @property
+    def host_states(self) -> dict[str, int]:
+        """What lives on the host between steps, by category (``describe``'s)."""
+        return {name: nbytes for name, nbytes in self.states.host_totals().items() if nbytes}
 
     @property
     def _peak(self) -> PhaseBytes:
@@ -216,17 +218,9 @@ def _plan(run: RankRun, world_size: int) -> MemoryPlan:
     phases = tuple(
         PhaseBytes(mark.name, {**states, **_transient(mark, run.start)}) for mark in run.segments
     )
-    host = run.states.host_totals()
     host_peak = max([run.start.host_live, *(mark.host_peak for mark in run.segments)])
     return MemoryPlan(
-        world_size,
-        run.rank,
-        run.states,
-        phases,
-        run.between_steps,
-        host_peak,
-        {name: host[name] for name in MODEL_STATE_CATEGORIES if host[name]},
-        run.host_between_steps,
+        world_size, run.rank, run.states, phases, run.between_steps, host_peak, run.host_between
     )
 
 
