@@ -9,7 +9,8 @@ packages are imported from ``packages/*/src``. It runs
    on CUDA at world 1 for every strategy, Transformer Engine where installed);
 2. one benchmark configuration against torch FSDP2 (default model, bf16, world 1);
 3. the launch-bound rows (``benchmarks/host_bound.py``: 32 small Llama layers, eager and
-   compiled per layer, no sharding / FSDP2 / ours per-module / ours seed, world 1);
+   compiled per layer, no sharding / FSDP2 / ours per-module / ours seed, world 1; then
+   eager with ``--foreach``);
 4. ``plan_memory`` against ``max_memory_allocated`` of the same Llama trained on the GPU
    (``benchmarks/plan_vs_measured.py``: 953M with 4x2048 tokens, and 29M of 32 layers);
 
@@ -137,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         host_bound += ["--world-sizes", "1", "--compile", "none", "block"]
         host_bound += ["--out", str(args.out / "host_bound.json")]
         steps.append(("host_bound_vs_fsdp2", host_bound, 240))
+        # The same eager with AdamW's foreach form for everyone: on CUDA torch picks foreach
+        # by itself only for exact DTensor parameters (FSDP2's), not for our subclass.
+        foreach = [sys.executable, "-m", "benchmarks.host_bound", "--device", "cuda", "--foreach"]
+        foreach += ["--world-sizes", "1", "--impls", "fsdp2", "per_module", "seed"]
+        foreach += ["--out", str(args.out / "host_bound_foreach.json")]
+        steps.append(("host_bound_foreach", foreach, 120))
         # Issue 52's rows: the planned peak and bytes between steps against the measured.
         plan = [sys.executable, "-m", "benchmarks.plan_vs_measured", "--device", "cuda"]
         plan += ["--models", "953m", "29m", "--out", str(args.out / "plan_vs_measured.json")]
