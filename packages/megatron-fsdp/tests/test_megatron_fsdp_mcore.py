@@ -22,11 +22,12 @@ import torch
 from mcore_stand_ins import MCoreDDPConfigStandIn, TransformerConfigStandIn
 from torch.distributed.device_mesh import init_device_mesh
 
-from megatron_fsdp import FSDPDistributedIndex, MegatronFSDP
+from megatron_fsdp import DistributedDataParallelConfig, FSDPDistributedIndex, MegatronFSDP
 from megatron_fsdp.mcore import FullyShardedDataParallel
 from megatron_fsdp.mcore_grad_norm import clip_grad_norm
 from mfsdp_checkpoint import gather_full_state_dict
 from mfsdp_collectives.testing import run_distributed
+from mfsdp_hooks import fsdp_units
 from mfsdp_hooks.testing import (
     Block,
     assert_close_rel,
@@ -35,23 +36,35 @@ from mfsdp_hooks.testing import (
     make_batches,
     make_model,
 )
+from mfsdp_hooks.testing.offload import forced_host_copies, offloads
 
 STEPS = 10
 MICRO_BATCHES = 3
 
 
 def _mcore_loop_worker(rank: int, world: int, strategy: str) -> list[float]:
-    ddp_config = MCoreDDPConfigStandIn(
-        data_parallel_sharding_strategy=strategy,
+    offload = strategy.endswith("+offload")  # ours: Megatron-Core keeps it on OptimizerConfig
+    fields = dict(
+        data_parallel_sharding_strategy=strategy.removesuffix("+offload"),
         overlap_grad_reduce=True,
         overlap_param_gather=True,
         use_distributed_optimizer=True,
-        use_megatron_fsdp=True,
     )
-    model = FullyShardedDataParallel(
-        TransformerConfigStandIn(), ddp_config, make_model(), fsdp_unit_modules=[Block]
+    ddp_config: Any = (
+        DistributedDataParallelConfig(**fields, optimizer_cpu_offload=True)
+        if offload
+        else MCoreDDPConfigStandIn(**fields, use_megatron_fsdp=True)
     )
+    with forced_host_copies() if offload else contextlib.nullcontext():
+        model = FullyShardedDataParallel(
+            TransformerConfigStandIn(), ddp_config, make_model(), fsdp_unit_modules=[Block]
+        )
     assert isinstance(model.module, MegatronFSDP)
+    assert len(offloads(model.module)) == (len(fsdp_units(model.module)) if offload else 0)
+    if offload:  # each micro-batch's reduce-scatter into host gradients is refused by name
+        with pytest.raises(NotImplementedError, match="reduce_scatter_in_no_sync"):
+            model.no_sync().__enter__()
+        model.module.set_reduce_scatter_in_no_sync(False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = []
     for tokens, targets in make_batches(STEPS, global_batch=12):
@@ -89,8 +102,13 @@ def _single_process() -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim", "no_shard"])
+@pytest.mark.parametrize(
+    "strategy", ["optim_grads_params", "optim", "no_shard", "optim_grads_params+offload"]
+)
 def test_a_megatron_core_loop_trains_as_one_process(strategy: str) -> None:
+    """``+offload``: host offload through our config (``optimizer_cpu_offload``), on CPU
+    with the copies forced, the main weights, gradients and SGD's state on the host; its
+    micro-batches reduce once per step (reduce-scatters inside ``no_sync`` are refused)."""
     want = _single_process()
     for got in run_distributed(_mcore_loop_worker, 2, strategy, timeout=180):
         for a, b in zip(got, want, strict=True):

@@ -77,7 +77,18 @@ class FSDPModule(FSDP2CommHooks, FSDP2Refusals, RefusesDDP, TorchFSDPModule):
         inside ``dp_shard``). ``recurse`` (FSDP2's): this module's unit only, or every
         unit under it; each unit follows its own flag."""
         _check_bool(requires_gradient_sync, "requires_gradient_sync")
-        for unit in self._units(recurse=recurse):
+        units = self._units(recurse=recurse)
+        if not requires_gradient_sync and self._root_options().reduce_scatter_in_no_sync:
+            offloaded = [unit.name for unit in units if unit.options.offload is not None]
+            if offloaded:  # local: every rank's units are alike, so every rank raises
+                raise NotImplementedError(
+                    f"no_sync (requires_gradient_sync=False) with host offload on {offloaded[:3]} "
+                    "while reduce_scatter_in_no_sync is set: each micro-batch's reduce-scatter "
+                    "into the host gradients does not land right yet (the gradients come out "
+                    "inf); call set_reduce_scatter_in_no_sync(False) to reduce once per step, "
+                    "or accumulate the micro-batches' losses into one backward"
+                )
+        for unit in units:
             unit.sync_flags.requires_gradient_sync = requires_gradient_sync
 
     @property
