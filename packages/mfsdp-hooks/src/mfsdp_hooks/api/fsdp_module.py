@@ -28,6 +28,7 @@ from mfsdp_hooks.api.fsdp2_refusals import FSDP2Refusals
 from mfsdp_hooks.api.module_conversion import managed_params_hidden
 from mfsdp_hooks.api.precision_region import mixed_precision_context
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
+from mfsdp_hooks.config.offload import refuse_no_sync_reductions
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.unit_options import RootOptions
 from mfsdp_hooks.runtime.root import FSDPRoot, root_of
@@ -79,15 +80,7 @@ class FSDPModule(FSDP2CommHooks, FSDP2Refusals, RefusesDDP, TorchFSDPModule):
         _check_bool(requires_gradient_sync, "requires_gradient_sync")
         units = self._units(recurse=recurse)
         if not requires_gradient_sync and self._root_options().reduce_scatter_in_no_sync:
-            offloaded = [unit.name for unit in units if unit.options.offload is not None]
-            if offloaded:  # local: every rank's units are alike, so every rank raises
-                raise NotImplementedError(
-                    f"no_sync (requires_gradient_sync=False) with host offload on {offloaded[:3]} "
-                    "while reduce_scatter_in_no_sync is set: each micro-batch's reduce-scatter "
-                    "into the host gradients does not land right yet (the gradients come out "
-                    "inf); call set_reduce_scatter_in_no_sync(False) to reduce once per step, "
-                    "or accumulate the micro-batches' losses into one backward"
-                )
+            refuse_no_sync_reductions([u.name for u in units if u.options.offload is not None])
         for unit in units:
             unit.sync_flags.requires_gradient_sync = requires_gradient_sync
 

@@ -27,7 +27,7 @@ the "host" shards are distinct tensors, and ``CopyCounts`` counts each copy and 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +36,14 @@ from mfsdp_collectives import CommStreams
 from mfsdp_collectives.issuing.streams import current_stream
 from mfsdp_hooks.config.codec import IDENTITY, ParamCodec
 
-__all__ = ["CopyCounts", "GradLanding", "HostOffload", "encode_main", "forced_host_copies"]
+__all__ = [
+    "CopyCounts",
+    "GradLanding",
+    "HostOffload",
+    "encode_main",
+    "forced_host_copies",
+    "refuse_no_sync_reductions",
+]
 
 _FORCED: list[bool] = [False]
 
@@ -130,6 +137,20 @@ def encode_main(
         return
     with torch.no_grad():
         codec.encode(source, out)
+
+
+def refuse_no_sync_reductions(offloaded_units: Sequence[str]) -> None:
+    """Refuse a ``no_sync`` window that would reduce-scatter each micro-batch into host
+    gradients (``reduce_scatter_in_no_sync``): those come out inf, a bug not found yet.
+    Local: every rank's units are alike, so every rank raises."""
+    if offloaded_units:
+        raise NotImplementedError(
+            f"no_sync (requires_gradient_sync=False) with host offload on "
+            f"{list(offloaded_units[:3])} while reduce_scatter_in_no_sync is set: each "
+            "micro-batch's reduce-scatter into the host gradients does not land right yet; "
+            "call set_reduce_scatter_in_no_sync(False) to reduce once per step, or "
+            "accumulate the micro-batches' losses into one backward"
+        )
 
 
 class GradLanding:
