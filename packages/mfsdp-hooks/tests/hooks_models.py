@@ -150,3 +150,22 @@ def train_aligned(
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+class ResidualBlock(nn.Module):
+    """A residual MLP block (24 -> 40 -> 24): the unit of ``residual_model``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(24, 40)
+        self.down = nn.Linear(40, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def residual_model() -> nn.Sequential:
+    """Two residual blocks between an input and an output layer (seeded): what the describe
+    tests shard block by block."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 24), ResidualBlock(), ResidualBlock(), nn.Linear(24, 5))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from hooks_models import ResidualBlock, residual_model
 
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import (
@@ -24,27 +24,11 @@ from mfsdp_hooks import (
     fully_shard,
 )
 
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(24, 40)
-        self.down = nn.Linear(40, 24)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 24), Block(), Block(), nn.Linear(24, 5))
-
-
-MODEL_NUMEL = sum(p.numel() for p in _model().parameters())
+MODEL_NUMEL = sum(p.numel() for p in residual_model().parameters())
 
 
 def _describe(rank: int, world: int, strategy: int, bf16: bool) -> tuple[ShardingSummary, str]:
-    model = _model()
+    model = residual_model()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else None
     for block in (model[1], model[2]):
         fully_shard(block, sharding_strategy=strategy, mp_policy=policy)
@@ -98,10 +82,10 @@ def test_bytes_per_rank_are_what_the_strategy_means(world: int, strategy: int, b
 
 def _unit_names(rank: int, world: int) -> tuple[list[str], str, list[str]]:
     """A root wrapper's unit names and table, and those of a unit over two modules."""
-    model = _model()
-    wrapper = FSDPRootWrapper(model, [Block], ShardingOptions())
+    model = residual_model()
+    wrapper = FSDPRootWrapper(model, [ResidualBlock], ShardingOptions())
     summary = describe(wrapper)
-    paired = _model()
+    paired = residual_model()
     fully_shard([paired[0], paired[3]])  # one unit over two modules, as for tied weights
     fully_shard(paired)
     pair_names = [g.unit for g in describe(paired).groups]
@@ -119,4 +103,4 @@ def test_unit_names_follow_the_module_the_root_wrapper_and_a_unit_of_several_mod
 
 def test_an_unsharded_model_is_refused_naming_the_fix() -> None:
     with pytest.raises(ValueError, match="no FSDP units; shard it first"):
-        describe(_model())
+        describe(residual_model())

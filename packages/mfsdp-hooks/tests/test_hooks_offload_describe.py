@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
+from hooks_models import residual_model
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 from mfsdp_buffers import LiveTensorTracker
@@ -24,21 +24,10 @@ from mfsdp_hooks.testing.offload import forced_host_copies
 MOVED = ("main_weights", "gradients", "optimizer_state")
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(24, 40)
-        self.down = nn.Linear(40, 24)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
 def _described(offload: bool) -> tuple[ShardingSummary, str, int]:
     """The summary after one step, its table, and the host bytes a tracker counted then."""
     with LiveTensorTracker(device="cpu") as tracker:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 24), Block(), Block(), nn.Linear(24, 5))
+        model = residual_model()
         policy = CPUOffloadPolicy(pin_memory=False) if offload else None
         with forced_host_copies():
             for module in (model[1], model[2], model):
