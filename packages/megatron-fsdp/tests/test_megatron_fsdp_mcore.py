@@ -61,10 +61,6 @@ def _mcore_loop_worker(rank: int, world: int, strategy: str) -> list[float]:
         )
     assert isinstance(model.module, MegatronFSDP)
     assert len(offloads(model.module)) == (len(fsdp_units(model.module)) if offload else 0)
-    if offload:  # each micro-batch's reduce-scatter into host gradients is refused by name
-        with pytest.raises(NotImplementedError, match="reduce_scatter_in_no_sync"):
-            model.no_sync().__enter__()
-        model.module.set_reduce_scatter_in_no_sync(False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = []
     for tokens, targets in make_batches(STEPS, global_batch=12):
@@ -107,8 +103,8 @@ def _single_process() -> list[float]:
 )
 def test_a_megatron_core_loop_trains_as_one_process(strategy: str) -> None:
     """``+offload``: host offload through our config (``optimizer_cpu_offload``), on CPU
-    with the copies forced, the main weights, gradients and SGD's state on the host; its
-    micro-batches reduce once per step (reduce-scatters inside ``no_sync`` are refused)."""
+    with the copies forced, the main weights, gradients and SGD's state on the host; each
+    micro-batch under ``no_sync`` reduce-scatters into them (Megatron-FSDP's default)."""
     want = _single_process()
     for got in run_distributed(_mcore_loop_worker, 2, strategy, timeout=180):
         for a, b in zip(got, want, strict=True):

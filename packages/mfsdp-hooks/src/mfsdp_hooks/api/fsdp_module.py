@@ -28,7 +28,6 @@ from mfsdp_hooks.api.fsdp2_refusals import FSDP2Refusals
 from mfsdp_hooks.api.module_conversion import managed_params_hidden
 from mfsdp_hooks.api.precision_region import mixed_precision_context
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
-from mfsdp_hooks.config.offload import refuse_no_sync_reductions
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.unit_options import RootOptions
 from mfsdp_hooks.runtime.root import FSDPRoot, root_of
@@ -78,10 +77,7 @@ class FSDPModule(FSDP2CommHooks, FSDP2Refusals, RefusesDDP, TorchFSDPModule):
         inside ``dp_shard``). ``recurse`` (FSDP2's): this module's unit only, or every
         unit under it; each unit follows its own flag."""
         _check_bool(requires_gradient_sync, "requires_gradient_sync")
-        units = self._units(recurse=recurse)
-        if not requires_gradient_sync and self._root_options().reduce_scatter_in_no_sync:
-            refuse_no_sync_reductions([u.name for u in units if u.options.offload is not None])
-        for unit in units:
+        for unit in self._units(recurse=recurse):
             unit.sync_flags.requires_gradient_sync = requires_gradient_sync
 
     @property

@@ -27,7 +27,7 @@ the "host" shards are distinct tensors, and ``CopyCounts`` counts each copy and 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +42,6 @@ __all__ = [
     "HostOffload",
     "encode_main",
     "forced_host_copies",
-    "refuse_no_sync_reductions",
 ]
 
 _FORCED: list[bool] = [False]
@@ -139,20 +138,6 @@ def encode_main(
         codec.encode(source, out)
 
 
-def refuse_no_sync_reductions(offloaded_units: Sequence[str]) -> None:
-    """Refuse a ``no_sync`` window that would reduce-scatter each micro-batch into host
-    gradients (``reduce_scatter_in_no_sync``): those come out inf, a bug not found yet.
-    Local: every rank's units are alike, so every rank raises."""
-    if offloaded_units:
-        raise NotImplementedError(
-            f"no_sync (requires_gradient_sync=False) with host offload on "
-            f"{list(offloaded_units[:3])} while reduce_scatter_in_no_sync is set: each "
-            "micro-batch's reduce-scatter into the host gradients does not land right yet; "
-            "call set_reduce_scatter_in_no_sync(False) to reduce once per step, or "
-            "accumulate the micro-batches' losses into one backward"
-        )
-
-
 class GradLanding:
     """One parameter group's reduced gradients on their way to the host (see the note)."""
 
@@ -202,7 +187,8 @@ class GradLanding:
         event, self._event = self._event, None
         if event is not None:
             event.synchronize()
-        self._staged = None
+        if self._host is None:  # a reduction staged but not landed yet keeps its buffer
+            self._staged = None
 
 
 def _active(streams: CommStreams | None, role: str) -> torch.Stream | None:
