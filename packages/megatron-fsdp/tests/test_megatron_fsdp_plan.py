@@ -10,6 +10,7 @@ routing is refused); and a change to an engine rule shows in the plan with no pl
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -82,8 +83,10 @@ def _engine(rank: int, world: int) -> list[dict[str, Any]]:
                 tracker.reset_phase()
                 _loss(model(TOKENS)).backward()
                 optimizer.step()
+                gc.collect()  # reachable bytes only: a cycle's garbage waits for a collection
                 between = tracker.live
                 optimizer.zero_grad()
+                gc.collect()  # as the plan's run does between its steps: no garbage of step 1
             totals = model.describe_sharding(optimizer).totals()
         states = {c: totals[c] for c in MODEL_STATE_CATEGORIES}
         held.append({"states": states, "live": between, "peak": tracker.phase_peak})
