@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard_model, fully_shard_optimizer
-from megatron_fsdp.plan import MEMORY_CATEGORIES, plan_memory, plan_model_states
+from megatron_fsdp.plan import MEMORY_CATEGORIES, plan_memory
 from megatron_fsdp.plan.cli import main
 from mfsdp_buffers import DataParallelBuffer, LiveTensorTracker
 from mfsdp_collectives.testing import run_distributed
@@ -124,7 +124,6 @@ def test_the_plan_is_what_each_rank_holds(world: int) -> None:
         largest = plan_memory(meta, **arguments)
         most = max(r[case]["live"] for r in ranks)
         assert most - ranks[largest.rank][case]["live"] <= 256, (strategy, largest.rank)
-        assert plan_model_states(meta, **arguments).totals() == largest.states.totals()
 
 
 def test_a_large_world_is_planned_without_memory() -> None:

@@ -3,7 +3,7 @@
 from megatron_fsdp.api import fully_shard, fully_shard_model, fully_shard_optimizer
 from megatron_fsdp.ddp_config import DistributedDataParallelConfig
 from megatron_fsdp.dist_index import FSDPDistributedIndex
-from megatron_fsdp.plan import MemoryPlan, plan_memory, plan_model_states
+from megatron_fsdp.plan import MemoryPlan, plan_memory
 from megatron_fsdp.trace import OverlapReport, Timeline, trace
 from megatron_fsdp.wrapper import MegatronFSDP
 from mfsdp_collectives import BlockQuantization, QuantizationErrorLog
@@ -35,7 +35,6 @@ __all__ = [
     "fully_shard_model",
     "fully_shard_optimizer",
     "plan_memory",
-    "plan_model_states",
     "quantize_communication",
     "OverlapReport",
     "Timeline",

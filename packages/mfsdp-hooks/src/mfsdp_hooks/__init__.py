@@ -8,6 +8,7 @@ from mfsdp_hooks.api.describe import (
     GroupSummary,
     ShardingSummary,
     describe,
+    heaviest_rank,
 )
 from mfsdp_hooks.api.forward_methods import register_fsdp_forward_method
 from mfsdp_hooks.api.fully_shard import (
@@ -86,6 +87,7 @@ __all__ = [
     "GroupSummary",
     "ShardingSummary",
     "describe",
+    "heaviest_rank",
     "MODEL_STATE_CATEGORIES",
     "forced_host_copies",
     "format_bytes",

@@ -77,8 +77,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with torch.device("meta"):
         model = _builder(args)()
     units = _units(model, args.unit)
-    dtype = _DTYPES[args.compute_dtype]
-    policy = MixedPrecisionPolicy(param_dtype=dtype)
+    policy = MixedPrecisionPolicy(param_dtype=_DTYPES[args.compute_dtype])
     tokens = torch.zeros(args.batch, args.seq_len, dtype=torch.long, device="meta")
     for world in args.world_size:
         plan = plan_memory(

@@ -19,10 +19,11 @@ from __future__ import annotations
 import copy
 import gc
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,7 @@ from mfsdp_hooks import (
     describe,
     forced_host_copies,
     fsdp_units,
+    heaviest_rank,
     record_timeline,
 )
 
@@ -63,11 +65,12 @@ fake world, under ``torch.device("meta")``, that builds it as the training scrip
 returns the model, or the model and the ``fully_shard_model`` arguments it goes with (the
 meshes and groups it made: ``device_mesh``, ``expt_device_mesh``, ``tp_dim``...)."""
 
-OptimizerSpec = str | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+OptimizerSpec = str | OptimizerFactory
 """``"adamw"``, ``"adam"``, ``"sgd"`` (lr 1e-3, torch's defaults otherwise), or a function
 building the optimizer from the parameters (``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``)."""
 
-_OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = {
+_OPTIMIZERS: dict[str, OptimizerFactory] = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
     "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
@@ -134,8 +137,7 @@ class RankRun:
     states: ShardingSummary
     """``describe`` of the rank with its optimizer, after the step."""
     largest_rank: int
-    """The rank holding the most parameter elements (the one to plan; ranks with equal
-    shards hold the same), read off the engine's layouts."""
+    """The rank to plan: the one whose shards hold the most (``heaviest_rank``)."""
 
 
 def run_rank(
@@ -144,7 +146,7 @@ def run_rank(
     rank: int,
     world_size: int,
     meshes: Callable[[str], dict[str, Any]] | None,
-    optimizer: OptimizerSpec,
+    optimizer: OptimizerFactory,
     inputs: tuple[Sequence[Any], dict[str, Any]],
     loss_fn: Callable[[Any], torch.Tensor] | None,
     route: RunRoute,
@@ -180,56 +182,52 @@ def run_rank(
                 model = _fake_model(model, owned=owned, mode=mode, device=route.run_device)
                 if route.run_device.type != "cpu":  # the fake tensors are made there already
                     arguments["device"] = route.run_device
-                forced: AbstractContextManager[None] = nullcontext()
-                if route.forced_host_copies:
-                    forced = forced_host_copies()
-                with forced:
+                with forced_host_copies() if route.forced_host_copies else nullcontext():
                     sharded = fully_shard_model(model, **arguments)
                 del model
                 if after_wrap is not None:
                     after_wrap(sharded)
-                built = _build_optimizer(optimizer, sharded.parameters())
+                built = optimizer(sharded.parameters())
                 attached = fully_shard_optimizer(built, step_chunk_numel=route.step_chunk_numel)
-                args, kwargs = _fake_inputs(inputs, mode, route.run_device)
-                step = _Step(sharded, attached, args, kwargs, loss_fn)
-                step.run()
+                batch = _fake_inputs(inputs, mode, route.run_device)
+                step = partial(_train_step, sharded, attached, batch, loss_fn or default_loss)
+                step()
                 attached.zero_grad()
                 gc.collect()
-                return _recorded_step(step, tracker, rank)
+                return _recorded_step(step, sharded, attached, tracker, rank)
     finally:
         gc.unfreeze()
         dist.destroy_process_group()
 
 
-class _Step:
+def _train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: tuple[Sequence[Any], dict[str, Any]],
+    loss_fn: Callable[[Any], torch.Tensor],
+) -> None:
     """One training step of the sharded model: forward, the loss, backward, the optimizer."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        loss_fn: Callable[[Any], torch.Tensor] | None,
-    ) -> None:
-        self.model, self.optimizer = model, optimizer
-        self._args, self._kwargs, self._loss_fn = args, kwargs, loss_fn or default_loss
-
-    def run(self) -> None:
-        try:
-            loss: torch.Tensor = self._loss_fn(self.model(*self._args, **self._kwargs))
-        except (DataDependentOutputException, DynamicOutputShapeException) as error:
-            raise NotImplementedError(
-                f"plan_memory: the model's forward makes a shape from the data ({error}; "
-                "e.g. a mixture of experts counting the tokens each expert gets), which a "
-                "run on fake tensors cannot know: plan it with routing of a fixed capacity, "
-                "or measure one real rank with mfsdp_buffers.LiveTensorTracker"
-            ) from error
-        torch.autograd.backward(loss)
-        self.optimizer.step()
+    args, kwargs = inputs
+    try:
+        loss = loss_fn(model(*args, **kwargs))
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        raise NotImplementedError(
+            f"plan_memory: the model's forward makes a shape from the data ({error}; "
+            "e.g. a mixture of experts counting the tokens each expert gets), which a "
+            "run on fake tensors cannot know: plan it with routing of a fixed capacity, "
+            "or measure one real rank with mfsdp_buffers.LiveTensorTracker"
+        ) from error
+    torch.autograd.backward(loss)
+    optimizer.step()
 
 
-def _recorded_step(step: _Step, tracker: LiveTensorTracker, rank: int) -> RankRun:
+def _recorded_step(
+    step: Callable[[], None],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tracker: LiveTensorTracker,
+    rank: int,
+) -> RankRun:
     tracker.reset_phase()  # the mark's peak is then now: its sites are what is live now
     start = tracker.mark("before the step")
     segments: list[PhaseMark] = []
@@ -239,34 +237,15 @@ def _recorded_step(step: _Step, tracker: LiveTensorTracker, rank: int) -> RankRu
         segments.append(tracker.mark(current[0]))
         current[0] = name
 
-    units = fsdp_units(step.model)
-    with record_timeline(units, step.optimizer, on_segment=on_segment, profiler_ranges=False):
-        step.run()
+    units = fsdp_units(model)
+    with record_timeline(units, optimizer, on_segment=on_segment, profiler_ranges=False):
+        step()
         segments.append(tracker.mark(current[0]))
     between, host_between = tracker.live, tracker.host_live
-    states = describe(step.model, step.optimizer)
-    step.optimizer.zero_grad()
-    largest = _largest_rank(units)
+    states = describe(model, optimizer)
+    optimizer.zero_grad()
+    largest = heaviest_rank(model)
     return RankRun(rank, start, tuple(segments[1:]), between, host_between, states, largest)
-
-
-def _largest_rank(units: Sequence[Any]) -> int:
-    """The global rank whose shards hold the most parameter elements, weighted by their
-    dtypes (the optimizer state is per element): the first of them on a tie."""
-    groups = [group for unit in units for group in unit.groups if group.model.sharded]
-    if not groups:
-        return dist.get_rank()
-    shard_group = groups[0].topology.shard_group
-    weights = [0] * groups[0].model.layout.world_size
-    for group in groups:  # groups of another mesh (experts') rank by their own group
-        if group.topology.shard_group is not shard_group:
-            continue
-        layout = group.model.layout if group.main is None else group.main.layout
-        itemsize = group.compute_dtype.itemsize if group.main is None else group.main.dtype.itemsize
-        for index, numel in enumerate(layout.data_numel_per_rank()):
-            weights[index] += numel * itemsize
-    largest = max(range(len(weights)), key=lambda i: (weights[i], -i))
-    return dist.get_global_rank(shard_group, largest)
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -283,16 +262,13 @@ def default_loss(output: Any) -> torch.Tensor:
     return loss.float().sum()
 
 
-def _build_optimizer(spec: OptimizerSpec, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    if isinstance(spec, str):
-        return _OPTIMIZERS[spec.lower()](params)
-    return spec(params)
-
-
-def check_optimizer(spec: object) -> None:
-    """Refuse an optimizer argument ``plan_memory`` cannot build, naming the choices."""
-    if (spec.lower() in _OPTIMIZERS) if isinstance(spec, str) else callable(spec):
-        return
+def optimizer_factory(spec: object) -> OptimizerFactory:
+    """The function building ``spec``'s optimizer from the parameters (``OptimizerSpec``);
+    refuses one ``plan_memory`` cannot build, naming the choices."""
+    if isinstance(spec, str) and spec.lower() in _OPTIMIZERS:
+        return _OPTIMIZERS[spec.lower()]
+    if callable(spec) and not isinstance(spec, str):
+        return cast(OptimizerFactory, spec)
     raise ValueError(
         f"optimizer={spec!r}: give one of {sorted(_OPTIMIZERS)} or a function building the "
         "optimizer from the parameters (lambda params: torch.optim.AdamW(params, lr=3e-4))"
@@ -305,15 +281,11 @@ def _built(module: ModelSource) -> tuple[nn.Module, dict[str, Any]]:
         return module, {}
     with torch.device("meta"):
         built = module()
-    if isinstance(built, nn.Module):
-        return built, {}
-    if (
-        isinstance(built, tuple)
-        and len(built) == 2
-        and isinstance(built[0], nn.Module)
-        and isinstance(built[1], dict)
-    ):
-        return built[0], dict(built[1])
+    match built:
+        case nn.Module():
+            return built, {}
+        case (nn.Module() as model, dict() as made):
+            return model, dict(made)
     raise TypeError(
         f"module: the builder returned {type(built).__name__}; return the model, or "
         "(model, dict of fully_shard_model arguments such as device_mesh=...)"
@@ -372,5 +344,4 @@ def _fake_inputs(
             return torch.zeros(value.shape, dtype=value.dtype, device=device)
         return _fake_like(value, mode, device)
 
-    args, kwargs = inputs
-    return tree_map(fake, list(args)), tree_map(fake, dict(kwargs))
+    return tree_map(fake, list(inputs[0])), tree_map(fake, dict(inputs[1]))

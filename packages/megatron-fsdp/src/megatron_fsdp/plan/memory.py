@@ -43,14 +43,14 @@ from megatron_fsdp.plan.fake_run import (
     ModelSource,
     OptimizerSpec,
     RankRun,
-    check_optimizer,
+    optimizer_factory,
     run_rank,
     run_route,
 )
 from mfsdp_buffers import PhaseMark
 from mfsdp_hooks import MODEL_STATE_CATEGORIES, ShardingSummary, format_bytes
 
-__all__ = ["MEMORY_CATEGORIES", "MemoryPlan", "PhaseBytes", "plan_memory", "plan_model_states"]
+__all__ = ["MEMORY_CATEGORIES", "MemoryPlan", "PhaseBytes", "plan_memory"]
 
 _STATES = tuple(name for name in MODEL_STATE_CATEGORIES if name != "gradients")
 MEMORY_CATEGORIES = (*_STATES, "other_states", "engine_buffers", "activations")
@@ -161,7 +161,7 @@ def plan_memory(
     (``quantize_communication``...). Every other keyword goes to ``fully_shard_model``.
     """
     _check(world_size, rank, outer_dp_size, fully_shard_model_arguments)
-    check_optimizer(optimizer)
+    build_optimizer = optimizer_factory(optimizer)
     if example_inputs is None and example_kwargs is None:
         raise ValueError(
             "plan_memory runs one real training step: pass example_inputs (and/or "
@@ -176,7 +176,7 @@ def plan_memory(
         module,
         world_size=world_size,
         meshes=_hsdp(outer_dp_size, world_size) if outer_dp_size > 1 else None,
-        optimizer=optimizer,
+        optimizer=build_optimizer,
         inputs=(tuple(example_inputs or ()), dict(example_kwargs or {})),
         loss_fn=loss_fn,
         route=run_route(torch.device(device), transport),
@@ -187,12 +187,6 @@ def plan_memory(
     if rank is None and planned.largest_rank != planned.rank:
         planned = run(rank=planned.largest_rank)
     return _plan(planned, world_size)
-
-
-def plan_model_states(module: ModelSource, *, world_size: int, **arguments: Any) -> ShardingSummary:
-    """What the planned rank holds between steps, unit by unit: ``plan_memory``'s ``states``
-    (the same arguments)."""
-    return plan_memory(module, world_size=world_size, **arguments).states
 
 
 def _hsdp(outer: int, world_size: int) -> Callable[[str], dict[str, Any]]:

@@ -42,7 +42,14 @@ from mfsdp_hooks.runtime.observe import format_bytes, group_bytes_per_rank, held
 from mfsdp_hooks.runtime.root import unit_paths
 from mfsdp_hooks.weights.param_group import ParameterGroup
 
-__all__ = ["CATEGORIES", "MODEL_STATE_CATEGORIES", "GroupSummary", "ShardingSummary", "describe"]
+__all__ = [
+    "CATEGORIES",
+    "MODEL_STATE_CATEGORIES",
+    "GroupSummary",
+    "ShardingSummary",
+    "describe",
+    "heaviest_rank",
+]
 
 MODEL_STATE_CATEGORIES = ("compute_weights", "main_weights", "gradients", "optimizer_state")
 """The categories held from one step to the next (``megatron_fsdp.plan`` plans the same)."""
@@ -160,6 +167,25 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -
     if torch.distributed.is_initialized():
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     return ShardingSummary(rank, world, tuple(groups))
+
+
+def heaviest_rank(model: nn.Module) -> int:
+    """The global rank whose shards of ``model`` hold the most bytes of the weights the
+    optimizer steps (its state is per element of them), the first of them on a tie: ranks
+    differ only there. Groups sharded over another group than the first's (experts') rank
+    by their own group and do not count. Needs the process group the model was sharded on."""
+    groups = [g for _, unit in unit_paths(model) for g in unit.groups if g.model.sharded]
+    if not groups:
+        return torch.distributed.get_rank()
+    shard_group = groups[0].topology.shard_group
+    weights = [0] * groups[0].model.layout.world_size
+    for group in groups:
+        if group.topology.shard_group is shard_group:
+            stepped = group.stepped
+            for index, numel in enumerate(stepped.layout.data_numel_per_rank()):
+                weights[index] += numel * stepped.dtype.itemsize
+    largest = max(range(len(weights)), key=lambda i: (weights[i], -i))
+    return torch.distributed.get_global_rank(shard_group, largest)
 
 
 def _summarise(

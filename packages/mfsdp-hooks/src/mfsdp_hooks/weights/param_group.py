@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mfsdp_buffers import Allocator, FlatLayout, PlainAllocator
+from mfsdp_buffers import Allocator, DataParallelBuffer, FlatLayout, PlainAllocator
 from mfsdp_collectives import (
     AllGatherComm,
     CommHandle,
@@ -210,9 +210,7 @@ class ParameterGroup:
             )
         fill_buffers(self.model, self.main, values, encoded=bound is not None)
         self.unsharded_params = adopt_params(self.model, params, self.tp_specs, bound)
-        self.dist_params = self.cuts.dist_params(
-            self.main if self.main is not None else self.model, strategy, originals=params
-        )
+        self.dist_params = self.cuts.dist_params(self.stepped, strategy, originals=params)
         self.freshness = WeightFreshness(steppable=self.requires_grad)
         if bound is not None or (topology.shards_optimizer_across_outer and codec is not IDENTITY):
             # encoded compute weights exist only once the first gather or install made them
@@ -233,6 +231,11 @@ class ParameterGroup:
     def unshard(self, streams: CommStreams | None = None) -> Waitable | None:
         """Start making the unsharded weights current; wait on the returned handle before use."""
         return self._make_current(self._path(stale=self.freshness.dirty, unsharding=True), streams)
+
+    @property
+    def stepped(self) -> DataParallelBuffer:
+        """The weights the optimizer steps: the main weights where kept, else the model's."""
+        return self.main if self.main is not None else self.model
 
     @property
     def _whole_main(self) -> bool:
@@ -384,7 +387,7 @@ def broadcast_from_first_rank(group: ParameterGroup) -> None:
     group where each rank holds them whole, then this rank's shard over the outer (HSDP)
     group; the compute weights are re-installed at the next unshard. Collective over both."""
     topology = group.topology
-    source = group.main if group.main is not None else group.model
+    source = group.stepped
     if not source.sharded and topology.shard_size > 1:
         first = dist.get_global_rank(topology.shard_group, 0)
         dist.broadcast(source.materialize(), first, group=topology.shard_group)
