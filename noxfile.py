@@ -80,16 +80,17 @@ def _selected_explicitly(name: str) -> bool:
 def _install_workspace(
     session: nox.Session, torch_version: str = LOCAL_TORCH, *, bytecode: bool = False
 ) -> None:
-    """``bytecode``: compile every installed dependency now (uv does not by default), for
-    sessions that start many interpreters: each distributed test spawns its ranks, and each
-    imports torch and transformers afresh. Where ``PYTHONDONTWRITEBYTECODE`` is set (this
-    project's machines) nothing is ever cached otherwise: each import of torch compiled it
-    from source, about 3x the time of one from bytecode."""
+    """``bytecode``: compile every installed module now (uv does not by default), for sessions
+    that start many interpreters: each distributed test spawns its ranks, and each imports
+    torch and transformers afresh. Where ``PYTHONDONTWRITEBYTECODE`` is set (this project's
+    machines) nothing is ever cached otherwise: each import of torch compiled it from source,
+    about 3x the time of one from bytecode."""
     env = {"UV_COMPILE_BYTECODE": "1"} if bytecode else {}
     session.install(_torch_requirement(torch_version), *TEST_TOOLS, env=env)
-    # Our editable sources stay uncompiled: with their bytecode in place the live-tensor
-    # bounds of test_hooks_memory_bounds see ~1 KB more at wrap time (not understood yet).
-    session.install(*[f"-e{ROOT / 'packages' / layer}" for layer in LAYERS])
+    session.install(*[f"-e{ROOT / 'packages' / layer}" for layer in LAYERS], env=env)
+    if bytecode:  # editable installs are not compiled by the installer: the sources are ours
+        ours = [str(ROOT / folder) for folder in ("packages", "tests", "benchmarks")]
+        session.run("python", "-m", "compileall", "-q", *ours)
 
 
 @nox.session

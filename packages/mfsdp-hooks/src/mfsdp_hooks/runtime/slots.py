@@ -54,8 +54,11 @@ def collect_slots(module: nn.Module, ignored: frozenset[int] = frozenset()) -> S
     Insertion order is the module traversal order, identical on every rank.
     """
     found: SlotMap = {}
-
-    def visit(mod: nn.Module, prefix: str) -> None:
+    # A loop, not a recursive closure: a closure calling itself is a reference cycle that
+    # would keep ``found``, hence the original parameters, alive until a garbage collection.
+    stack: list[tuple[nn.Module, str]] = [(module, "")]
+    while stack:
+        mod, prefix = stack.pop()
         for attr, param in mod._parameters.items():
             if param is None or id(param) in ignored:
                 continue
@@ -64,12 +67,12 @@ def collect_slots(module: nn.Module, ignored: frozenset[int] = frozenset()) -> S
                 found[id(param)] = (param, prefix + attr, [(mod, attr)])
             else:
                 entry[2].append((mod, attr))
-        for child_name, child in mod._modules.items():
-            if child is None or is_wrapped(child):
-                continue
-            visit(child, f"{prefix}{child_name}.")
-
-    visit(module, "")
+        children = [
+            (child, f"{prefix}{name}.")
+            for name, child in mod._modules.items()
+            if child is not None and not is_wrapped(child)
+        ]
+        stack.extend(reversed(children))  # pre-order: the first child is visited next
     return found
 
 
@@ -79,14 +82,16 @@ def unit_named_parameters(member: nn.Module, prefix: str) -> list[tuple[str, nn.
     skipped, as ``collect_slots`` skipped them when the unit was built."""
     unit = member.__dict__.get(UNIT_ATTR)
     found: list[tuple[str, nn.Parameter]] = []
-
-    def visit(mod: nn.Module, path: str) -> None:
+    stack: list[tuple[nn.Module, str]] = [(member, prefix)]  # a loop: see collect_slots
+    while stack:
+        mod, path = stack.pop()
         found.extend((path + attr, p) for attr, p in mod._parameters.items() if p is not None)
-        for child_name, child in mod._modules.items():
-            if child is not None and child.__dict__.get(UNIT_ATTR, unit) is unit:
-                visit(child, f"{path}{child_name}.")
-
-    visit(member, prefix)
+        children = [
+            (child, f"{path}{name}.")
+            for name, child in mod._modules.items()
+            if child is not None and child.__dict__.get(UNIT_ATTR, unit) is unit
+        ]
+        stack.extend(reversed(children))
     return found
 
 
