@@ -29,7 +29,6 @@ from mfsdp_hooks import (
     FSDPRootWrapper,
     RowShardedDTensor,
     ShardingOptions,
-    TorchChunkRowsDTensor,
     row_sharded,
 )
 from mfsdp_hooks.dtensor.dtensor_views import sharded_dtensor
@@ -156,7 +155,7 @@ def test_row_sharded_refuses_counts_that_do_not_match_the_local_rows() -> None:
 
 
 def _chunk_rows_worker(rank: int, world: int) -> list[str]:
-    """Per case: the class ``row_sharded`` picked; ops on it must gather exactly."""
+    """Per case: the class ``row_sharded`` made; ops on it must gather exactly."""
     mesh = init_device_mesh("cpu", (2,))
     full = torch.arange(12.0).view(6, 2)
     ops = (lambda t: torch.zeros_like(t).add_(1), lambda t: t.clone(), lambda t: t * 2 + 1)
@@ -177,13 +176,13 @@ def _chunk_rows_worker(rank: int, world: int) -> list[str]:
     return picked
 
 
-def test_row_sharded_drops_its_python_layer_where_the_rows_are_torch_chunks() -> None:
-    """Where each rank's rows are the ones ``torch.chunk`` gives, a plain DTensor made by an
-    op already claims them: no ``__torch_function__`` runs (the optimizer's per-op cost)."""
+def test_row_sharded_keeps_its_rows_with_no_python_torch_function() -> None:
+    """Even cuts (``torch.chunk``'s rows) and uneven ones alike: the ops gather exactly, and
+    no ``__torch_function__`` of ours runs on each torch call (the optimizer's per-op cost):
+    the rows are kept where the ops land, in ``__torch_dispatch__``."""
     for picked in run_distributed(_chunk_rows_worker, 2, timeout=60):
-        chunk, uneven = TorchChunkRowsDTensor.__name__, RowShardedDTensor.__name__
-        assert picked == [chunk, uneven, uneven, chunk, chunk], picked
-    assert TorchChunkRowsDTensor.__torch_function__ is DTensor.__torch_function__
+        assert picked == [RowShardedDTensor.__name__] * 5, picked
+    assert RowShardedDTensor.__torch_function__ is DTensor.__torch_function__
 
 
 def _sgd_state_worker(rank: int, world: int) -> None:

@@ -1,8 +1,8 @@
 """Elementwise ops among row-sharded DTensors of one layout run on their local tensors.
 
 Each op is checked against the same op on the whole tensor in one process (through
-``full_tensor()``, which gathers the true rows), for an uneven cut (``RowShardedDTensor``)
-and an even one (``TorchChunkRowsDTensor``); what the shortcut cannot prove local (a dtype
+``full_tensor()``, which gathers the true rows), for an uneven cut and an even one
+(``torch.chunk``'s rows); what the shortcut cannot prove local (a dtype
 change, another layout, a plain DTensor, a pending ``Partial`` sum) must still come out as
 DTensor computes it. Torch's AdamW over such parameters keeps its state in their class and
 matches a one-process AdamW exactly.
@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import RowShardedDTensor, TorchChunkRowsDTensor, row_sharded
+from mfsdp_hooks import RowShardedDTensor, row_sharded
 from mfsdp_hooks.dtensor import row_sharded as row_sharded_module
 from mfsdp_hooks.dtensor.local_elementwise import NOT_LOCAL
 
@@ -87,11 +87,10 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
 
 def _check_ops(mesh: DeviceMesh) -> None:
     for cut, ranges in _CUTS.items():
-        kind = RowShardedDTensor if cut == "uneven" else TorchChunkRowsDTensor
         for name, op in _KEEPING + _DTENSORS_OWN:
             full = [_value(seed) for seed in range(3)]
             ours = [_rows(t, mesh, ranges) for t in full]
-            assert type(ours[0]) is kind, (cut, type(ours[0]).__name__)
+            assert type(ours[0]) is RowShardedDTensor, (cut, type(ours[0]).__name__)
             with torch.no_grad():
                 want, got = op(*full), op(*ours)
             assert isinstance(got, DTensor), f"{cut} {name}"
@@ -100,7 +99,7 @@ def _check_ops(mesh: DeviceMesh) -> None:
             if name in _IN_PLACE:  # the argument written is the one returned, rows and all
                 torch.testing.assert_close(ours[0].full_tensor(), full[0], rtol=0, atol=0)
             if (name, op) in _KEEPING:
-                assert type(got) is kind, f"{what}: {type(got).__name__}"
+                assert type(got) is RowShardedDTensor, f"{what}: {type(got).__name__}"
                 assert got.dp_row_ranges == ranges, what
 
 

@@ -45,7 +45,7 @@ from mfsdp_hooks.config.unit_options import UnitOptions
 from mfsdp_hooks.dtensor.dcp_protocol import row_write_items
 from mfsdp_hooks.dtensor.dtensor_views import dtensor_like, local_tensor
 from mfsdp_hooks.dtensor.load_rows import own_rows
-from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor, TorchChunkRowsDTensor, row_sharded
+from mfsdp_hooks.dtensor.row_sharded import RowShardedDTensor, row_sharded
 from mfsdp_hooks.dtensor.tensor_parallel import TPSpec, tp_full_tensor
 from mfsdp_hooks.optim.contiguous_step import ACCELERATOR_CHUNK_NUMEL
 from mfsdp_hooks.optim.muon import Muon, newton_schulz, newton_schulz_cost
@@ -96,7 +96,6 @@ __all__ = [
     "GroupCodec",
     "ParamClassCodec",
     "RowShardedDTensor",
-    "TorchChunkRowsDTensor",
     "row_sharded",
     "row_write_items",
     "own_rows",

@@ -20,9 +20,9 @@ shards dim 0 (``ColwiseParallel``), dim 0 is cut over tp first and then over dp,
 what FSDP2 spells ``_StridedShard``; here ``Shard(0)`` plus the ranges say it.
 
 What keeps the type: ``.data``, ``detach()``, ``clone()`` (so ``nn.Parameter`` and
-``state_dict()`` values keep it), ``dtensor_like`` of one, and the result of any torch
-function whose first argument is one and that DTensor computed row by row: laid out as that
-argument (same mesh, placements, global and local shape), which DTensor's sharding rules
+``state_dict()`` values keep it), ``dtensor_like`` of one, and the result of any op whose
+first argument is one and that DTensor computed row by row: laid out as that argument
+(same mesh, placements, global and local shape), which DTensor's sharding rules
 give only where each output row comes from the same input row (``zeros_like``,
 ``full_like``, ``Tensor.to``, pointwise ops). That is how torch's optimizers make their
 state: ``exp_avg = zeros_like(param)``, and SGD's momentum buffer, a clone of
@@ -42,11 +42,9 @@ once its state is made by ``zeros_like``) runs on the local tensors
 (:mod:`.local_elementwise`), without DTensor's sharding propagation (~20 us an op); every
 other op goes through DTensor's dispatcher as before. Torch's optimizers default to
 ``foreach`` only for exact ``DTensor`` types, so on CUDA pass ``foreach=True`` (or use the
-contiguous optimizer step). Every torch function on a :class:`RowShardedDTensor` runs a
-Python ``__torch_function__`` (about 3 us); where each rank's rows are ``torch.chunk``'s own
-(a 1-D mesh of one rank, or an even cut) the rows need no keeping and
-:class:`TorchChunkRowsDTensor` runs none. Forward and backward never see either (they
-compute with the unsharded parameters).
+contiguous optimizer step). There is no Python ``__torch_function__``: the rows are kept
+where the ops land, in ``__torch_dispatch__``. Forward and backward never see these tensors
+(they compute with the unsharded parameters).
 """
 
 from __future__ import annotations
@@ -69,14 +67,12 @@ from mfsdp_hooks.dtensor.row_placement import row_placements
 
 __all__ = [
     "RowShardedDTensor",
-    "TorchChunkRowsDTensor",
     "new_row_sharded",
     "row_sharded",
     "row_sharded_over",
 ]
 
 _TENSOR_DATA: Any = torch.Tensor.data  # the C getset descriptor behind ``Tensor.data``
-_NO_TORCH_FUNCTION: Callable[..., Any] = torch._C._disabled_torch_function_impl
 
 
 class RowShardedDTensor(DTensor):
@@ -91,21 +87,6 @@ class RowShardedDTensor(DTensor):
     """Called when DCP plans a load into this tensor, i.e. its values are about to change in
     place (the engine re-installs the compute weights). Views of it (``.data``,
     ``detach()``) share it; copies and tensors laid out like it do not."""
-
-    @classmethod
-    def __torch_function__(
-        cls,
-        func: Callable[..., Any],
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        out = _NO_TORCH_FUNCTION(func, types, args, kwargs or {})
-        if type(out) is DTensor:  # a new tensor: keep the rows where it is laid out as args[0]
-            source = args[0] if args else (kwargs or {}).get("input")
-            if isinstance(source, RowShardedDTensor) and _same_layout(out, source):
-                return _rewrap(out, source)
-        return out
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -124,13 +105,19 @@ class RowShardedDTensor(DTensor):
         plain = as_plain_dtensors(RowShardedDTensor, [*args, *kwargs.values()])
         result = func(*plain[: len(args)], **dict(zip(kwargs, plain[len(args) :], strict=True)))
         first = args[0] if args else None
-        if isinstance(first, DTensor) and result is plain[0] and result._spec != first._spec:
-            # DTensor re-lays an in-place result out by changing its spec (squeeze_ of an
-            # unsharded dim); the rows this tensor keeps would no longer be its rows.
-            raise NotImplementedError(
-                f"{func}: an in-place op that moves a row-sharded DTensor's sharded dim is not "
-                "supported; apply it out of place to the tensor's full_tensor()"
-            )
+        if not isinstance(first, RowShardedDTensor):
+            return result
+        if result is plain[0]:  # in place: the first argument is the result
+            if result._spec != first._spec:
+                # DTensor re-lays an in-place result out by changing its spec (squeeze_ of an
+                # unsharded dim); the rows this tensor keeps would no longer be its rows.
+                raise NotImplementedError(
+                    f"{func}: an in-place op that moves a row-sharded DTensor's sharded dim is "
+                    "not supported; apply it out of place to the tensor's full_tensor()"
+                )
+            return first
+        if type(result) is DTensor and _same_layout(result, first):
+            return _rewrap(result, first)  # laid out as the first argument: its rows too
         return result
 
     def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
@@ -219,38 +206,6 @@ class RowShardedDTensor(DTensor):
             )
 
 
-class TorchChunkRowsDTensor(RowShardedDTensor):
-    """A :class:`RowShardedDTensor` whose ranges are the rows ``torch.chunk`` gives (a 1-D
-    mesh, ranges in rank order: every parameter on a mesh of one rank, and any even cut).
-
-    There a plain ``Shard`` DTensor already claims the right rows, so what an op makes of one
-    needs no re-wrapping: no Python ``__torch_function__`` runs (it costs about 3 us on each
-    torch call of an optimizer step, a third of a bare AdamW's step on many small
-    parameters). Everything else (the DCP protocol, the load callback, ``.data``,
-    ``detach()`` and ``clone()`` keeping the type) is its base's.
-    """
-
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
-
-
-def _torch_chunk_rows(spec: DTensorSpec, ranges: tuple[tuple[int, int], ...], stride: int) -> bool:
-    """Whether rank ``r`` of a 1-D mesh holds rows ``ranges[r]`` exactly where ``torch.chunk``
-    (DTensor's ``Shard``) puts them: non-empty ranges at ``r * ceil(n / ranks)``, full
-    chunks but the last non-empty one."""
-    if stride != 1 or spec.mesh.ndim != 1:
-        return False
-    placement = spec.placements[0]
-    assert isinstance(placement, Shard)
-    rows = spec.shape[placement.dim]
-    chunk = -(-rows // len(ranges)) if ranges else 0
-    for rank, (start, end) in enumerate(ranges):
-        want_start = min(rank * chunk, rows)
-        want_end = min(want_start + chunk, rows)
-        if end - start != want_end - want_start or (end > start and start != want_start):
-            return False
-    return True
-
-
 def row_sharded(
     tensor: DTensor, dp_row_ranges: Sequence[tuple[int, int]], *, tp_partition_stride: int = 1
 ) -> RowShardedDTensor:
@@ -318,10 +273,10 @@ def row_sharded_over(
     requires_grad: bool = False,
 ) -> RowShardedDTensor:
     """A :class:`RowShardedDTensor` of ``spec`` and ``ranges`` over ``local``, unchecked
-    (:func:`row_sharded` checks): of :class:`TorchChunkRowsDTensor` where the ranges are
-    ``torch.chunk``'s own."""
-    cls = TorchChunkRowsDTensor if _torch_chunk_rows(spec, ranges, stride) else RowShardedDTensor
-    return new_row_sharded(cls, local, spec, ranges, stride, requires_grad=requires_grad)
+    (:func:`row_sharded` checks)."""
+    return new_row_sharded(
+        RowShardedDTensor, local, spec, ranges, stride, requires_grad=requires_grad
+    )
 
 
 def new_row_sharded(
