@@ -35,7 +35,7 @@ from mfsdp_buffers.poison import (
     poisoning_released_buffers,
     release_to,
 )
-from mfsdp_buffers.residence import mark_host, on_host
+from mfsdp_buffers.residence import host_side, mark_host, on_host
 
 __version__ = "1.0.0"
 
@@ -66,6 +66,7 @@ __all__ = [
     "allocate_checked",
     "build_buckets",
     "has_stable_storage",
+    "host_side",
     "is_poisoned",
     "mark_host",
     "on_host",

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["mark_host", "marked_host", "on_host"]
+__all__ = ["host_side", "mark_host", "marked_host", "on_host"]
 
 _HOST: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
 # Open trackers, told of a storage marked after they counted it (on the device side).
@@ -39,11 +39,15 @@ def marked_host(storage: torch.UntypedStorage) -> bool:
     return storage in _HOST
 
 
+def host_side(where: torch.device, device: torch.device) -> bool:
+    """Whether memory on ``where`` is the host's, apart from ``device`` that computes: a CPU
+    while an accelerator computes (where the CPU computes, only :func:`mark_host` tells)."""
+    return where.type == "cpu" and device.type != "cpu"
+
+
 def on_host(tensor: torch.Tensor, device: torch.device) -> bool:
     """Whether ``tensor`` lives on the host while ``device`` computes (module docstring)."""
-    if tensor.device.type == "cpu" and device.type != "cpu":
-        return True
-    return marked_host(tensor.untyped_storage())
+    return host_side(tensor.device, device) or marked_host(tensor.untyped_storage())
 
 
 def listen(listener: Callable[[torch.UntypedStorage], None]) -> None:

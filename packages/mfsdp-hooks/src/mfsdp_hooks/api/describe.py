@@ -37,7 +37,6 @@ from torch import nn
 
 from mfsdp_buffers import DataParallelBuffer, on_host
 from mfsdp_hooks.dtensor.dtensor_views import local_tensor
-from mfsdp_hooks.grads.grad_shard import GradShard
 from mfsdp_hooks.runtime.observe import format_bytes, group_bytes_per_rank, held_bytes
 from mfsdp_hooks.runtime.root import unit_paths
 from mfsdp_hooks.weights.param_group import ParameterGroup
@@ -209,7 +208,7 @@ def _summarise(
     host = {
         "compute_weights": sizes["compute_weights"] * _held_on_host(group.model, device),
         "main_weights": sizes["main_weights"] * _held_on_host(group.main, device),
-        "gradients": sizes["gradients"] * _grads_on_host(group.grads, device),
+        "gradients": sizes["gradients"] * (group.grads is not None and group.grads.on_host(device)),
         "optimizer_state": state_on_host,
         "gathered_weights": 0,  # gathered where the device computes
     }
@@ -231,16 +230,6 @@ def _summarise(
 
 def _held_on_host(buffer: DataParallelBuffer | None, device: torch.device) -> bool:
     return buffer is not None and buffer.has_persistent_shard and on_host(buffer.shard, device)
-
-
-def _grads_on_host(grads: GradShard | None, device: torch.device) -> bool:
-    """Where the reduced gradients are: their flat tensor, or where the next one is made."""
-    if grads is None:
-        return False
-    flat = grads.storage
-    if flat is None:
-        return grads.host or (grads.device.type == "cpu" and device.type != "cpu")
-    return on_host(flat, device)
 
 
 def _optimizer_bytes(

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mfsdp_buffers import FlatLayout, mark_host
+from mfsdp_buffers import FlatLayout, host_side, mark_host, on_host
 from mfsdp_hooks.dtensor.dtensor_views import DTensorLayout, local_tensor
 
 
@@ -109,6 +109,14 @@ class GradShard:
     def storage(self) -> torch.Tensor | None:
         """The live flat gradient tensor, or None once every ``.grad`` dropped it."""
         return self._storage() if self._storage is not None else None
+
+    def on_host(self, device: torch.device) -> bool:
+        """Whether the reduced gradients live on the host while ``device`` computes: their
+        flat tensor, or (none yet) where the next one is made."""
+        flat = self.storage
+        if flat is not None:
+            return on_host(flat, device)
+        return self.host or host_side(self.device, device)
 
     def local_rows(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter ``index``'s rows on this rank inside ``flat`` (its whole value unsharded)."""
