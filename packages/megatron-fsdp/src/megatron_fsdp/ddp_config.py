@@ -65,9 +65,12 @@ class DistributedDataParallelConfig:
     """Not in the reference: compare the weights' values across the ranks at wrap time and
     raise when they differ (``fully_shard_model(check_replicas=...)``)."""
     optimizer_cpu_offload: bool = False
-    """Megatron-LM's optimizer config field (``--optimizer-cpu-offload``), read here by the
-    ``MegatronFSDP`` class: main weights, gradients and optimizer state on the host
-    (``fully_shard_model(optimizer_cpu_offload=...)``)."""
+    """Main weights, gradients and optimizer state on the host, the whole optimizer, pinned;
+    decided when the model is wrapped (``MegatronFSDP``, ``mcore.FullyShardedDataParallel``;
+    ``fully_shard_model(optimizer_cpu_offload=...)``). Megatron-LM's
+    ``--optimizer-cpu-offload`` sets Megatron-Core's ``OptimizerConfig.optimizer_cpu_offload``
+    instead, which only its ``get_megatron_optimizer`` reads (a ``HybridDeviceOptimizer``,
+    untested here): set this field, and leave that one off (the package README)."""
     use_distributed_optimizer: bool = False
     """Megatron-Core sets it with FSDP: an optimizer over sharded parameters is distributed
     by construction, so either value is honoured."""
