@@ -17,13 +17,18 @@ Megatron-Core adapter (``megatron_fsdp.mcore.FullyShardedDataParallel``, with th
 stand-ins) + ``fully_shard_optimizer``."""
 
 
-def wrap_llama(impl: str, model: nn.Module, lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+def wrap_llama(
+    impl: str, model: nn.Module, lr: float, **options: Any
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``model`` (a ``LlamaForCausalLM``) sharded over every rank by ``impl`` (``fsdp2`` or
-    one of :data:`ENTRY_POINTS`), each decoder layer a unit, and its AdamW."""
+    one of :data:`ENTRY_POINTS`), each decoder layer a unit, and its AdamW. ``options``: the
+    keywords of ``fully_shard`` (``seed``) or ``fully_shard_model`` (``model_optimizer``)."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     import megatron_fsdp
 
+    if options and impl not in ("seed", "model_optimizer"):
+        raise ValueError(f"{impl!r} takes no options, got {sorted(options)}")
     world = dist.get_world_size()
     if impl in ("fsdp2", "per_module"):
         from torch.distributed.fsdp import fully_shard as fsdp2_shard
@@ -39,9 +44,11 @@ def wrap_llama(impl: str, model: nn.Module, lr: float) -> tuple[nn.Module, torch
     units = [LlamaDecoderLayer]
     if impl == "seed":
         adamw = torch.optim.AdamW(model.parameters(), lr=lr)
-        return megatron_fsdp.fully_shard(model, adamw, fsdp_unit_modules=units)
+        return megatron_fsdp.fully_shard(model, adamw, fsdp_unit_modules=units, **options)
     if impl == "model_optimizer":
-        wrapped: nn.Module = megatron_fsdp.fully_shard_model(model, fsdp_unit_modules=units)
+        wrapped: nn.Module = megatron_fsdp.fully_shard_model(
+            model, fsdp_unit_modules=units, **options
+        )
     elif impl == "class":
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
         index = megatron_fsdp.FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard")

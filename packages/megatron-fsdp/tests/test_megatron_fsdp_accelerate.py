@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from hf_cases import Tokens, llama, transformers
+from hf_cases import Tokens, llama
+from llama_entry_points import wrap_llama
 
 from mfsdp_collectives.testing import run_distributed
 
@@ -40,24 +41,7 @@ def _loop(accelerator: Any, model: Any, optimizer: Any) -> tuple[Any, list[float
     return model, losses[: 2 * STEPS]
 
 
-def _sharded(api: str) -> tuple[Any, Any]:
-    from megatron_fsdp import fully_shard, fully_shard_model, fully_shard_optimizer
-    from mfsdp_hooks import fully_shard as fully_shard_module
-
-    model = llama()
-    layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
-    if api == "seed":
-        return fully_shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), [layer])
-    if api == "fully_shard_model":
-        wrapper = fully_shard_model(model, [layer], zero_dp_strategy=1)
-        return wrapper, fully_shard_optimizer(torch.optim.AdamW(wrapper.parameters(), lr=1e-2))
-    for block in model.model.layers:
-        fully_shard_module(block)
-    fully_shard_module(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def _ddp_and_ours(rank: int, world: int, api: str, out: str) -> Any:
+def _ddp_and_ours(rank: int, world: int, api: str, options: dict[str, Any], out: str) -> Any:
     from accelerate import Accelerator
 
     from megatron_fsdp.integrations.accelerate import MegatronFSDPAccelerator
@@ -70,7 +54,7 @@ def _ddp_and_ours(rank: int, world: int, api: str, out: str) -> Any:
     )
     assert isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel)
     accelerator = MegatronFSDPAccelerator(cpu=True, gradient_accumulation_steps=2)
-    model, optimizer = _sharded(api)
+    model, optimizer = wrap_llama(api, llama(), lr=1e-2, **options)
     prepared, losses = _loop(accelerator, model, optimizer)
     assert prepared is model  # no DDP, no copy
     state = accelerator.get_state_dict(prepared)
@@ -90,12 +74,20 @@ _FULL_ONLY = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize(
-    "api",
-    ["seed", *(pytest.param(api, marks=_FULL_ONLY) for api in ("fully_shard_model", "per_module"))],
+    ("api", "options"),
+    [
+        pytest.param("seed", {}, id="seed"),
+        pytest.param(
+            "model_optimizer", {"zero_dp_strategy": 1}, id="fully_shard_model", marks=_FULL_ONLY
+        ),
+        pytest.param("per_module", {}, id="per_module", marks=_FULL_ONLY),
+    ],
 )
-def test_prepare_leaves_the_sharded_model_alone_and_trains_as_ddp(api: str, tmp_path: Any) -> None:
+def test_prepare_leaves_the_sharded_model_alone_and_trains_as_ddp(
+    api: str, options: dict[str, Any], tmp_path: Any
+) -> None:
     ddp_losses, losses, difference = run_distributed(
-        _ddp_and_ours, 2, api, str(tmp_path), timeout=180
+        _ddp_and_ours, 2, api, options, str(tmp_path), timeout=180
     )[0]
     assert len(losses) == 2 * STEPS
     assert losses[-1] < losses[0] - 0.05, losses

@@ -15,25 +15,18 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from toy_entry_points import shard_toy
 
-from megatron_fsdp import fully_shard
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import fully_shard as fully_shard_module
-from mfsdp_hooks.testing import Block, local_slice, loss_fn, make_batches, make_model
+from mfsdp_hooks.testing import local_slice, loss_fn, make_batches
 
 pytest.importorskip("accelerate")
 
 _FIX = "megatron_fsdp.integrations.accelerate.MegatronFSDPAccelerator"
 
 
-def _sharded(api: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = make_model()
-    if api == "seed":
-        return fully_shard(model, torch.optim.AdamW(model.parameters()), [Block])
-    for block in model.blocks:
-        fully_shard_module(block)
-    fully_shard_module(model)
-    return model, torch.optim.AdamW(model.parameters())
+def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters())
 
 
 def _refused(rank: int, world: int) -> dict[str, Any]:
@@ -43,7 +36,7 @@ def _refused(rank: int, world: int) -> dict[str, Any]:
     accelerator = Accelerator(cpu=True)
     said["type"] = str(accelerator.distributed_type)
     for api in ("seed", "per_module"):
-        model, optimizer = _sharded(api)
+        model, optimizer = shard_toy(api, world, _adamw)
         for how in ("accelerate", "ddp"):
             try:
                 if how == "accelerate":

@@ -15,12 +15,10 @@ from typing import Any
 import pytest
 import torch
 from hf_cases import llama
-from torch.distributed.device_mesh import init_device_mesh
+from llama_entry_points import wrap_llama
 
-from megatron_fsdp import FSDPDistributedIndex, MegatronFSDP, fully_shard, fully_shard_model
 from mfsdp_checkpoint import save_full_state_dict
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import fully_shard as fully_shard_module
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,36 +31,17 @@ def _llama() -> Any:
     return llama(eos_token_id=None, pad_token_id=0).eval()
 
 
-def _sharded(api: str) -> tuple[Any, Any]:
-    """(what the user calls ``generate`` on, the sharded model)."""
-    model = _llama()
-    layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
-    if api == "seed":
-        optimizer = torch.optim.AdamW(model.parameters())
-        wrapped, _ = fully_shard(model, optimizer, fsdp_unit_modules=[layer])
-        return wrapped, wrapped
-    if api == "fully_shard_model":
-        wrapped = fully_shard_model(model, fsdp_unit_modules=[layer])
-        return wrapped, wrapped
-    if api == "class":
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
-        index = FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard")
-        wrapped = MegatronFSDP(model, index, fsdp_unit_modules=[layer])
-        return wrapped, wrapped
-    for block in model.model.layers:
-        fully_shard_module(block)
-    return fully_shard_module(model), model
-
-
 def _generate(rank: int, world: int, api: str) -> list[int]:
-    caller, _ = _sharded(api)
+    caller, _ = wrap_llama(api, _llama(), lr=1e-3)
     assert caller.config.vocab_size == 64  # the wrapped model's, through the wrapper
     with torch.no_grad():
         out = caller.generate(PROMPT, max_new_tokens=NEW_TOKENS[rank], do_sample=False)
     return [int(t) for t in out[0]]
 
 
-@pytest.mark.parametrize("api", ["seed", "fully_shard_model", "class", "per_module"])
+@pytest.mark.parametrize(
+    "api", ["seed", pytest.param("model_optimizer", id="fully_shard_model"), "class", "per_module"]
+)
 def test_generate_returns_on_ranks_that_stop_at_different_lengths(api: str) -> None:
     plain = _llama()
     with torch.no_grad():
@@ -75,7 +54,7 @@ def test_generate_returns_on_ranks_that_stop_at_different_lengths(api: str) -> N
 
 def _export(rank: int, world: int, api: str, out: str) -> list[float]:
     """The root README's "Export for Hugging Face" snippet; returns the sharded logits."""
-    model, _ = _sharded(api)
+    model, _ = wrap_llama(api, _llama(), lr=1e-3)
     save_full_state_dict(model, f"{out}/model.safetensors", strip_prefix="module.")
     if rank == 0:
         model.config.save_pretrained(out)  # the wrapper answers .config from the model
@@ -100,7 +79,7 @@ def _save_pretrained(rank: int, world: int, api: str, out: str) -> list[float]:
     ``save_pretrained`` is Hugging Face's, which cannot read uneven row shards)."""
     from megatron_fsdp.hf_export import save_pretrained
 
-    model, _ = _sharded(api)
+    model, _ = wrap_llama(api, _llama(), lr=1e-3)
     if api == "per_module":
         save_pretrained(model, out)
     else:

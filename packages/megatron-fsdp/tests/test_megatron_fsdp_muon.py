@@ -25,20 +25,17 @@ import torch.distributed.checkpoint as dcp
 from test_megatron_fsdp_checkpoint import _hybrid_args
 from torch import nn
 from torch.distributed.tensor import DTensor
-from toy_entry_points import plain_name, wrap_toy
+from toy_entry_points import plain_name, shard_toy
 
 import megatron_fsdp
-import mfsdp_hooks
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks.testing import (
-    Block,
     local_slice,
     loss_fn,
     make_batches,
     make_model,
     train_data_parallel,
 )
-from mfsdp_hooks.testing.parity import shard_blocks
 
 STEPS = 10
 MUON_LR, ADAMW_LR = 2e-2, 1e-2
@@ -87,24 +84,6 @@ def _one_process(
             optimizer.step()
             optimizer.zero_grad()
     return model
-
-
-def _sharded(
-    entry: str, world: int, build: Any, seed_kwargs: dict[str, Any]
-) -> tuple[nn.Module, torch.optim.Optimizer]:
-    if entry == "seed":
-        model = make_model()
-        wrapped, optimizer = megatron_fsdp.fully_shard(
-            model, build(model), fsdp_unit_modules=[Block], **seed_kwargs
-        )
-        return wrapped, optimizer
-    wrapped = wrap_toy(entry, world, **seed_kwargs)
-    optimizer = build(wrapped)
-    if entry in ("fully_shard_optimizer", "class", "mcore"):
-        megatron_fsdp.fully_shard_optimizer(optimizer)
-    elif entry == "per_module_attach":
-        mfsdp_hooks.attach_optimizer(optimizer)
-    return wrapped, optimizer
 
 
 def _full_values(wrapped: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
@@ -164,7 +143,8 @@ def _worst_difference(
 
     batches = make_batches(STEPS)
     expected = _one_process(batches, torch_muon_only, world, **muon_args)
-    wrapped, optimizer = _sharded("seed" if torch_muon_only else entry, world, build, seed_kwargs)
+    sharded_by = "seed" if torch_muon_only else entry
+    wrapped, optimizer = shard_toy(sharded_by, world, build, **seed_kwargs)
     if torch_muon_only:
         assert isinstance(optimizer, megatron_fsdp.Muon), type(optimizer).__mro__
     shadow = _Shadow(wrapped, torch_muon_only, muon_args)
@@ -265,15 +245,9 @@ def test_one_process_parts_from_itself_when_the_sum_is_reordered() -> None:
 
 
 # ---------------------------------------------------------------- DCP, 2 ranks -> 4 ranks
-def _build_for_checkpoint(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = megatron_fsdp.fully_shard_model(make_model(seed), fsdp_unit_modules=[Block])
-    return model, megatron_fsdp.fully_shard_optimizer(ours(model))
-
-
 def _save(rank: int, world: int, path: str) -> list[float]:
     batches = make_batches(8)
-    model, optimizer = _build_for_checkpoint(0)
+    model, optimizer = shard_toy("fully_shard_optimizer", world, ours)
     losses = train_data_parallel(model, optimizer, batches[:4], rank, world, global_mean=True)
     dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
     return losses + train_data_parallel(
@@ -282,7 +256,8 @@ def _save(rank: int, world: int, path: str) -> list[float]:
 
 
 def _resume(rank: int, world: int, path: str) -> tuple[list[float], int]:
-    model, optimizer = _build_for_checkpoint(123)  # another init: only the load makes it right
+    # Another init: only the load makes it right.
+    model, optimizer = shard_toy("fully_shard_optimizer", world, ours, model_seed=123)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     dcp.load(state_dict=state, checkpoint_id=path)
     model.load_state_dict(state["model"])
@@ -311,13 +286,6 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_four_on_the_same_curve(
 
 
 # ------------------------------------------------- torch's state-dict helpers, per-module API
-def _per_module_pair(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = make_model(seed)
-    shard_blocks(model)
-    return model, ours(model)
-
-
 def _helpers_round_trip(rank: int, world: int, full: bool) -> tuple[list[float], list[float]]:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -328,14 +296,15 @@ def _helpers_round_trip(rank: int, world: int, full: bool) -> tuple[list[float],
     )
 
     batches = make_batches(8)
-    model, optimizer = _per_module_pair(0)
+    model, optimizer = shard_toy("per_module", world, ours)
     straight = train_data_parallel(model, optimizer, batches, rank, world, global_mean=True)
-    model, optimizer = _per_module_pair(0)
+    model, optimizer = shard_toy("per_module", world, ours)
     train_data_parallel(model, optimizer, batches[:4], rank, world, global_mean=True)
     out = StateDictOptions(full_state_dict=full, cpu_offload=full)  # full: on rank 0 only
     weights = get_model_state_dict(model, options=out)
     moments = get_optimizer_state_dict(model, optimizer, options=out)
-    fresh, fresh_optimizer = _per_module_pair(123)  # another init: only the load makes it right
+    # Another init: only the load makes it right.
+    fresh, fresh_optimizer = shard_toy("per_module", world, ours, model_seed=123)
     into = StateDictOptions(full_state_dict=full, broadcast_from_rank0=full)
     set_model_state_dict(fresh, weights, options=into)
     set_optimizer_state_dict(fresh, fresh_optimizer, moments, options=into)

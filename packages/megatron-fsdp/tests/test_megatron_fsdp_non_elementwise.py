@@ -17,13 +17,11 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from toy_entry_points import wrap_toy
+from toy_entry_points import shard_toy
 
 import megatron_fsdp
-import mfsdp_hooks
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks.testing import (
-    Block,
     local_slice,
     make_batches,
     make_model,
@@ -51,21 +49,9 @@ def _sgd(model: nn.Module) -> torch.optim.Optimizer:
 def _train(
     entry: str, rank: int, world: int, build: Any, steps: int
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Shard through ``entry``, hand the optimizer over where the entry point takes it, and
-    train ``steps`` steps (0: one forward only)."""
-    wrapped: nn.Module
-    if entry == "seed":
-        model = make_model()
-        wrapped, optimizer = megatron_fsdp.fully_shard(
-            model, build(model), fsdp_unit_modules=[Block]
-        )
-    else:
-        wrapped = wrap_toy(entry, world)
-        optimizer = build(wrapped)
-        if entry == "fully_shard_optimizer":
-            megatron_fsdp.fully_shard_optimizer(optimizer)
-        elif entry == "per_module_attach":
-            mfsdp_hooks.attach_optimizer(optimizer)
+    """Shard through ``entry``, the optimizer left for the engine to find (``seed``: handed
+    to ``fully_shard``), and train ``steps`` steps (0: one forward only)."""
+    wrapped, optimizer = shard_toy(entry, world, build, hand_over=False)
     batches = make_batches(max(steps, 1))
     if steps:
         train_data_parallel(wrapped, optimizer, batches, rank, world)
@@ -106,10 +92,7 @@ def _muon_no_shard(rank: int, world: int) -> float:
     batches = make_batches(3)
     reference = make_model()
     train_single_process(reference, _muon(reference), batches)
-    model = make_model()
-    wrapped, optimizer = megatron_fsdp.fully_shard(
-        model, _muon(model), fsdp_unit_modules=[Block], zero_dp_strategy=0
-    )
+    wrapped, optimizer = shard_toy("seed", world, _muon, zero_dp_strategy=0)
     train_data_parallel(wrapped, optimizer, batches, rank, world)
     mine = {n: cast(DTensor, p).full_tensor() for n, p in wrapped.module.named_parameters()}
     return max(

@@ -16,18 +16,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from toy_entry_points import shard_toy
 
-import megatron_fsdp
-import mfsdp_hooks
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks.testing import (
-    Block,
-    make_batches,
-    make_model,
-    train_data_parallel,
-    train_single_process,
-)
-from mfsdp_hooks.testing.parity import shard_blocks
+from mfsdp_hooks.testing import make_batches, make_model, train_data_parallel, train_single_process
 
 STEPS = 3
 ADAM_KEYS = ["step", "exp_avg", "exp_avg_sq"]
@@ -36,14 +28,6 @@ HASH_SEEDS = [0, 1]  # order set(ADAM_KEYS) differently (asserted below)
 
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-
-
-def _sharded(api: str) -> tuple[nn.Module, torch.optim.Optimizer]:
-    model = make_model()
-    if api == "seed":
-        return megatron_fsdp.fully_shard(model, _adamw(model), fsdp_unit_modules=[Block])
-    shard_blocks(model)
-    return model, mfsdp_hooks.attach_optimizer(_adamw(model))
 
 
 def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -61,7 +45,7 @@ def _compare(rank: int, world: int, apis: list[str]) -> dict[str, Any]:
     expected = _full_state(reference, reference_optimizer)
     report: dict[str, Any] = {"set_order": list(set(ADAM_KEYS))}
     for api in apis:
-        model, optimizer = _sharded(api)
+        model, optimizer = shard_toy(api, world, _adamw)
         train_data_parallel(model, optimizer, batches, rank, world)
         state = _full_state(model, optimizer)
         # Keyed by FQN, as FSDP2's: the seed API's wrapper puts its module. level in front.
@@ -81,7 +65,7 @@ def _compare(rank: int, world: int, apis: list[str]) -> dict[str, Any]:
 
 
 def test_full_optimizer_state_dict_matches_one_process_with_per_rank_hash_seeds() -> None:
-    apis = ["seed", "per_module"]
+    apis = ["seed", "per_module_attach"]
     reports = run_distributed(_compare, 2, apis, timeout=240, hash_seeds=HASH_SEEDS)
     assert reports[0]["set_order"] != reports[1]["set_order"], "the seeds must disagree"
     for rank, report in enumerate(reports):

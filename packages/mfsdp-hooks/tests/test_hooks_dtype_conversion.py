@@ -14,11 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from mfsdp_collectives.testing import run_distributed
-from mfsdp_hooks import fully_shard
+from mfsdp_hooks.testing.parity import shard_blocks
 
 DIM, VOCAB, STEPS = 16, 32, 10
 
@@ -56,14 +55,6 @@ def _model() -> Tiny:
     return Tiny()
 
 
-def _shard(model: Tiny, impl: str, **options: Any) -> Tiny:
-    shard = fully_shard if impl == "ours" else torch_fully_shard
-    for block in model.blocks:
-        shard(block, **options)
-    shard(model, **options)
-    return model
-
-
 def _tokens(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(100 + step))
 
@@ -87,7 +78,7 @@ def _full(param: torch.Tensor) -> torch.Tensor:
 
 def _float64_worker(rank: int, world: int, convert: str) -> None:
     reference = _model().double()
-    model = _shard(_model(), "ours")
+    model = shard_blocks(_model(), "ours")
     params = list(model.parameters())
     optimizer = _adamw(params)  # built before the conversion: still steps the parameters
     if convert == "double":
@@ -133,7 +124,7 @@ def _converted_worker(rank: int, world: int, impl: str, dtype: torch.dtype, bf16
     options: dict[str, Any] = {}
     if bf16:
         options["mp_policy"] = FSDP2Policy(param_dtype=torch.bfloat16)
-    model = _shard(_model(), impl, **options)
+    model = shard_blocks(_model(), impl, **options)
     model.to(dtype)
     optimizer = _adamw(model.parameters())
     losses = []
@@ -160,7 +151,7 @@ def test_conversion_after_sharding_trains_as_fsdp2(dtype: torch.dtype, bf16: boo
 
 
 def _refused_worker(rank: int, world: int) -> list[str]:
-    model = _shard(_model(), "ours")
+    model = shard_blocks(_model(), "ours")
     optimizer = _adamw(model.parameters())
     _step(model, optimizer, _tokens(0).chunk(world)[rank])
     before = {name: _full(p).clone() for name, p in model.named_parameters()}
