@@ -112,16 +112,6 @@ def _steps(
     return losses
 
 
-def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    out = []
-    for step in range(n):
-        gen = torch.Generator().manual_seed(step)
-        out.append(
-            (torch.randn(8, 4, TP_WIDTH, generator=gen), torch.randn(8, 4, TP_OUT, generator=gen))
-        )
-    return out
-
-
 def _tp_sharded(model: nn.Module, megatron: bool, hfsdp: bool, tp_size: int) -> nn.Module:
     model = _shard(model, True, megatron, hfsdp, tp_size)
     for name, param in model.named_parameters():
