@@ -169,26 +169,33 @@ def _local_lists(
     base: type[Any], firsts: Sequence[Any], lists: Sequence[Sequence[Any]]
 ) -> list[list[torch.Tensor]] | None:
     """Each of a ``_foreach_`` op's tensor lists as local tensors, where element ``i`` of every
-    list has the layout of ``firsts[i]``; else None. The loop an optimizer's foreach step
-    runs per parameter and op, so identity is tried before equality."""
+    list has the layout of ``firsts[i]``; else None. An optimizer's foreach step runs this
+    per op over every parameter, so it goes list by list, identity tried before equality."""
     if any(len(tensors) != len(firsts) for tensors in lists):
         return None
-    columns: list[list[torch.Tensor]] = [[] for _ in lists]
-    for index, first in enumerate(firsts):
+    for first in firsts:
         if not isinstance(first, base) or _pending_sum(first._spec):
             return None
-        kind, spec, ranges = type(first), first._spec, first.dp_row_ranges
-        stride = first.tp_partition_stride
-        for column, tensors in zip(columns, lists, strict=True):
-            tensor: Any = tensors[index]
-            if tensor is not first:
-                if type(tensor) is not kind or (tensor._spec is not spec and tensor._spec != spec):
+    columns: list[list[torch.Tensor]] = []
+    for tensors in lists:
+        if tensors is not firsts:
+            for tensor, first in zip(tensors, firsts, strict=True):
+                if tensor is not first and not _same_layout(tensor, first):
                     return None
-                same_rows = tensor.dp_row_ranges is ranges or tensor.dp_row_ranges == ranges
-                if not same_rows or tensor.tp_partition_stride != stride:
-                    return None
-            column.append(tensor._local_tensor)
+        columns.append([tensor._local_tensor for tensor in tensors])
     return columns
+
+
+def _same_layout(tensor: Any, first: Any) -> bool:
+    """Whether ``tensor`` is of ``first``'s class, spec, rows and TP partition."""
+    if type(tensor) is not type(first):
+        return False
+    spec, rows = tensor._spec, tensor.dp_row_ranges
+    return bool(
+        (spec is first._spec or spec == first._spec)
+        and (rows is first.dp_row_ranges or rows == first.dp_row_ranges)
+        and tensor.tp_partition_stride == first.tp_partition_stride
+    )
 
 
 def _pending_sum(spec: Any) -> bool:
