@@ -180,13 +180,13 @@ def _local_lists(
     for tensors in lists:
         if tensors is not firsts:
             for tensor, first in zip(tensors, firsts, strict=True):
-                if tensor is not first and not _same_layout(tensor, first):
+                if tensor is not first and not _same_rows_layout(tensor, first):
                     return None
         columns.append([tensor._local_tensor for tensor in tensors])
     return columns
 
 
-def _same_layout(tensor: Any, first: Any) -> bool:
+def _same_rows_layout(tensor: Any, first: Any) -> bool:
     """Whether ``tensor`` is of ``first``'s class, spec, rows and TP partition."""
     if type(tensor) is not type(first):
         return False
@@ -208,19 +208,15 @@ def _pending_sum(spec: Any) -> bool:
 def _locals_of_one_layout(first: Any, args: Sequence[Any]) -> list[Any] | None:
     """The arguments with each tensor of ``first``'s layout replaced by its local tensor and
     each scalar tensor by its value's tensor, or None where one is neither."""
-    spec, ranges, stride = first._spec, first.dp_row_ranges, first.tp_partition_stride
-    if _pending_sum(spec):
+    if _pending_sum(first._spec):
         return None
     cls = type(first)
     out: list[Any] = []
     for arg in args:
         if type(arg) is cls:
-            same: Any = arg
-            if same._spec is not spec and same._spec != spec:
+            if arg is not first and not _same_rows_layout(arg, first):
                 return None
-            if same.dp_row_ranges != ranges or same.tp_partition_stride != stride:
-                return None
-            out.append(same._local_tensor)
+            out.append(arg._local_tensor)
             continue
         value = _scalar(arg)
         if value is NOT_LOCAL:
