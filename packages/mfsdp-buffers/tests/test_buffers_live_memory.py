@@ -68,7 +68,7 @@ def test_autograd_temporaries_and_phase_peaks() -> None:
     assert bwd.peak >= bwd.live
 
 
-def test_a_fake_run_is_counted_and_charges_show_per_site() -> None:
+def test_a_fake_run_is_counted() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -78,10 +78,7 @@ def test_a_fake_run_is_counted_and_charges_show_per_site() -> None:
             tracker.ignore([weight])
             x = torch.ones(8, 64)
             out = x @ weight  # 8x32 fp32, and no copy of the weight's storage (a view: .t())
-            tracker.charge(1000, "planned")
             mark = tracker.mark("phase")
             del out, x
-            tracker.charge(-1000, "planned")
-    assert mark.live == 8 * 64 * 4 + 8 * 32 * 4 + 1000
-    assert mark.peak_by_site is not None and mark.peak_by_site["planned"] == 1000
+    assert mark.live == 8 * 64 * 4 + 8 * 32 * 4
     assert tracker.live == 0  # the fake storages were released as they died

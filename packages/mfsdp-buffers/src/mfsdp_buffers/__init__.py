@@ -1,9 +1,4 @@
-"""mfsdp_buffers: layer 1 of megatron-fsdp.
-
-Flat, row-aligned parameter layouts, the data-parallel buffers built on them,
-communication bucketing and the allocators for temporary unsharded storage.
-Depends on torch only; knows nothing about process groups.
-"""
+"""mfsdp_buffers: layer 1 of megatron-fsdp, the memory side with no process groups (README)."""
 
 from mfsdp_buffers.allocators import (
     ON_FULL,

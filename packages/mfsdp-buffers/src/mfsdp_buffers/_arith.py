@@ -1,8 +1,5 @@
-"""Integer helpers shared by the layout and the pool planner.
-
-Kept in one place so that the layout and the allocators round the same way:
-an off-by-one between them would silently break the zero-copy views.
-"""
+"""Integer helpers shared by the layout and the pool planner, so both round the same way (an
+off-by-one between them would silently break the zero-copy views)."""
 
 from __future__ import annotations
 
@@ -17,11 +14,6 @@ def align_up(value: int, alignment: int) -> int:
 def ceil_div(numerator: int, denominator: int) -> int:
     """``ceil(numerator / denominator)`` without going through floats (exact for huge sizes)."""
     return -(-numerator // denominator)
-
-
-def lcm(a: int, b: int) -> int:
-    """Least common multiple of two positive integers."""
-    return a // math.gcd(a, b) * b
 
 
 def smallest_aligned_shift(offset: int, target: int, alignment: int, modulus: int) -> int:

@@ -1,9 +1,7 @@
-"""Group parameters into communication buckets.
+"""Group parameters into communication buckets, one collective each.
 
-One collective per bucket instead of one per parameter: parameters that can
-travel together (same FSDP unit, dtype, process group and requires_grad) share
-a bucket. The order is derived only from the input order, never from sets or
-object ids, because every rank must issue the same collectives in the same order.
+The order is derived only from the input order, never from sets or object ids, because
+every rank must issue the same collectives in the same order.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """DataParallelBuffer: one flat storage per (parameter group, role) over a :class:`FlatLayout`.
 
-The buffer owns the memory; everything it hands out is a zero-copy view, so
-optimizer steps on shard views, all-gathers into the unsharded tensor and
-parameters pointing at unsharded views all act on the same bytes. It knows
-nothing about process groups: the collectives layer all-gathers into
-:meth:`DataParallelBuffer.materialize` and reduce-scatters into ``shard``.
+Everything it hands out is a zero-copy view, so optimizer steps on shard views, all-gathers
+into the unsharded tensor and parameters pointing at unsharded views act on the same bytes.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""A flat vector held as separate pieces: zero wherever no piece lies.
-
-Per-parameter gradients are such a vector: each sits at its parameter's offset in the
-flat layout, with padding and missing gradients in between. A collective that copies its
-input chunk by chunk anyway (the shared-memory reduce-scatter) can read the chunks straight
-from the pieces, so the gradients never need copying into one flat buffer first.
+"""A flat vector held as separate pieces, zero wherever no piece lies (per-parameter
+gradients at their layout offsets): a collective that copies chunk by chunk anyway reads
+them without a flat copy first.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Row-aligned flat layout: where each parameter lives in a flat buffer and on which rank.
 
-Parameters are packed one after another into a single flat buffer so that an
-all-gather of equal-sized shards into that buffer hands every parameter back
-as a zero-copy view. The buffer is cut into ``world_size`` equal shards.
-
-Design choice: a shard boundary that falls strictly inside a parameter must
-fall on a *row* edge of that parameter (a row is everything but the first
-dimension). Each rank's piece of a parameter is then a contiguous row range,
-viewable as a tensor of shape ``(rows, *shape[1:])``. That is what lets the
-upper layers describe sharded parameters as (possibly uneven, possibly empty)
-``Shard(0)`` DTensors, compute their metadata once, and run per-row
-optimizers, instead of dealing with arbitrary flat slices.
+A shard boundary that falls strictly inside a parameter falls on a *row* edge of it (a row
+is everything but the first dimension), so each rank's piece is a contiguous row range: an
+uneven ``Shard(0)`` slice (why: the package README, "Why row-aligned?").
 
 A parameter may be sharded along another dim ``d`` (FSDP2's ``Shard(d)``): it is
 stored with ``d`` moved first (``stored_shape``), so its "rows" are slices along ``d``
@@ -31,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mfsdp_buffers._arith import align_up, ceil_div, lcm, smallest_aligned_shift
+from mfsdp_buffers._arith import align_up, ceil_div, smallest_aligned_shift
 
 
 @dataclass(frozen=True)
@@ -386,11 +378,7 @@ class FlatLayout:
 
 def _step(shard: int, numels: Sequence[int], rows: Sequence[int], alignment: int) -> int:
     """Granularity ``shard`` must respect: rows of every parameter that may span 2+ boundaries."""
-    step = alignment
-    for n, r in zip(numels, rows, strict=True):
-        if n > shard:
-            step = lcm(step, r)
-    return step
+    return math.lcm(alignment, *(r for n, r in zip(numels, rows, strict=True) if n > shard))
 
 
 def _smallest_feasible(

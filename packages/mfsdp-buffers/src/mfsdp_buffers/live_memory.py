@@ -176,7 +176,6 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._name_site = name_site
         self._granularity = granularity
         self._count_meta = fake
-        self._snapshot_sites = attribute
         # Held, so that their ids stay theirs.
         self._ignored: dict[int, torch.UntypedStorage] = {}
         self._skip = _SKIP_PARTS + tuple(skip_sites)
@@ -246,15 +245,6 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for tensor in _plain_tensors(list(tensors)):
                 storage = tensor.untyped_storage()
                 self._ignored[id(storage)] = storage
-
-    def charge(self, nbytes: int, site: str) -> None:
-        """Count ``nbytes`` (negative: release them) that are no tensor of this process, under
-        ``site``: a planner lays the buffers it plans over a measured run this way. Marks
-        then report the charged sites at each peak (``peak_by_site``), and with
-        ``attribute=True`` the allocation sites of the tensors too."""
-        with self._lock:
-            self._snapshot_sites = True
-            self._add(nbytes, site)
 
     # ------------------------------------------------------------------ accounting
     def _observe_storage(
@@ -339,7 +329,7 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.peak = self.live
         if self.live > self.phase_peak:
             self.phase_peak = self.live
-            if self._snapshot_sites:
+            if self.attribute:
                 self._phase_peak_by_site = {k: v for k, v in self._by_site.items() if v}
 
     # ------------------------------------------------------------------ phases
@@ -353,15 +343,10 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def mark(self, name: str) -> PhaseMark:
         """Close the current phase: record live bytes and the phase's peak, start the next."""
         with self._lock:
-            by_site = dict(self._phase_peak_by_site) if self._snapshot_sites else None
+            by_site = dict(self._phase_peak_by_site) if self.attribute else None
             mark = PhaseMark(
                 name, self.live, self.phase_peak, by_site, self.host_live, self.phase_host_peak
             )
             self.marks.append(mark)
             self.reset_phase()
         return mark
-
-    @property
-    def tracked_storages(self) -> int:
-        with self._lock:
-            return len(self._sizes)

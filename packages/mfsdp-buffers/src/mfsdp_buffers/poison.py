@@ -1,12 +1,8 @@
 """Debug poisoning: memory the engine hands back is filled with a value no step produces.
 
-A stale view of a buffer the engine has given back (to its allocator, or to a collective)
-reads whatever the memory holds next, which is usually the right numbers from a moment
-ago: the bug stays silent. With poisoning on, ``release_to`` fills the tensor with the
-poison pattern before the allocator gets it, so any later read of it turns into NaN in the
-loss (floating point) or an absurd value (integers). ``mfsdp_collectives.strict_async``
-turns it on together with its deferred collectives; on its own it costs one fill per
-release.
+A stale view of a released buffer would otherwise read the right numbers from a moment ago
+and the bug stay silent; poisoned, it reads NaN (or an integer dtype's max). One fill per
+release, only while on (the package README, "Poisoning released buffers").
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Which side of the host/device line a tensor's storage lives on: the one owner of it
 (``describe`` reads it of the engine's buffers, ``LiveTensorTracker`` counts by it).
 
-While an accelerator computes, a storage's device says it: a CPU storage lives on the host.
-Where the CPU stands in for the accelerator (host offload's forced copies in tests, a plan's
-fake run of an accelerator on a CPU-only torch) both sides are CPU tensors: there a storage
-lives on the host when whoever made it as host memory said so (:func:`mark_host`: host
-offload's main weights and gradients), or, to a tracker, when an op made it from host
-storages alone (the optimizer's state and temporaries, made like its host parameters), as
-it would be on the accelerator.
+While an accelerator computes, a CPU storage lives on the host. Where the CPU stands in for
+the accelerator (forced host copies in tests, a plan's fake run) both sides are CPU tensors:
+there a storage is the host's when its maker said so (:func:`mark_host`), or, to a tracker,
+when an op made it from host storages alone (the optimizer's state, like its parameters).
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""What a pool of persistent slots hands out when none of its slots can serve a request.
-
-A pool exists so that the same memory serves every iteration (registered NCCL buffers need
-that). When a request finds every slot held, or larger than the slots, the pool asks this
-store, which does what the pool was configured for (the reference's
-``fsdp_db_use_persist_buf_on_alloc_fail``):
-
-* ``"raise"``: a scheduling bug upstream; say so.
-* ``"dynamic"``: a fresh tensor each time, returned to torch at ``free`` (the reference's
-  default: the memory is not persistent, so it could not be registered).
-* ``"persistent"``: one tensor per requester key and size, allocated once and kept, so the
-  same requester gets the same storage every iteration (registrable, at the cost of memory).
+"""What a pool of persistent slots hands out when none of its slots can serve a request:
+``on_full`` of ``"raise"`` (a scheduling bug upstream), ``"dynamic"`` (a fresh tensor, not
+registrable) or ``"persistent"`` (one kept per requester key and size: the reference's
+``fsdp_db_use_persist_buf_on_alloc_fail``). See the package README, "Allocators".
 """
 
 from __future__ import annotations

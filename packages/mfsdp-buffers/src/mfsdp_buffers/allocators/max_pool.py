@@ -1,12 +1,6 @@
-"""One pool sized for the largest request: ``num_slots`` persistent slots per dtype and device.
-
-``FixedPoolAllocator`` keeps slots per exact size, so a model whose units differ in size (an
-embedding unit, the layers, a head) keeps ``num_slots`` buffers of every size. This pool
-keeps ``num_slots`` buffers per dtype, each as large as the largest request seen, and serves
-a smaller request with the front of a slot (the reference's
-``megatron_fsdp_max_pool_double_buffer``): memory ``num_slots x`` the largest unit's
-instead of the sum over sizes. A slot grows (is replaced by a larger one) only while free;
-a request no free slot can serve goes to the fallback store (``on_full``).
+"""One pool sized for the largest request: ``num_slots`` persistent slots per dtype and device
+(the reference's ``megatron_fsdp_max_pool_double_buffer``; the package README, "Allocators").
+A slot grows (is replaced by a larger one) only while free.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""The one interface through which buffers obtain temporary (unsharded) storage.
-
-Buffers never call ``torch.empty`` for their unsharded tensors themselves: the
-engine picks an allocator by configuration (plain, storage-resize, fixed pool
-for registered NCCL memory, trace-planned pool) and every buffer goes through
-this protocol, so memory policy can change without touching buffer code.
-"""
+"""The one interface through which buffers obtain temporary (unsharded) storage, so memory
+policy can change without touching buffer code."""
 
 from __future__ import annotations
 

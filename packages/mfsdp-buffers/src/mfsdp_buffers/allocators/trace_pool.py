@@ -1,25 +1,11 @@
 """Trace one iteration's allocate/free sequence, plan a static pool, replay it afterwards.
 
-Training iterations repeat the same gathers and frees in the same order. The
-first (traced) iteration is served by ``torch.empty`` while every request and
-its lifetime is recorded; :meth:`TracePoolAllocator.end_iteration` then plans
-one pool per ``(dtype, device)`` (see :mod:`.interval_plan`) sized to the peak
-of simultaneously live elements, not their sum; later iterations get views
-into it at the planned offsets, with no allocator calls at all.
-
-Safety over speed when an iteration differs from the trace (a forward-only
-evaluation pass interleaved with training, a changed schedule):
-
-* a request that does not match the trace (key, size, dtype, device, position)
-  is served by ``torch.empty``, and so is every later request of that iteration;
-* a matching request whose planned bytes overlap a pooled tensor that is still
-  live (freed later than in the trace, or kept past the end of an iteration) is
-  served by ``torch.empty`` too;
-* :meth:`end_iteration` resynchronises: the next request is compared with the
-  start of the trace again.
-
-Pool bytes are therefore never handed out while another live tensor uses them.
-Frees may arrive in any order.
+Training iterations repeat the same gathers and frees in the same order; how the pool is
+planned and replayed: the package README, "Allocators". Safety over speed: a request that
+does not match the trace (key, size, dtype, device, position) is served by ``torch.empty``,
+and so is every later one of that iteration; so is a matching request whose planned bytes
+overlap a pooled tensor still live. Pool bytes are therefore never handed out while another
+live tensor uses them. Frees may arrive in any order.
 """
 
 from __future__ import annotations
