@@ -1,14 +1,6 @@
-"""mfsdp_collectives: layer 2 of megatron-fsdp.
-
-Process-group topology (from a DeviceMesh, explicit groups or the world),
-async collectives on flat buffers (all-gather, reduce-scatter, all-reduce,
-HSDP/HFSDP two-level reductions, broadcast; a shared-memory transport for the ranks
-of one host) returning handles that include their
-post-processing, side streams for overlap on accelerators, NCCL user buffers,
-communication accounting, and the multi-rank test harness
-(``mfsdp_collectives.testing``). It works on plain tensors and knows nothing
-of FSDP units or parameters.
-"""
+"""mfsdp_collectives: layer 2 of megatron-fsdp, the communication layer (the package README
+is its walk-through): topology, async collectives on flat buffers, accounting and the
+multi-rank test harness (``mfsdp_collectives.testing``)."""
 
 from __future__ import annotations
 

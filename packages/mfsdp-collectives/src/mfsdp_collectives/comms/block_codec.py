@@ -1,16 +1,10 @@
 """Block quantization of flat fp32 values: what the quantized collectives put on the wire.
 
-``BlockQuantization(bits=8|4, block=2048)`` codes each run of ``block`` values as int8 (or
-int4, two to a byte) with one fp32 scale, symmetric and rounded to nearest. Blocks start at
-the first value and the last one is ragged, so any length works (no size must be a multiple
-of 8 or of the block). A payload is laid out as: a header (int32, see ``write_headers``), the
-codes (padded to 4 bytes), then the block scales.
-
-Every pass here streams memory, so the code counts them: quantizing reads the values three
-times (the block maxima, the scaling, the rounding) and writes one byte per value; summing a
-received payload in is one conversion and one fused multiply-add per value. Scratch space
-comes from the caller (``QuantizationBuffers``) because a fresh large tensor costs a page
-fault and a kernel zeroing per page, as much as a pass.
+Each run of ``block`` values codes as int8 (or int4, two to a byte) with one fp32 scale,
+symmetric, round to nearest; the last block is ragged, so any length works. Every pass
+streams memory, so the code counts them (quantizing: three reads, one byte written per value;
+summing a payload in: one conversion, one multiply-add). Scratch comes from the caller
+(``QuantizationBuffers``): a fresh large tensor costs a page fault and a zeroing per page.
 """
 
 from __future__ import annotations

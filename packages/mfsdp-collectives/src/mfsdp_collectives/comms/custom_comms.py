@@ -1,37 +1,15 @@
-"""User-supplied collectives, in FSDP2's ``Comm`` protocol (``set_custom_all_gather``,
-``set_custom_reduce_scatter``).
+"""User-supplied collectives in FSDP2's ``Comm`` protocol (``set_custom_all_gather``,
+``set_custom_reduce_scatter``): ``allocate`` says where the buffers come from, ``__call__``
+runs the collective. torch's ``AllGather``/``ReduceScatter`` and libraries' comms qualify.
+The package README says what each path copies. Two flags of ours, not FSDP2's:
 
-A custom comm owns two things about one collective: where its buffers come from
-(``allocate(size, *, dtype, device)``) and how it runs (``__call__``). torch's
-``torch.distributed.fsdp.AllGather``/``ReduceScatter`` subclasses are such objects, so are
-libraries' (torchft, low-precision reduce-scatters); this layer needs only their shape.
+- ``uses_caller_buffers = True``: its ``allocate`` is a plain ``torch.empty``, so the engine
+  hands it its own buffers and skips the copies out.
+- ``regathers_exactly = False``: gathering again what it delivered rounds again (block
+  quantization), so a backward regather of an int ``reshard_after_forward`` carries the
+  forward's values exactly instead.
 
-How ours uses them, and what it costs against the built-in path:
-
-- all-gather: the output buffer comes from ``comm.allocate``; this rank's shard is copied into
-  its slot (the input is that slot, as FSDP2's), the comm runs, and the gathered buffer is
-  copied into the caller's unsharded buffer once it landed (FSDP2 copies out too; our
-  built-in gather writes straight into the parameters' storage instead).
-- reduce-scatter: the caller allocates the input (the engine's unsharded gradient buffer, from
-  a ``CommAllocator`` over the comm) and the output comes from ``comm.allocate``; the result is
-  scaled and stored into the caller's shard once it landed.
-
-A comm that sets ``uses_caller_buffers = True`` declares that its ``allocate`` is nothing
-but a fresh ``torch.empty``: any contiguous buffer of the size, dtype and device serves. The
-engine then hands it its own buffers (the unsharded buffer of a gather, the output shard of a
-reduce-scatter that stores, the pooled gradient buffer it reads) and skips the copies out.
-Ours (``QuantizedAllGather``, ``QuantizedReduceScatter``) do; FSDP2's protocol has no such
-flag, so any other comm keeps FSDP2's buffers and copies.
-
-A comm that sets ``regathers_exactly = False`` declares that gathering again what it
-delivered would not give the same values (a lossy code that rounds again on every pass, as
-block quantization does). Where the engine regathers values a gather already delivered
-(the backward gather of an int ``reshard_after_forward``, from the slices kept after
-forward) it then carries them exactly instead, so backward computes with the forward's
-weights. Any other comm runs that gather too, as FSDP2 runs it.
-
-Neither goes over the shared-memory transport or into a coalesced gather: the comm decides
-how the bytes travel.
+Neither goes over the shared-memory transport or into a coalesced gather.
 """
 
 from __future__ import annotations
@@ -107,14 +85,12 @@ class EmptyBuffers:
 
 
 def uses_caller_buffers(comm: object) -> bool:
-    """Whether ``comm`` takes the caller's buffers (``uses_caller_buffers = True``, see the
-    module docstring) instead of ones from its ``allocate``."""
+    """Whether ``comm`` takes the caller's buffers instead of ones from its ``allocate``."""
     return getattr(comm, "uses_caller_buffers", False) is True
 
 
 def regathers_exactly(comm: object) -> bool:
-    """Whether gathering again what ``comm`` delivered gives the same values (see the module
-    docstring): True unless it sets ``regathers_exactly = False``."""
+    """Whether gathering again what ``comm`` delivered gives the same values."""
     return getattr(comm, "regathers_exactly", True) is not False
 
 

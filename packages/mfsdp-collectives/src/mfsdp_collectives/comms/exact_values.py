@@ -1,14 +1,9 @@
-"""Values a quantized collective carries in full precision beside the codes.
-
-1-D parameters (norm weights, biases) are few values with an outsized effect, and ZeRO++
-and its successors keep them out of quantization. ``ExactPositions`` names them as ranges of
-the unsharded flat buffer; each rank's chunk then carries the fp32 values at its positions
-after its codes and scales, and the receiver overwrites what it dequantized there with
-them: the result at those positions is exactly what a full-precision collective gives.
-
-The positions are the same on every rank (they come from the layout), so every payload row
-is padded to the largest count, ``width``, and rows stay equal-sized for one all-to-all or
-all-gather.
+"""Values a quantized collective carries in full precision beside the codes: 1-D parameters
+(norms, biases), few values with an outsized effect, which ZeRO++ and its successors keep out
+of quantization. The receiver overwrites what it dequantized there, so the result at those
+positions is exactly a full-precision collective's. The positions are the same on every rank
+(from the layout); every payload row is padded to the largest count, ``width``, so rows stay
+equal-sized for one all-to-all or all-gather.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""Buffers the quantized collectives reuse from call to call.
+"""Buffers the quantized collectives reuse from call to call: a large fresh tensor costs a
+page fault and a zeroing per page (on a CPU about a pass over it), and a quantized
+reduce-scatter needs four (scaled values, send and receive payloads, the sum).
 
-A large fresh tensor costs a page fault and a kernel zeroing per 4 KiB page (on a CPU about
-as much as a pass over it), and a quantized reduce-scatter needs four of them: the scaled
-values, the send and receive payloads, the sum. ``QuantizationBuffers`` keeps them:
-
-- **scratch**: one fp32 tensor per thread, grown to the largest request. It is borrowed and
-  returned within one call on that thread (quantizing, or converting codes to sum), so one
-  per thread is enough for any number of collectives in flight (the training thread's
-  all-gathers and a ``ReductionWorker``'s reduce-scatters each have their own).
-- **payloads**: uint8 tensors of a given shape, lent to a collective until it lands
-  (``give_back``); at most ``keep`` free ones are kept per shape, so memory stays bounded by
-  what is in flight plus ``keep`` per distinct unit size.
+- **scratch**: one fp32 tensor per thread, grown to the largest request, borrowed and returned
+  within one call on that thread, so one per thread serves any number of collectives in
+  flight (the training thread's and a ``CollectiveWorker``'s each have their own).
+- **payloads**: uint8 tensors lent to a collective until it lands (``give_back``); at most
+  ``keep`` free ones are kept per shape, so memory stays bounded.
 """
 
 from __future__ import annotations

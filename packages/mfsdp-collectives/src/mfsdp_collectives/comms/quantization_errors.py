@@ -1,11 +1,7 @@
-"""How much quantizing costs, bucket by bucket: the relative error of what each call sent.
-
-Asked for by handing a ``QuantizationErrorLog`` to the quantized comms (or to
-``mfsdp_hooks.quantize_communication(error_log=)``). Each quantized collective then measures,
-on the sender, ``||x - dequantize(quantize(x))|| / ||x||`` over the values it quantized (one
-extra pass over them), and the log keeps the latest figure per bucket (a unit's name and the
-op) and writes one line per call to its ``logging`` logger, so a training run logs each
-bucket's error at every step. Nothing is measured when no log is given.
+"""How much quantizing costs, bucket by bucket: with a ``QuantizationErrorLog`` handed to the
+quantized comms, each call measures on the sender ``||x - dequantize(quantize(x))|| / ||x||``
+(one extra pass), keeps the latest per bucket (a unit's name and the op) and logs one line per
+call. Nothing is measured without a log.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
-"""Block-quantized all-gather and reduce-scatter (ZeRO++'s qwZ and qgZ, done so that none of
-DeepSpeed's reported failures can happen).
+"""Block-quantized all-gather and reduce-scatter (ZeRO++'s qwZ and qgZ), built so that
+DeepSpeed's reported failures cannot happen: any size (#4852, #4386), one all-to-all summed in
+fp32 in rank order, non-finite inputs raised on every rank (#6926); the package README says how.
 
-Values travel as int8 (or int4, two to a byte) with one fp32 scale per block of ``block``
-elements (2048 by default), about 0.25x (0.13x) of fp32's bytes. How it avoids what went
-wrong elsewhere:
-
-- **Any size.** Blocks start at each rank's chunk and the last one is ragged: no size must be
-  a multiple of 8, of the block, or of the group (deepspeedai/DeepSpeed#4852, #4386).
-- **One hop, summed in fp32.** The reduce-scatter is one all-to-all of quantized chunks: each
-  rank's contribution is quantized once, and the receiver dequantizes every piece and adds
-  them in fp32 in rank order (its own chunk exactly), so nothing is requantized on the way
-  and every run gives the same bits.
-- **Non-finite inputs are reported, on every rank.** Each payload carries the first
-  non-finite index of its sender's whole input, so all ranks learn the same thing from the
-  same collective and raise the same ``NonFiniteError`` (sender rank and element); nothing is
-  quantized from an inf scale (#6926's silent infs) and no rank is left waiting.
-
-The payload of one destination: a header (int32: the sender's first non-finite index, -1
-for none), the codes (padded to 4 bytes), the block scales (fp32), then the values at the
-``ExactPositions`` (fp32, 1-D parameters), if any. Each collective can run on the calling
-thread or, whole, on a ``CollectiveWorker`` (``worker=``); the codec is ``block_codec``.
+One destination's payload: a header (int32: the sender's first non-finite index, -1 for none),
+the codes (padded to 4 bytes), the block scales (fp32), then the ``ExactPositions`` values
+(fp32), if any. The codec is ``block_codec``.
 """
 
 from __future__ import annotations
@@ -238,23 +223,19 @@ def quantized_reduce_scatter_into(
     exact: ExactPositions | None = None,
 ) -> Work | None:
     """``out_shard = mean (or sum) over ranks of unsharded[rank chunk]``, each peer's chunk
-    carried block-quantized. Any chunk size; fp32 sums; non-finite inputs raise
-    ``NonFiniteError`` on every rank. ``async_op``: return a ``Work``; until it is waited
-    on, the input and the output stay untouched. ``buffers``: where the payloads and
-    scratch come from (reused across calls); without it, fresh tensors every call.
-    ``worker``: quantize, exchange and sum on that ``CollectiveWorker``'s thread (over its
-    clone of ``group``) instead of this one, which then only waits. ``report``: called
-    with the relative error of what this rank quantized (``ErrorSums``) and its count.
-    ``exact``: positions of ``unsharded`` carried in fp32 beside the codes (1-D
-    parameters), so the output there is what a full-precision reduce-scatter gives."""
+    carried block-quantized. ``async_op``: return a ``Work``; until it is waited on, the
+    input and the output stay untouched. ``buffers``: where payloads and scratch come from
+    (fresh tensors without). ``worker``: run the whole call on that ``CollectiveWorker``'s
+    thread. ``report``: told the relative error of what this rank quantized and its count.
+    ``exact``: positions of ``unsharded`` carried in fp32 beside the codes."""
     unsharded, out_shard = check_flat(unsharded, "unsharded"), check_flat(out_shard, "out_shard")
     check_codable(unsharded, "unsharded")
     check_codable(out_shard, "out_shard")
     group, _, size = membership(group, "group")
     check_shard_sizes(unsharded.numel(), "unsharded", out_shard, "out_shard", size)
+    _check_exact(exact, unsharded.numel(), size)
     buffers = buffers if buffers is not None else QuantizationBuffers(keep=0)
     grad = unsharded.detach().float()
-    _check_exact(exact, unsharded.numel(), size)
     job = _ReduceScatterJob(
         grad, out_shard, group, spec, buffers, average=average, report=report, exact=exact
     )

@@ -1,10 +1,5 @@
 """The quantized collectives as comms of FSDP2's protocol (``set_custom_reduce_scatter``,
 ``set_custom_all_gather``): what ``mfsdp_hooks.quantize_communication`` sets on each unit.
-
-A chunk under ``min_numel`` (one block, by default: a tiny unit's norms and biases) travels in
-full precision, where the scales' bytes and the error would buy nothing. On gloo groups an
-async call runs on the comm's ``CollectiveWorker`` (``background``), as gloo's own
-collectives run off the training thread.
 """
 
 from __future__ import annotations
@@ -87,7 +82,7 @@ class _QuantizedComm(EmptyBuffers):
     def _worker_for(self, group: dist.ProcessGroup, async_op: bool) -> CollectiveWorker | None:
         """This comm's worker when the call runs in the background (async, and ``background``
         or, by default, a gloo group), else None."""
-        wanted = self.background if self.background is not None else _on_gloo(group)
+        wanted = self.background if self.background is not None else backend_name(group) == "gloo"
         if not (wanted and async_op):
             return None
         if self._worker is None:
@@ -155,7 +150,3 @@ class QuantizedAllGather(_QuantizedComm):
             report=self._report(),
             exact=self._exact_for(output_tensor.numel(), group),
         )
-
-
-def _on_gloo(group: dist.ProcessGroup) -> bool:
-    return backend_name(group) == "gloo"

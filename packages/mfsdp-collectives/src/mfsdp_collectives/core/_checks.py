@@ -1,9 +1,5 @@
-"""Argument checks shared by the ops.
-
-A bad argument that reaches a collective on one rank only turns into a hang on
-all the others, so every op validates locally, before issuing anything, and
-says which argument is wrong and how to fix it.
-"""
+"""Argument checks shared by the ops: a bad argument that reaches a collective on one rank
+hangs the others, so each op checks locally first and names the argument and the fix."""
 
 from __future__ import annotations
 
@@ -11,6 +7,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from mfsdp_buffers import FlatPieces
 
 __all__ = [
     "check_dtype",
@@ -44,7 +42,9 @@ def check_group(group: object, arg: str = "group") -> dist.ProcessGroup:
     return group
 
 
-def check_same_device(a: torch.Tensor, a_arg: str, b: torch.Tensor, b_arg: str) -> None:
+def check_same_device(
+    a: torch.Tensor | FlatPieces, a_arg: str, b: torch.Tensor, b_arg: str
+) -> None:
     if a.device != b.device:
         raise ValueError(
             f"{a_arg} is on {a.device} but {b_arg} is on {b.device}; move both to one device"

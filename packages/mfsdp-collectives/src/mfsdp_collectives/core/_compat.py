@@ -1,11 +1,7 @@
-"""Version shims for the collectives this layer issues.
-
-torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` (a
-``FutureWarning`` on every call) in favour of ``all_gather_single``/
-``reduce_scatter_single``; torch 2.11/2.12 only have the old names. Keeping the
-choice in one place means the rest of the layer never sees the difference and
-never spams warnings.
-"""
+"""Version shims for the collectives this layer issues, and the one caller of each private
+torch API. torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` (a
+``FutureWarning`` per call) for ``all_gather_single``/``reduce_scatter_single``, which
+2.11/2.12 lack."""
 
 from __future__ import annotations
 
@@ -20,7 +16,6 @@ __all__ = [
     "all_gather_single",
     "all_reduce_async",
     "backend_name",
-    "broadcast_from_group_rank",
     "dispatch_mode_active",
     "reduce_scatter_single",
     "supports_avg",
@@ -83,17 +78,6 @@ def all_reduce_async(
     return cast("Work | None", dist.all_reduce(tensor, op=op, group=group, async_op=True))
 
 
-def broadcast_from_group_rank(
-    tensor: torch.Tensor, src_rank_in_group: int, group: dist.ProcessGroup
-) -> None:
-    """Broadcast addressing the source by its rank *inside* ``group``.
-
-    Callers think in group ranks (shard rank 0), while ``dist.broadcast``'s
-    ``src`` is a global rank; ``group_src`` does the translation for us.
-    """
-    dist.broadcast(tensor, group=group, group_src=src_rank_in_group)
-
-
 def dispatch_mode_active() -> bool:
     """Whether a ``TorchDispatchMode`` (``CommDebugMode``, ...) is active on this thread.
     torch 2.13 has no public query for it: this is the one place that calls the private one
@@ -107,11 +91,8 @@ def backend_name(group: dist.ProcessGroup) -> str:
 
 
 def supports_avg(group: dist.ProcessGroup) -> bool:
-    """Whether ``ReduceOp.AVG`` can be used on ``group``.
-
-    Decided from the backend name alone, so every rank takes the same decision
-    without a collective.
-    """
+    """Whether ``ReduceOp.AVG`` can be used on ``group``: from the backend name alone, so
+    every rank decides alike without a collective."""
     return backend_name(group) in _AVG_BACKENDS
 
 

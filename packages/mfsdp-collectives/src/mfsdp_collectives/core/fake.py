@@ -1,17 +1,11 @@
-"""The engine on torch's fake tensors: what a planning run needs from this layer.
+"""What a planning run on torch's fake process group and fake tensors needs from this layer
+(``megatron_fsdp.plan_memory``, issue 52). Two things differ from a real run:
 
-A planning run builds the real sharded model for one rank of a world on torch's fake process
-group, under ``FakeTensorMode`` (tensors with shapes and dtypes, and no memory), and steps it
-once, so that what the engine holds can be read off it rather than restated (issue 52). Two
-things differ from a real run, and the engine asks here about both:
-
-* a fake tensor has no memory: its ``data_ptr`` is 0 for all of them, so a check of whether
-  two tensors overlap must not read it (:func:`is_fake`);
-* object collectives (``all_gather_object`` of the wrap-time agreement) and the device mesh's
-  setup turn Python values into tensors and back with ``.item()``, which a fake tensor cannot
-  answer: they run on real tensors (:func:`real_tensors`), a few bytes each. A planning run
-  uses :class:`RealMeshesFakeMode`, under which torch's own mesh code keeps its rank tables
-  real too.
+* a fake tensor has no memory (every ``data_ptr`` is 0): an overlap check must not read it
+  (:func:`is_fake`);
+* object collectives and the device mesh's setup call ``.item()``, which a fake tensor cannot
+  answer: they run on real tensors (:func:`real_tensors`); under :class:`RealMeshesFakeMode`
+  torch's own mesh code keeps its rank tables real too.
 """
 
 from __future__ import annotations

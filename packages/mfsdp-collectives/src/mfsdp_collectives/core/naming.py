@@ -1,11 +1,6 @@
-"""Stable, readable names for process groups.
-
-The tracer and error messages need to say *which* group moved the bytes.
-c10d's own ``group_name`` is an opaque counter ("3") that differs between runs
-and layouts, so we prefer the role a group plays ("dp_shard", "dp_outer"),
-taken from an explicit registration (``FSDPTopology`` registers its groups) or
-from the mesh-dimension description DeviceMesh gives its groups, and fall back
-to the member ranks ("pg[0-3]").
+"""Stable, readable names for process groups, for the tracer and errors: c10d's own
+``group_name`` is an opaque counter that differs between runs, so a group is named by its
+registered role ("dp_shard"), its DeviceMesh dim, or its member ranks ("pg[0-3]").
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
-"""A background thread for the quantized collectives on CPU groups.
+"""A background thread for the quantized collectives on CPU groups: quantizing and summing
+on the training thread would sit on the critical path, so ``CollectiveWorker`` takes the whole
+job (quantize, exchange, sum) off it; ``BackgroundWork.wait()`` re-raises what the job raised.
 
-Gloo runs its own reduce-scatters and all-gathers on its worker threads while the training
-thread computes; a quantized one also has to quantize before and sum (or dequantize) after
-its exchange, and done on the training thread that work sits on the critical path.
-``CollectiveWorker`` takes the whole of it (quantize, exchange, sum) off that thread;
-``wait()`` on the returned ``BackgroundWork`` re-raises whatever the job raised (a
-``NonFiniteError`` raises on every rank alike).
-
-Why a private group per group: c10d pairs a group's collectives by the order in which ranks
-issue them. The training thread goes on issuing its own (the next all-gathers) on the same
-group while a job runs, so the worker exchanges over a clone of the group, made for it once,
-by the members only (``use_local_synchronization``), on the training thread at the first
-job: every member reaches that point of the program in the same order. Jobs run one at a
-time in the order they were submitted, which is the same on every rank.
-
-A peer that dies closes its sockets, so the exchange in the job raises and ``wait()`` with
-it; nothing waits on a dead rank for a timeout.
+Why a private group: c10d pairs a group's collectives by issue order, and the training thread
+goes on issuing on the same group while a job runs. So the worker exchanges over a clone, made
+once by the members only (``use_local_synchronization``), on the training thread at the first
+job, which every member reaches in the same order. Jobs run one at a time in submission order.
 """
 
 from __future__ import annotations
@@ -30,9 +20,9 @@ import torch.distributed as dist
 from ..core.naming import group_name, register_group_name
 from ..safety.liveness import call_watching_peers
 
-__all__ = ["BackgroundWork", "CollectiveWorker"]
+__all__ = ["BackgroundWork", "CollectiveWorker", "Job", "serve"]
 
-_Job = tuple["Future[None]", Callable[[], None]]
+Job = tuple["Future[None]", Callable[[], None]]
 
 
 class BackgroundWork:
@@ -53,10 +43,10 @@ class BackgroundWork:
 
 class CollectiveWorker:
     """One daemon thread that runs submitted jobs in order, and the private clones of the
-    groups they exchange over (module docstring). Thread-safe to submit from one thread."""
+    groups they exchange over."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._clones: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
@@ -80,21 +70,25 @@ class CollectiveWorker:
         """Run ``job`` after every job submitted before it."""
         if self._thread is None:
             self._thread = threading.Thread(
-                target=self._run, name="mfsdp-quantized-collectives", daemon=True
+                target=serve, args=(self._jobs,), name="mfsdp-quantized-collectives", daemon=True
             )
             self._thread.start()
         future: Future[None] = Future()
         self._jobs.put((future, job))
         return BackgroundWork(future)
 
-    def _run(self) -> None:
-        while True:
-            future, job = self._jobs.get()
-            if not future.set_running_or_notify_cancel():
-                continue
+
+def serve(jobs: queue.SimpleQueue[Job | None]) -> None:
+    """A worker thread's loop: run each job in submission order, completing its future (an
+    error is handed to ``wait()``, on the waiting thread), until a ``None``."""
+    while (item := jobs.get()) is not None:
+        future, job = item
+        if future.set_running_or_notify_cancel():
             try:
                 job()
-            except BaseException as error:  # handed to wait(), on the training thread
+            except BaseException as error:
                 future.set_exception(error)
             else:
                 future.set_result(None)
+        # Drop the job before blocking on the next one: it holds the collective's tensors.
+        del future, job, item

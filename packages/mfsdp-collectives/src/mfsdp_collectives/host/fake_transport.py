@@ -1,14 +1,9 @@
 """The shared-memory transport of a planning run: the engine's route, no bytes moved.
 
-On one host the engine hands CPU reductions to the shared-memory transport, which reads
-autograd's gradients in place (``FlatPieces``) instead of packing them into a flat reduce
-buffer: a real CPU run holds less than the c10d route would. A planning run on torch's fake
-process group (``megatron_fsdp.plan_memory``) has no peers to share memory with, yet must
-take the same route to hold what a real rank holds. ``enable_host_transport`` gives a fake
-group this transport: the engine routes through it exactly as through the real one, and
-each collective, which touches no byte (the tensors are fake), lands when the engine waits.
-
-The transport's own mailbox is mapped memory, not tensors: no tracker counts it in either run.
+On one host the engine's CPU reductions read autograd's gradients in place (``FlatPieces``)
+over shared memory, so a real CPU run holds less than the c10d route would. A planning run
+on torch's fake group (``megatron_fsdp.plan_memory``) must take the same route to hold what a
+real rank holds: each collective here touches no byte and lands when the engine waits.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Which CPU groups get the shared-memory transport, and its setup and teardown.
 
-``enable_host_transport`` is one collective over the group: every rank reports its host,
-its process (``ProcessIdentity``) and a freshly created mailbox file, and all take the
-same decision from the same facts. The transport is offered only when every rank shares
-this host *and* its pid namespace: a rank must be able to see its peers' processes to
-notice that one died, which is what keeps a waiting collective from hanging.
+``enable_host_transport`` is one collective: every rank reports its host, process and a fresh
+mailbox file, and all decide alike. Only when every rank shares this host and pid namespace:
+a rank must see its peers' processes to notice one died, so a waiting collective never hangs.
 """
 
 from __future__ import annotations
@@ -79,13 +77,9 @@ def host_transport_of(group: dist.ProcessGroup) -> SharedMemoryTransport | None:
 
 
 def disable_host_transport(group: dist.ProcessGroup | None = None) -> None:
-    """Return ``group``'s all-gathers and reduce-scatters to gloo (local, no collective).
-
-    Collectives already issued complete first; then the worker thread stops and the
-    mailboxes are unmapped. ``None`` does this for every group that has a transport. Call
-    it on every rank at the same point of the program, e.g. before
-    ``dist.destroy_process_group``; a group without a transport is left as it is.
-    """
+    """Return ``group``'s all-gathers and reduce-scatters to gloo (local; ``None``: every
+    group). Issued collectives finish first, then the workers stop and the mailboxes are
+    unmapped. Call it on every rank at one point, e.g. before ``destroy_process_group``."""
     with _registry_lock:
         if group is None:
             closing = list(_transports.values())
@@ -106,14 +100,10 @@ def enable_host_transport(
 ) -> SharedMemoryTransport | None:
     """Choose how ``group``'s CPU all-gathers and reduce-scatters travel (collective).
 
-    ``"gloo"`` keeps the process group's own collectives. ``"shm"`` requires the
-    shared-memory transport and raises naming what is missing; ``"auto"`` takes
-    it when every rank of ``group`` is on this host (same machine and boot), the
-    CPU is x86-64, the backend is gloo and a shared-memory directory is writable,
-    and otherwise quietly keeps gloo. Every rank reaches the same decision.
-    Calling it again for a group that already has a transport returns that one. A group
-    of torch's fake process group (a planning run) gets ``FakeHostTransport``: the route a
-    real host takes, with nothing exchanged.
+    ``"gloo"`` keeps c10d; ``"shm"`` requires shared memory and raises naming what is missing;
+    ``"auto"`` takes it where it qualifies (README) and otherwise quietly keeps gloo. Again
+    for a group with a transport: that one. A fake group (a planning run) gets
+    ``FakeHostTransport``: a real host's route, nothing exchanged.
     """
     check_host_transport(transport)
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 4096:
@@ -140,11 +130,7 @@ def enable_host_transport(
     reason = _unsuitable(facts)
     if reason is not None:
         _remove_own(facts[dist.get_rank(group)])
-        if transport == "shm":
-            raise ValueError(
-                f"host_transport='shm' is not possible for group {group_name(group)}: {reason}; "
-                "pass host_transport='auto' or 'gloo'"
-            )
+        _refuse(transport, group, reason)
         return None
     rank = dist.get_rank(group)
     boxes, failure = _map_all(facts, rank, slot_bytes)
@@ -155,12 +141,7 @@ def enable_host_transport(
     _remove_own(facts[rank])
     failed = [f"rank {r}: {f}" for r, f in enumerate(failures) if f is not None]
     if failed:
-        if transport == "shm":
-            raise ValueError(
-                f"host_transport='shm' is not possible for group {group_name(group)}: could "
-                f"not map the mailboxes ({'; '.join(failed)}); pass host_transport='auto' or "
-                "'gloo'"
-            )
+        _refuse(transport, group, f"could not map the mailboxes ({'; '.join(failed)})")
         return None
     peers = [f.process for f in facts]
     record_identities({dist.get_global_rank(group, r): p for r, p in enumerate(peers)})
@@ -170,6 +151,15 @@ def enable_host_transport(
     with _registry_lock:
         _transports[group] = made
     return made
+
+
+def _refuse(transport: str, group: dist.ProcessGroup, reason: str) -> None:
+    """No shared memory for ``group``: quietly under ``"auto"``, an error under ``"shm"``."""
+    if transport == "shm":
+        raise ValueError(
+            f"host_transport='shm' is not possible for group {group_name(group)}: {reason}; "
+            "pass host_transport='auto' or 'gloo'"
+        )
 
 
 def _map_all(

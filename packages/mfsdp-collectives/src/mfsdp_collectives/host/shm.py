@@ -1,36 +1,11 @@
-"""Intra-host all-gather and reduce-scatter through shared memory, for CPU groups.
+"""Intra-host all-gather and reduce-scatter through shared memory, for CPU groups (the
+package README's "Shared-memory host transport": lanes, ordering, failures, profiler ranges).
 
-Gloo moves every byte through TCP loopback: a kernel copy on each side plus
-its own staging buffers, about 0.4 GB/s per rank on a small box, and all of
-it CPU time that the ranks' compute threads need. When every rank of a group
-runs on one host, the same collectives are a few memcpys through a mapped
-file, an order of magnitude cheaper. This is what NCCL's SHM transport does
-between GPUs of one node.
-
-Each rank maps a *mailbox* file with one region per *lane* (``shm_lane``: a control word
-and two slots of ``chunk_bytes``, stepped through with one futex wait per step: no spinning
-thread steals CPU from compute). The ordering argument relies on x86-64 store ordering
-(TSO), so the transport is only offered on Linux x86-64.
-
-A lane runs its collectives on its own worker thread, in the order they were issued (which
-is the same on every rank, as for any backend), and each returns a ``Work`` whose ``wait()``
-joins it. All-gathers take one lane and reduce-scatters the other, so in backward the next
-unit's all-gather does not queue behind this unit's reduce-scatter (NCCL gets the same from
-its separate streams); ``concurrent_reductions = False`` puts both on one lane, in one order.
-A peer whose process dies makes the wait fail within ``LIVENESS_PERIOD_S`` with a
-``PeerDiedError`` naming its rank (the waiting loop checks the peers' processes, see
-``liveness``); a peer that is alive but stops issuing collectives makes it fail after
-``timeout_s`` instead of hanging. A failure on one lane fails the transport's later
-collectives on both: the ranks' step counters no longer agree.
-
-Each collective is a profiler range, ``mfsdp_shm:all_gather`` or
-``mfsdp_shm:reduce_scatter`` with the group and the bytes in its name, opened on the
-issuing thread and closed when the worker finishes it, as c10d's ``gloo:*`` ranges are:
-``torch.profiler`` traces show where the communication went.
-A dispatch mode active on the issuing thread (torch's ``CommDebugMode``) sees each as the
-c10d op it stands for (``mode_echo``).
-
-Setting a transport up (which groups qualify, the mailbox files) is ``host_transport``'s job.
+Gloo moves every byte through TCP loopback (a kernel copy each side, and CPU time the ranks'
+compute needs); through a mapped file the same collectives are a few memcpys, as NCCL's SHM
+transport does between GPUs of one node. The lane protocol (``shm_lane``) relies on x86-64
+store ordering (TSO). A failure on one lane fails the later collectives on both: the ranks'
+step counters no longer agree. Setting a transport up is ``host_transport``'s job.
 """
 
 from __future__ import annotations
@@ -60,13 +35,8 @@ _GATHERS, _REDUCTIONS = 0, 1
 
 
 class SharedMemoryTransport:
-    """All-gather and reduce-scatter for the ranks of one host-local CPU group.
-
-    Build it with :func:`enable_host_transport` (a collective over ``group``),
-    which decides whether the group qualifies; the ops in ``mfsdp_collectives``
-    route this group's all-gathers and reduce-scatters through it when given it
-    as ``transport=`` (``FSDPTopology.host_transport`` holds the engine's).
-    """
+    """All-gather and reduce-scatter for the ranks of one host-local CPU group; built by
+    ``enable_host_transport`` (a collective over ``group``), used when passed as ``transport=``."""
 
     def __init__(
         self,
@@ -125,10 +95,6 @@ class SharedMemoryTransport:
         """Bytes this rank maps for its own mailbox (its staging memory)."""
         return LANES * (CONTROL_BYTES + 2 * self.chunk_bytes)
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> BackgroundWork:
-        """Concatenate every rank's flat ``shard`` into flat ``output`` (async)."""
-        return self.all_gather_many([output], [shard])
-
     def all_gather_many(
         self, outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]
     ) -> BackgroundWork:
@@ -150,13 +116,9 @@ class SharedMemoryTransport:
     def reduce_scatter(
         self, output: torch.Tensor, inp: torch.Tensor | FlatPieces, average: bool
     ) -> BackgroundWork:
-        """``output = sum_or_mean_i inp_i[rank chunk]`` over the ranks (async).
-
-        ``inp`` may be ``FlatPieces``: its chunks are read straight from the pieces.
-
-        The pieces are added in rank order (fp32 for 16-bit dtypes), so the result is
-        the same on every run and at least as accurate as gloo's.
-        """
+        """``output = sum_or_mean_i inp_i[rank chunk]`` over the ranks (async); ``inp`` may be
+        ``FlatPieces``, read in place. Added in rank order (fp32 for 16-bit dtypes): the same
+        result every run, at least as accurate as gloo's."""
         numel = inp.numel() if isinstance(inp, torch.Tensor) else inp.numel
         echo_reduce_scatter(self.group, self.size, numel, inp.dtype, average=average)
         lane = self._lanes[_REDUCTIONS if self.concurrent_reductions else _GATHERS]
@@ -183,7 +145,9 @@ class SharedMemoryTransport:
                 )
             )
         else:
-            span = _open_range(f"mfsdp_shm:{op} (group={self._name}, bytes={nbytes})")
+            # A profiler range opened on the issuing thread, closed by the worker (``_guarded``).
+            span = record_function(f"mfsdp_shm:{op} (group={self._name}, bytes={nbytes})")
+            span.__enter__()  # type: ignore[no-untyped-call]
             lane.jobs.put((future, lambda: self._guarded(span, fn, *args)))
         return BackgroundWork(future)
 
@@ -194,7 +158,7 @@ class SharedMemoryTransport:
             self._failed = exc
             raise
         finally:
-            _close_range(span)
+            span.__exit__(None, None, None)
 
     def _raise_if_a_peer_died(self) -> None:
         # Every peer, not just the awaited one: the awaited one may be alive and itself
@@ -206,15 +170,3 @@ class SharedMemoryTransport:
         ]
         if dead:
             raise peer_died_error(dead, f"a shared-memory collective on group {self._name}")
-
-
-def _open_range(name: str) -> record_function:
-    """Open a profiler range on the issuing thread (a no-op when no profiler listens)."""
-    span = record_function(name)
-    span.__enter__()  # type: ignore[no-untyped-call]
-    return span
-
-
-def _close_range(span: record_function) -> None:
-    """Close, on the worker thread, the range the issuing thread opened."""
-    span.__exit__(None, None, None)

@@ -23,13 +23,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 
 import torch
 
 from mfsdp_buffers import FlatPieces
 
 from . import _futex
+from .collective_worker import Job, serve
 
 __all__ = ["ALIGN", "CONTROL_BYTES", "Lane", "LaneBox", "MailboxFile", "PeerWatch"]
 
@@ -79,9 +79,6 @@ class PeerWatch:
         self.group, self.timeout_s, self.check_peers = group, timeout_s, check_peers
 
 
-Job = tuple[Future[None], Callable[[], None]] | None
-
-
 class Lane:
     """Collectives of one kind, in issue order, on this lane's worker thread."""
 
@@ -90,10 +87,10 @@ class Lane:
     ) -> None:
         self.rank, self.size, self.slot_bytes = rank, len(boxes), slot_bytes
         self._boxes, self._own, self._step, self._watch = boxes, boxes[rank], 0, watch
-        self.jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         # A daemon thread: a rank that exits with a collective still waiting for its peers
         # must not be held at interpreter exit.
-        self.worker = threading.Thread(target=_serve, args=(self.jobs,), name=name, daemon=True)
+        self.worker = threading.Thread(target=serve, args=(self.jobs,), name=name, daemon=True)
         self.worker.start()
 
     def stop(self, timeout_s: float = 1.0) -> None:
@@ -220,23 +217,6 @@ def _add_into(acc: torch.Tensor, inp: torch.Tensor | FlatPieces, start: int, fir
         inp.add_range_into(acc, start)
     else:
         acc.add_(inp[start : start + acc.numel()])
-
-
-def _serve(jobs: queue.SimpleQueue[Job]) -> None:
-    """The worker loop: run each collective in issue order, completing its future."""
-    while True:
-        item = jobs.get()
-        if item is None:
-            return
-        future, job = item
-        try:
-            job()
-        except BaseException as exc:
-            future.set_exception(exc)
-        else:
-            future.set_result(None)
-        # Drop the job before blocking on the next one: it holds the collective's tensors.
-        del future, job, item
 
 
 def src_index(dst: int, src: int) -> int:

@@ -1,3 +1,2 @@
-"""How one collective is issued: argument routing (``_op_args``), reduction semantics
-(``_reduce``), side streams, its stages (``stages.issue_stages``), the ``CommHandle`` it
-returns, and strict mode (``strict``)."""
+"""How one collective is issued: argument routing, reduction semantics, side streams,
+stages, the ``CommHandle`` it returns, and strict mode."""

@@ -1,9 +1,6 @@
-"""Argument checks and routing shared by the collective ops (local, no communication).
-
-The checks run where a caller hands the ops its arguments: on every call of the public
-functions, and once per group for an engine's ``Route`` (``Peers`` is what both learn about a
-group). What varies per call and is not an argument (a transport closed since, a device
-without shared memory) is routing, decided on each call (``carrier``, ``side_of``).
+"""Argument checks and routing shared by the collective ops (local, no communication): the
+public ops check on every call, an engine's ``Route`` once per group (``Peers``). What varies
+per call and is not an argument (a transport closed since) is routing (``carrier``, ``side_of``).
 """
 
 from __future__ import annotations
@@ -100,14 +97,14 @@ def side_of(stream: CommStreams | None, role: str) -> torch.Stream | None:
     return side
 
 
-def reduce_spec(x: torch.Tensor | FlatPieces, x_arg: str, spec: object) -> Reduction:
-    """``spec`` resolved for the input ``x`` (a ``ReduceSpec`` checked its own fields)."""
+def reduce_spec(spec: object) -> None:
+    """Raise unless ``spec`` is a ``ReduceSpec`` (which checked its own fields; the ``Route``
+    resolves it for the input's dtype, before issuing anything)."""
     if not isinstance(spec, ReduceSpec):
         raise TypeError(
             f"spec must be a mfsdp_collectives.ReduceSpec, got {type(spec).__name__}; pass "
             "spec=ReduceSpec(average=..., reduce_dtype=...)"
         )
-    return spec.resolve(x.dtype, x_arg)
 
 
 def check_shard_sizes(
@@ -131,23 +128,6 @@ def routed_reduce_op(
     return reduce_op(group, reduction.average, sum_only=reduction.sum_only)
 
 
-def check_pieces(pieces: FlatPieces, arg: str, out: torch.Tensor, out_arg: str) -> FlatPieces:
-    if pieces.device != out.device:
-        raise ValueError(
-            f"{arg} is on {pieces.device} but {out_arg} is on {out.device}; move both to one device"
-        )
-    return pieces
-
-
-@dataclass(frozen=True)
-class ReduceScatterArgs:
-    """A reduce-scatter's arguments after the local checks."""
-
-    inp: torch.Tensor | FlatPieces
-    out: torch.Tensor
-    at: Peers
-
-
 def check_reduce_scatter(
     unsharded_grad: object,
     out_shard: object,
@@ -157,17 +137,17 @@ def check_reduce_scatter(
     transport: object = None,
     *,
     out_arg: str = "out_shard",
-) -> ReduceScatterArgs:
-    """Check a reduce-scatter's arguments on this rank, raising before anything is issued."""
+) -> tuple[torch.Tensor | FlatPieces, torch.Tensor, Peers]:
+    """Check a reduce-scatter's arguments on this rank, raising before anything is issued:
+    ``(input, output, peers)``."""
     out = check_flat(out_shard, out_arg)
-    inp: torch.Tensor | FlatPieces
     if isinstance(unsharded_grad, FlatPieces):
-        inp = check_pieces(unsharded_grad, "unsharded_grad", out, out_arg)
+        inp: torch.Tensor | FlatPieces = unsharded_grad
     else:
         inp = check_flat(unsharded_grad, "unsharded_grad")
-        check_same_device(inp, "unsharded_grad", out, out_arg)
+    check_same_device(inp, "unsharded_grad", out, out_arg)
     at = peers(group, group_arg, transport)
-    reduce_spec(inp, "unsharded_grad", spec)
+    reduce_spec(spec)
     numel = inp.numel if isinstance(inp, FlatPieces) else inp.numel()
     check_shard_sizes(numel, "unsharded_grad", out, out_arg, at.size)
-    return ReduceScatterArgs(inp, out, at)
+    return inp, out, at

@@ -1,14 +1,7 @@
-"""How a reduction is carried out: the op, the communicated tensor, the scaling.
-
-Shared by reduce-scatter, all-reduce and HSDP so the three agree exactly on
-the semantics ``post_scale * reduce_{sum|avg}(pre_scale * x.to(reduce_dtype))``
-and on the rules that keep the reduce path cheap:
-
-- average inside the collective (``ReduceOp.AVG``) where the backend has it;
-  otherwise SUM and divide the *output shard*, never a full-buffer multiply;
-- at most one copy of the input (the cast to ``reduce_dtype``, which absorbs
-  ``pre_scale``);
-- write straight into the caller's output when dtype and aliasing allow.
+"""How a reduction is carried out: the op, the communicated tensor, the scaling, shared by
+reduce-scatter, all-reduce and HSDP so the three agree exactly on
+``post_scale * reduce_{sum|avg}(pre_scale * x.to(reduce_dtype))`` and on the rules that keep
+it cheap (the package README's "Async collectives on flat buffers").
 """
 
 from __future__ import annotations
@@ -26,11 +19,9 @@ __all__ = ["Reduction", "ReduceSpec", "finish_into", "prepare_input", "reduce_op
 
 @dataclass(frozen=True)
 class ReduceSpec:
-    """How a reduction combines the ranks' values, as the callers of the reductions say it:
-    ``post_scale * reduce(pre_scale * x.to(reduce_dtype))``, where ``reduce`` is the mean
-    over the ranks when ``average`` else the sum, and ``reduce_dtype`` None is the input's
-    dtype. Checked when built, so a bad option raises on the calling rank before any
-    collective; one spec serves every call that reduces alike."""
+    """``post_scale * reduce(pre_scale * x.to(reduce_dtype))``, ``reduce`` the mean over the
+    ranks when ``average`` else the sum, ``reduce_dtype`` None the input's. Checked when
+    built, so a bad option raises on the calling rank before any collective."""
 
     average: bool = True
     pre_scale: float | None = None
@@ -78,10 +69,8 @@ class Reduction:
 def reduce_op(
     group: dist.ProcessGroup, average: bool, *, sum_only: bool = False
 ) -> tuple[dist.ReduceOp.RedOpType, float]:
-    """The op to issue on ``group`` and the factor still owed to the output.
-
-    ``factor`` is ``1/size`` when averaging on a backend without AVG (or ``sum_only``), else 1.
-    """
+    """The op to issue on ``group`` and the factor still owed to the output: ``1/size`` when
+    averaging on a backend without AVG (or ``sum_only``), else 1."""
     if not average:
         return dist.ReduceOp.SUM, 1.0
     if supports_avg(group) and not sum_only:
@@ -104,11 +93,8 @@ def prepare_input(x: torch.Tensor, spec: Reduction) -> torch.Tensor:
 def finish_into(
     result: torch.Tensor, out: torch.Tensor, *, factor: float, accumulate: bool
 ) -> None:
-    """Apply the remaining ``factor`` and store (or add) ``result`` into ``out``.
-
-    ``result`` may be ``out`` itself (the collective wrote in place). Accumulation
-    adds in the wider of the two dtypes and rounds once, into ``out``'s dtype.
-    """
+    """Apply the remaining ``factor`` and store (or add) ``result`` (maybe ``out`` itself)
+    into ``out``. Accumulation adds in the wider dtype and rounds once, into ``out``'s."""
     if result is out:
         if factor != 1.0:
             out.mul_(factor)

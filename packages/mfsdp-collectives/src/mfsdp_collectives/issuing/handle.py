@@ -1,13 +1,7 @@
-"""The handle every collective in this layer returns.
-
-Callers must be able to treat "the bytes arrived" and "the result is ready to
-use" as one event: a reduce-scatter in fp32 for bf16 gradients is not finished
-until it has been scaled, cast back and accumulated into the shard. ``wait()``
-therefore runs the post-processing too, and drops the references that kept the
-communicated tensors alive until then.
-
-A wait that fails because a peer's process died raises ``PeerDiedError`` naming
-the dead rank and the collective (``label``), not the backend's bare socket error.
+"""The handle every collective in this layer returns. "The bytes arrived" and "the result is
+ready" are one event: a bf16 gradient reduced in fp32 is not done until scaled, cast back and
+accumulated, so ``wait()`` runs the post-processing too, then drops what kept the tensors
+alive. A wait that fails because a peer died raises ``PeerDiedError`` naming it.
 """
 
 from __future__ import annotations
@@ -24,14 +18,10 @@ __all__ = ["CommHandle"]
 
 
 class CommHandle:
-    """Completion of one (possibly multi-stage) collective, post-processing included.
-
-    Built from the async work objects to wait for, an optional host-side
-    ``finish`` step (cheap, local, never a collective: it may therefore run
-    whenever the works are done), and on accelerators an ``event`` recorded on
-    the side stream that the current stream must wait for. ``wait()`` is
-    idempotent.
-    """
+    """Completion of one (possibly multi-stage) collective, post-processing included: the
+    works to wait for, a host-side ``finish`` (local, never a collective, so it may run
+    whenever the works are done) and on accelerators the side stream's ``event``. ``wait()``
+    is idempotent."""
 
     def __init__(
         self,

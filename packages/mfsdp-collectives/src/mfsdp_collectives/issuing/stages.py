@@ -1,17 +1,11 @@
 """Run a collective's stages on the right stream and wrap them in a ``CommHandle``.
 
-A collective here is one or more *stages* (HSDP: reduce-scatter, then the outer
-all-reduce), each issuing async work that the next stage depends on, plus a
-local ``finish`` step (scaling, casting back, accumulating).
-
-- With active side streams (accelerators), each stage runs on its own stream,
-  ordered after the previous one by ``wait_stream``, so the host never blocks
-  and compute overlaps; the handle carries an event for the consumer stream.
-- Without them (CPU, or no streams given), stages are issued in order on the
-  host; between stages we wait for the previous one (a stream dependency on
-  accelerators, a real block on CPU). Issuing the next stage immediately,
-  never lazily from a callback, keeps the order of collectives identical on
-  every rank, which is what prevents mismatched-collective hangs.
+A collective is one or more *stages* (HSDP: reduce-scatter, then the outer all-reduce), each
+issuing async work the next depends on, plus a local ``finish`` (scale, cast back,
+accumulate). With active side streams each stage runs on its own, ordered by
+``wait_stream``; otherwise they are issued in order on the host, each waiting for the
+previous. The next stage is issued at once, never lazily from a callback: that keeps the
+order of collectives identical on every rank, which prevents mismatched-collective hangs.
 """
 
 from __future__ import annotations
@@ -44,11 +38,8 @@ def issue_stages(
 ) -> CommHandle:
     """Issue ``stages`` in order and return a handle that completes them and ``finish``.
 
-    ``label`` says which collective it is (``"all_gather on dp_shard"``) in the error a dead
-    peer causes, whether it surfaces while issuing or while waiting. ``reads`` and
-    ``writes`` are the caller's tensors the collective reads and writes: strict mode
-    (``strict.strict_async``) checks and poisons them.
-    """
+    ``label`` names the collective in a dead peer's error; ``reads`` and ``writes``, the
+    caller's tensors it touches, are what strict mode and the stream simulator check."""
     with naming_dead_peers(label):
         if stages and all(stream is not None for stream, _ in stages):
             handle = _issue_on_side_streams(

@@ -1,16 +1,7 @@
-"""Dedicated side streams for communication on accelerators.
-
-A collective issued on the compute stream serialises with compute; issued on
-its own stream it overlaps. FSDP needs one stream per direction so a prefetched
-all-gather is never queued behind a reduce-scatter (and one more for the HSDP
-inter-node hop so the outer all-reduce does not block the next intra-node
-reduce-scatter). On CPU there are no streams: gloo's async work objects give
-the overlap, so ``CommStreams`` is inert there.
-
-Streams come from a ``StreamBackend``: torch's own (``torch.Stream``,
-``torch.accelerator.current_stream``) everywhere but in tests, where
-``stream_sim.simulated_streams`` swaps in stand-ins that run on CPU and check that every
-buffer is read and written in stream order. The engine's stream code is the same either way.
+"""Dedicated side streams for communication on accelerators (inert on CPU, where gloo's
+async work objects give the overlap). One stream per direction, so a prefetched all-gather
+never queues behind a reduce-scatter, and one for the HSDP outer hop. Streams come from a
+``StreamBackend``: torch's own, or in tests ``stream_sim``'s stand-ins.
 """
 
 from __future__ import annotations
@@ -95,12 +86,8 @@ def using_stream_backend(backend: StreamBackend) -> Iterator[None]:
 
 
 class CommStreams:
-    """The all-gather, reduce-scatter and outer (HSDP) side streams for one device.
-
-    ``active`` is False on CPU (or with ``enabled=False``), and the stream
-    attributes are then None; ops given an inactive ``CommStreams`` behave as if
-    given none.
-    """
+    """The all-gather, reduce-scatter and outer (HSDP) side streams for one device; on CPU
+    (or ``enabled=False``) not ``active``, the streams None, as good as none given."""
 
     def __init__(self, device: torch.device | str, *, enabled: bool = True) -> None:
         dev = torch.device(device) if isinstance(device, str) else device

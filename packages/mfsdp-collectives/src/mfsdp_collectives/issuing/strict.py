@@ -1,26 +1,11 @@
-"""Strict asynchronous collectives: a debug mode in which a missing wait cannot stay silent.
+"""Strict asynchronous collectives: a debug mode in which a missing wait cannot stay silent
+(the package README's "Strict asynchronous collectives" says what each op does under it).
 
-On a GPU a collective on a side stream writes its output some time after it is issued; a
-consumer that forgets to wait reads stale or half-written data, and the only symptom is a
-drift in convergence. On CPU with gloo the background thread is usually done before anyone
-looks, so the same bug never shows. Inside ``strict_async()`` every asynchronous op of this
-layer instead:
-
-1. at launch, snapshots its inputs and its outputs' current contents, then fills the
-   outputs with the poison pattern (NaN; the dtype's max for integers) and issues nothing;
-2. at ``wait()`` (never at ``is_completed()``, which stays False), checks that nobody wrote
-   the outputs meanwhile (a buffer reused before its collective finished) and that the
-   inputs still hold what they held at launch (an input overwritten while in flight), and
-   raises naming the collective if either happened; otherwise it restores the outputs
-   (accumulating ops add to what was there), runs the real collective and its
-   post-processing.
-
-So a read before the wait sees NaN, which reaches the loss. The collectives run in wait
-order, which is the same on every rank because every rank runs the same program. Buffers
-the engine gives back to an allocator are poisoned too
-(``mfsdp_buffers.poisoning_released_buffers``), so a read after release turns into NaN as
-well. Host path only (CPU, or accelerators without side streams): on side streams the
-stream simulator (``mfsdp_collectives.testing.stream_sim``) checks the ordering instead.
+On a GPU a consumer that forgets to wait reads stale or half-written data, and the only
+symptom is a drift in convergence; on CPU gloo's thread is usually done before anyone looks.
+Here the outputs read NaN until the wait, which runs the collective; collectives run in wait
+order, the same on every rank because every rank runs the same program. Host path only: the
+stream simulator checks side streams.
 """
 
 from __future__ import annotations
@@ -62,7 +47,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 class _DeferredCollective:
-    """What ``deferred_handle`` runs when its handle is waited (see the module docstring)."""
+    """What ``deferred_handle`` runs when its handle is waited: check, restore, issue."""
 
     def __init__(
         self,

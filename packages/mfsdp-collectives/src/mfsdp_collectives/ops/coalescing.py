@@ -1,17 +1,8 @@
-"""Several all-gathers as one collective: ``coalesced_gathers()``.
-
-Inside ``with coalesced_gathers():`` an ``all_gather_into`` on this thread is queued, not
-issued: it returns its handle at once, and leaving the block issues, for each (group,
-transport, dtype, device, stream) the queued gathers share, one collective that fills every
-output (a queue of one is a plain all-gather). Waiting on a queued handle issues its queue
-first, so no handle can wait on a collective that was never issued; a later gather in the
-block then starts a new queue.
-
-What it saves is the per-collective latency: one rendezvous for k gathers. On the
-shared-memory transport the shards are exchanged end to end (no extra copy); on c10d they
-travel packed (a copy into one send buffer and out of one receive buffer; the bytes on the
-wire are unchanged). As for any collective, every rank must queue the same gathers in the
-same order. The tracer counts one all-gather per issued queue, with all its elements.
+"""Several all-gathers as one collective: ``coalesced_gathers()`` (the package README's
+"Coalesced all-gathers"). One collective per (group, transport, dtype, device, stream);
+waiting on a queued handle issues its queue first, so no handle waits on a collective never
+issued, and a later gather in the block starts a new queue. As for any collective, every rank
+must queue the same gathers in the same order.
 """
 
 from __future__ import annotations

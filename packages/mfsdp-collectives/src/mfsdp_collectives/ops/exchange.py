@@ -1,10 +1,6 @@
-"""All-to-all of flat buffers in uneven counts: each rank sends each other rank its own piece.
-
-What an optimizer that needs whole matrices uses to bring each matrix's rows to the one rank
-that works on it, and the results back (``mfsdp_hooks.optim.whole_matrix``). Counts are per
-group rank, in group-rank order; the count a rank sends itself may be zero (it keeps its own
-piece in place), so the bytes counted are those that cross the wire and no more.
-"""
+"""All-to-all of flat buffers in uneven counts, per group rank in group-rank order: how a
+whole-matrix optimizer (``mfsdp_hooks.optim.whole_matrix``) brings each matrix's rows to the
+rank that works on it and back. A rank's count to itself may be zero (its piece stays)."""
 
 from __future__ import annotations
 
@@ -53,11 +49,8 @@ def all_to_all_into(
 ) -> CommHandle:
     """Send ``send[sum(send_counts[:r]):][:send_counts[r]]`` to group rank ``r`` and receive
     rank ``r``'s piece for this rank into the same place of ``recv`` (by ``recv_counts``).
-
-    Every rank's ``send_counts[r]`` must equal rank ``r``'s ``recv_counts`` entry for it (a
-    mismatch is the caller's bug, and the backend raises or hangs: agree on the counts from
-    the same layout on every rank). One rank: nothing to exchange, no collective.
-    """
+    Every rank's ``send_counts[r]`` must equal rank ``r``'s ``recv_counts`` entry for it (else
+    the backend raises or hangs: derive the counts from one layout on every rank)."""
     send = check_flat(send, "send")
     recv = check_flat(recv, "recv")
     group, _, size = membership(group, "group")

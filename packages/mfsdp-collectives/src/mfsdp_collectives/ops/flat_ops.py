@@ -1,14 +1,6 @@
-"""Async collectives on flat buffers: the only way upper layers communicate.
-
-Each op validates every argument locally first (so a mistake raises on the
-calling rank instead of hanging the others), then issues through its group's ``Route``
-(``route``, which an engine uses directly, its arguments checked once where it built its
-buffers): it records itself with the tracer, issues the collective (on a side stream when
-given active ``CommStreams``) and returns a ``CommHandle`` whose ``wait()`` also runs the
-post-processing. Results are the collective's semantics exactly; see ``_reduce`` for the
-reduction rules (average in the collective, one copy at most, direct output), and
-``coalescing`` for all-gathers queued to go out as one collective.
-"""
+"""The public async collectives on flat buffers: each checks every argument locally (a
+mistake raises on the calling rank instead of hanging the others), then issues through its
+group's ``Route``. The package README walks through one all-gather and one reduce-scatter."""
 
 from __future__ import annotations
 
@@ -21,7 +13,6 @@ from mfsdp_buffers import FlatPieces
 
 from ..comms.custom_comms import AllGatherComm, ReduceScatterComm, check_comm
 from ..core._checks import check_flat, check_same_device, overlaps
-from ..core._compat import broadcast_from_group_rank
 from ..core.naming import group_name
 from ..host.shm import SharedMemoryTransport
 from ..issuing._op_args import (
@@ -57,13 +48,10 @@ def all_gather_into(
     transport: SharedMemoryTransport | None = None,
     comm: AllGatherComm | None = None,
 ) -> CommHandle:
-    """Gather every rank's ``shard`` straight into ``unsharded`` (no staging copy).
-
-    ``shard`` may be this rank's own slot of ``unsharded`` (in-place gather). ``transport``
-    (from ``enable_host_transport``) carries it over shared memory; otherwise c10d does.
-    ``comm`` (FSDP2's ``AllGather`` protocol, ``custom_comms``) runs it instead, in a buffer
-    of its own, never coalesced.
-    """
+    """Gather every rank's ``shard`` straight into ``unsharded`` (no staging copy); ``shard``
+    may be this rank's own slot of ``unsharded``. ``transport`` (from ``enable_host_transport``)
+    carries it over shared memory, else c10d. ``comm`` (FSDP2's ``AllGather`` protocol) runs it
+    instead, in a buffer of its own, never coalesced."""
     shard = check_flat(shard, "shard")
     unsharded = check_flat(unsharded, "unsharded")
     at = peers(group, "group", transport)
@@ -111,13 +99,13 @@ def reduce_scatter_into(
     reduced chunk, in the reduce dtype, before any factor still owed is applied and before
     it is stored: where the collective averaged, the mean; under ``spec.sum_only``, the sum.
     """
-    args = check_reduce_scatter(unsharded_grad, out_shard, group, "group", spec, transport)
-    side_stream(stream, "reduce_scatter", args.out.device)
+    inp, out, at = check_reduce_scatter(unsharded_grad, out_shard, group, "group", spec, transport)
+    side_stream(stream, "reduce_scatter", out.device)
     if comm is not None:
         check_comm(comm, "comm")
-    return Route.over(args.at).reduce_scatter_into(
-        args.inp,
-        args.out,
+    return Route.over(at).reduce_scatter_into(
+        inp,
+        out,
         spec=spec,
         accumulate=bool(accumulate),
         stream=stream,
@@ -157,7 +145,7 @@ def all_reduce_(
     outer = None if outer_group is None else peers(outer_group, "outer_group")
     if outer is not None and outer.group is at.group:
         raise ValueError("outer_group must differ from group; pass outer_group=None")
-    reduce_spec(tensor, "tensor", spec)
+    reduce_spec(spec)
     side_stream(stream, "reduce_scatter", tensor.device)  # checks the stream's device
     return Route.over(at).all_reduce_(
         tensor,
@@ -185,4 +173,4 @@ def broadcast_(tensor: torch.Tensor, src_rank_in_group: int, group: dist.Process
         )
     record_comm("broadcast", group_name(group), tensor.numel(), tensor.dtype)
     with naming_dead_peers(f"broadcast on group {group_name(group)}", group):
-        broadcast_from_group_rank(tensor, src, group)
+        dist.broadcast(tensor, group=group, group_src=src)  # src: a rank inside the group

@@ -51,18 +51,18 @@ def hsdp_reduce_scatter_into(
     reduce-scatter (as in ``reduce_scatter_into``); ``after_reduce`` sees the result of the
     all-reduce across the replicas (of the reduce-scatter without one), as FSDP2's hook.
     """
-    args = check_reduce_scatter(
+    inp, out, at = check_reduce_scatter(
         unsharded_grad, out_shard, shard_group, "shard_group", spec, transport
     )
     outer = None if outer_group is None else peers(outer_group, "outer_group")
-    if outer is not None and outer.group is args.at.group:
+    if outer is not None and outer.group is at.group:
         raise ValueError("outer_group must differ from shard_group; pass outer_group=None")
-    side_stream(stream, "reduce_scatter", args.out.device)
+    side_stream(stream, "reduce_scatter", out.device)
     if comm is not None:
         check_comm(comm, "comm")
-    return Route.over(args.at).hsdp_reduce_scatter_into(
-        args.inp,
-        args.out,
+    return Route.over(at).hsdp_reduce_scatter_into(
+        inp,
+        out,
         None if outer is None else Route.over(outer),
         spec=spec,
         accumulate=bool(accumulate),
@@ -101,24 +101,24 @@ def hfsdp_reduce_scatter_into(
     the inner level and ``outer_transport`` the outer one (the shared-memory transports of
     the two groups).
     """
-    args = check_reduce_scatter(
+    inp, part, at = check_reduce_scatter(
         unsharded_grad, partial, shard_group, "shard_group", spec, transport, out_arg="partial"
     )
     out = check_flat(out_sub_shard, "out_sub_shard")
-    check_same_device(out, "out_sub_shard", args.out, "partial")
+    check_same_device(out, "out_sub_shard", part, "partial")
     outer = peers(outer_group, "outer_group", outer_transport)
-    if outer.group is args.at.group:
+    if outer.group is at.group:
         raise ValueError("outer_group must differ from shard_group; use reduce_scatter_into")
-    check_shard_sizes(args.out.numel(), "partial", out, "out_sub_shard", outer.size)
-    if overlaps(args.out, out):
+    check_shard_sizes(part.numel(), "partial", out, "out_sub_shard", outer.size)
+    if overlaps(part, out):
         raise ValueError("partial and out_sub_shard overlap; pass separate tensors")
     side_stream(stream, "reduce_scatter", out.device)
-    return Route.over(args.at).hfsdp_reduce_scatter_into(
-        args.inp,
+    return Route.over(at).hfsdp_reduce_scatter_into(
+        inp,
         out,
         Route.over(outer),
         spec=spec,
-        partial=args.out,
+        partial=part,
         partial_accumulate=bool(partial_accumulate),
         accumulate=bool(accumulate),
         stream=stream,

@@ -20,11 +20,8 @@ __all__ = ["OuterStage", "ReduceScatterStage"]
 
 
 class ReduceScatterStage:
-    """Stage 1 of a (possibly hierarchical) reduce-scatter; holds its tensors.
-
-    The receive tensor is chosen only when the stage runs, so that on a side
-    stream any temporary is allocated on that stream.
-    """
+    """Stage 1 of a (possibly hierarchical) reduce-scatter; holds its tensors. The receive
+    tensor is chosen when the stage runs, so on a side stream a temporary is allocated there."""
 
     def __init__(
         self,

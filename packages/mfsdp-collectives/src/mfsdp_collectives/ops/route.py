@@ -1,13 +1,8 @@
-"""A group's collectives, issued: ``Route``.
+"""A group's collectives, issued: ``Route``, where every collective of flat buffers goes out.
 
-Every collective of flat buffers is issued here. The public ops (``all_gather_into``,
-``reduce_scatter_into``, ...) check every argument on every call, so that a mistake raises on
-the calling rank instead of hanging the others, then issue through a ``Route`` of their group.
-An engine lays its buffers out once and then issues the same collectives on them every step:
-it checks its buffers where it builds them (their layout fixes sizes, dtype and device for the
-group), and the group and transport once, when it builds its ``Route``, whose ops check
-nothing again. What varies per call and is not an argument is still decided per call: whether
-the transport was closed since, and on which side stream each stage runs.
+The public ops check every argument on every call, then issue through a ``Route``; an engine
+checks its buffers where it lays them out and its group and transport once, when it builds
+its ``Route``, whose ops check nothing again (the README's "validates ... once").
 """
 
 from __future__ import annotations
@@ -41,15 +36,11 @@ _GRAD = "unsharded_grad"  # the name a reduction's input has in errors (as the p
 
 
 class Route:
-    """The collectives over ``group`` (carried by ``transport`` for CPU tensors, or c10d),
-    for a caller that checked its tensors: an engine once, where it built them, or the
-    public op of the same name on each call.
+    """The collectives over ``group`` (carried by ``transport`` for CPU tensors, or c10d).
 
-    Built once per group (this rank's membership and the transport's group checked here,
-    raising as the public ops do); each op then trusts its tensors to be flat, contiguous,
-    on one device and dtype, and sized for the group (the shard ``1/size`` of the whole),
-    and its ``stream`` and ``comm`` to be those the caller checked when it was given them.
-    """
+    Built once per group (membership and the transport's group checked here, raising as the
+    public ops do); each op then trusts its tensors to be flat, contiguous, on one device and
+    dtype, and sized for the group, and its ``stream`` and ``comm`` to be checked."""
 
     def __init__(
         self, group: dist.ProcessGroup, transport: SharedMemoryTransport | None = None
@@ -69,7 +60,6 @@ class Route:
 
     @property
     def rank(self) -> int:
-        """This rank's index in the group."""
         return self.peers.rank
 
     @property

@@ -1,20 +1,14 @@
 """Check at wrap time that every rank is about to do the same thing.
 
-Collectives pair up by order: if one rank wraps another model, other ``fsdp_unit_modules``
-or another strategy, its first differing collective meets a different one on its peers,
-and the job hangs or, worse, trains on garbage. A single small exchange before the first
-collective of a wrap turns that into an error on every rank that names what differs.
+Collectives pair up by order: a rank that wraps another model or strategy meets different
+collectives on its peers, and the job hangs or trains on garbage. One small exchange before a
+wrap's first collective turns that into an error on every rank naming what differs; it also
+tells each rank its peers' processes (``liveness``).
 
-The same exchange tells each rank its peers' processes (``liveness``), so that a rank that
-later dies is named by the survivors on every transport.
-
-At a thousand ranks, an object all-gather per unit is most of a wrap's time (each rank
-unpickles every rank's facts). So each rank sends a digest of its facts first, in one
-fixed-size all-gather, with a flag saying it has not learned this group's processes yet;
-only when the digests or flags differ do the ranks exchange the facts themselves (the same
-error text as ever) and their processes. Every rank sees the same gathered digests, so every
-rank takes the same branch and the collectives stay paired even though what each rank knows
-(``identities_known``) is its own state.
+At a thousand ranks an object all-gather per unit is most of a wrap's time, so each rank
+first sends a digest of its facts (and whether it knows this group's processes yet) in one
+fixed-size all-gather; only when those differ do the ranks exchange the facts themselves.
+Every rank sees the same digests and takes the same branch, so the collectives stay paired.
 """
 
 from __future__ import annotations
@@ -61,6 +55,13 @@ def _camps(values: Sequence[object], ranks: Sequence[int]) -> list[list[int]]:
     return list(camps.values())
 
 
+def _by_camp(values: Sequence[str], ranks: Sequence[int]) -> str:
+    """``"rank 0: a; ranks 1, 2: b"``: each camp of equal values and its value."""
+    return "; ".join(
+        f"{_ranks(camp)}: {_short(values[ranks.index(camp[0])])}" for camp in _camps(values, ranks)
+    )
+
+
 def _who_differs(reports: Sequence[RankFacts]) -> str:
     """Which ranks differ: from the largest camp of ranks with identical facts (on a tie,
     the camp of the group's first rank), so one odd rank out of eight is named as such."""
@@ -83,11 +84,7 @@ def _first_difference(key: str, items: Sequence[Sequence[str]], ranks: Sequence[
             rank_items[index] if index < len(rank_items) else "<none>" for rank_items in items
         ]
         if len(set(values)) > 1:
-            shown = "; ".join(
-                f"{_ranks(camp)}: {_short(values[ranks.index(camp[0])])}"
-                for camp in _camps(values, ranks)
-            )
-            return f"    first difference in {key}, item {index}: {shown}"
+            return f"    first difference in {key}, item {index}: {_by_camp(values, ranks)}"
     return f"    the items of {key} are equal but ordered or counted differently"
 
 
@@ -101,11 +98,7 @@ def _differences(
         values = [rank_facts.get(key, "<missing>") for _, rank_facts in reports]
         if len(set(values)) == 1:
             continue
-        by_rank = "; ".join(
-            f"{_ranks(camp)}: {_short(values[ranks.index(camp[0])])}"
-            for camp in _camps(values, ranks)
-        )
-        lines.append(f"  {key}: {by_rank}")
+        lines.append(f"  {key}: {_by_camp(values, ranks)}")
         if all(key in rank_details for rank_details in details):
             lines.append(_first_difference(key, [d[key] for d in details], ranks))
     return lines
@@ -156,15 +149,12 @@ def check_ranks_agree(
     explain: Callable[[Sequence[RankFacts]], str | None] | None = None,
 ) -> None:
     """Raise ``RankMismatchError`` on every rank unless all ranks of ``group`` pass equal
-    ``facts`` (collective over ``group``: one all-gather of a digest, then one
-    ``all_gather_object`` only when the digests differ or the group is new to a rank).
+    ``facts`` (collective over ``group``).
 
-    ``what`` names the call being checked ("fully_shard(Block)"); the error lists each
-    differing fact with the value every rank gave, and which ranks differ from the most.
-    ``details`` (exchanged, not compared) itemises a fact that is a digest, so that the
-    error names its first differing item (a parameter's name and shape) and not only two
-    digests. ``explain`` turns every rank's facts into a sentence saying what the
-    difference means (e.g. that the ranks' models have different numbers of units).
+    ``what`` names the call checked ("fully_shard(Block)"); the error lists each differing
+    fact with every rank's value. ``details`` (exchanged, not compared) itemises a fact that
+    is a digest, so the error names its first differing item. ``explain`` turns every rank's
+    facts into a sentence saying what the difference means.
     """
     if _digests_agree(group, facts, what):
         return

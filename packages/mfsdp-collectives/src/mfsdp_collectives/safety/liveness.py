@@ -1,18 +1,11 @@
 """Which peer processes are still alive, so a collective waiting on a dead rank says so.
 
-A rank that is SIGKILLed (out of memory, a segfault, ``os._exit``) announces nothing. Gloo
-notices when the dead peer's sockets close, but its error ("Connection closed by peer
-[10.0.0.2]:41345") does not say which rank; our shared-memory transport waits on a word in
-a mapped file that a dead process simply stops updating. Both need the same fact: which
-ranks' processes are gone. On Linux a process on this host can answer that for any other
-process it can see, from ``/proc/<pid>/stat``, and a (pid, start time) pair cannot be
-fooled by pid reuse.
-
-Each rank therefore learns every peer's ``ProcessIdentity`` once per group, at wrap time, in
-a collective that happens anyway (the wrap-time agreement check, the shared-memory setup).
-From then on ``dead_ranks`` is a local question, cheap enough for a waiting loop to ask
-twice a second. Peers on other hosts (or other pid namespaces) cannot be checked: for them
-a failure stays the backend's own error.
+A SIGKILLed rank announces nothing: gloo's error ("Connection closed by peer") names no rank,
+and the shared-memory transport waits on a word a dead process stops updating. On Linux a
+process can tell from ``/proc/<pid>/stat`` whether another on its host is alive, and a
+(pid, start time) pair is not fooled by pid reuse. Each rank learns its peers'
+``ProcessIdentity`` once per group, in a collective made anyway; ``dead_ranks`` is then local,
+cheap enough to ask twice a second. Peers on other hosts cannot be checked.
 """
 
 from __future__ import annotations
@@ -186,15 +179,13 @@ def _watchable(ranks: Iterable[int]) -> bool:
 
 
 def call_watching_peers(call: Callable[[], T], ranks: Iterable[int], during: str) -> T:
-    """``call()`` on a helper thread while this one watches the processes of ``ranks``
-    (global): a rendezvous such as creating a group waits for every member and has no error
-    of its own for one that died, only the store's timeout (30 minutes by default). Raises
-    ``PeerDiedError`` as soon as a member is gone; the helper, a daemon thread, is left
-    blocked. This thread waits meanwhile, so no other c10d call of it runs beside ``call``.
+    """``call()`` (a rendezvous, e.g. creating a group: it has no error for a dead member, only
+    the store's 30-minute timeout) on a daemon helper thread while this one watches the
+    processes of ``ranks`` (global), raising ``PeerDiedError`` as soon as one is gone.
 
-    With no member known to be another process of this host there is nothing to watch, and
-    ``call()`` runs on this thread: c10d's state may be per thread (torch's threaded process
-    group, where threads are the ranks), and a helper thread would find no default group."""
+    With no member known to be another process of this host, ``call()`` runs on this thread:
+    c10d's state may be per thread (torch's threaded process group), and a helper thread would
+    find no default group."""
     members = list(ranks)
     if not _watchable(members):
         return call()

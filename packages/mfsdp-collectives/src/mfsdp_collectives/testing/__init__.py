@@ -1,17 +1,6 @@
-"""Run a function on N ranks, each a process with torch.distributed initialised.
-
-Every distributed test in the repository goes through ``run_distributed``, so
-it is built to fail *usefully*: the first rank to raise stops the whole world
-at once (no waiting for the others to time out in a collective) and its own
-traceback is shown in the test report; a world that hangs is killed at the
-timeout with the names of the ranks still running; a rank that dies without a
-word (segfault, ``os._exit``) is reported with its exit code.
-
-Startup is kept cheap because tests start many worlds: ranks are forked from a
-forkserver that has already imported torch, the rendezvous store is created by
-the parent on a port the OS picked (no free-port race between parallel
-tests), and each rank runs single-threaded so four ranks on two cores do not
-thrash.
+"""Run a function on N ranks, each a process with torch.distributed initialised: the package
+README's "The test harness" (fails fast with the failing rank's traceback, kills a hung world
+at the timeout, reports a silent death with its exit code; cheap forkserver start-up).
 """
 
 from __future__ import annotations
@@ -91,11 +80,8 @@ class DistributedTestError(Exception):
 
 @dataclass(frozen=True)
 class _FnRef:
-    """How a rank finds ``fn``: by module and qualified name, with the file as fallback.
-
-    Pickling the function object would fail under pytest's ``importlib`` import
-    mode, where test modules are not importable by name; the file path covers it.
-    """
+    """How a rank finds ``fn``: by module and qualified name, with the file as fallback
+    (under pytest's ``importlib`` import mode test modules are not importable by name)."""
 
     module: str
     qualname: str
@@ -259,13 +245,8 @@ def run_distributed(
 ) -> list[T]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results by rank.
 
-    Raises ``DistributedTestError`` for the first rank that raised (others are
-    killed), ``TimeoutError`` naming the ranks still running after ``timeout``
-    seconds. ``fn`` must be a module-level function; ``args`` and the return
-    values must be picklable. ``env`` is applied in each rank before the process
-    group is created (torch is already imported by then, so variables torch
-    reads only at import time must be set in the test process instead).
-
+    ``env`` is applied in each rank before the process group is created (torch is imported
+    by then: variables torch reads at import must be set in the test process).
     ``hash_seeds``: a ``PYTHONHASHSEED`` per rank, as under torchrun (spawned: ``_hash_seeds``).
     """
     check_hash_seeds(hash_seeds, world_size)
@@ -278,11 +259,8 @@ def run_distributed(
 
 @dataclass(frozen=True)
 class RankOutcome:
-    """How one rank ended: its result, or the error it raised, or its death; and when.
-
-    ``at`` is ``time.monotonic()`` when the rank reported (or when the test process saw it
-    die); the clock is shared by every process of the host, so outcomes can be compared.
-    """
+    """How one rank ended: its result, or the error it raised, or its death; and ``at`` when
+    (``time.monotonic()``, shared by the host's processes, so outcomes compare)."""
 
     rank: int
     result: Any
@@ -303,12 +281,8 @@ def run_distributed_outcomes(
     backend: str = "gloo",
     env: dict[str, str] | None = None,
 ) -> list[RankOutcome]:
-    """Like ``run_distributed``, but wait for every rank and return each one's outcome.
-
-    For fault-injection tests: some ranks are meant to die, and the test checks how (and
-    how fast) the others fail. Only a world still running after ``timeout`` raises
-    (``TimeoutError`` naming the ranks still running): that is the hang to rule out.
-    """
+    """Like ``run_distributed``, but wait for every rank and return each one's outcome (for
+    fault-injection tests); only a world still running after ``timeout`` raises."""
     return _run_world(fn, world_size, args, timeout, backend, env, None)
 
 
@@ -360,12 +334,9 @@ def _run_world(
 def _collect(
     ref: _FnRef, procs: list[Any], conns: list[Connection], timeout: float, grace: float | None
 ) -> list[RankOutcome]:
-    """Wait for every rank's report, or (``grace`` after the first failure) stop listening.
-
-    After the first failure we keep listening for ``grace`` seconds: the rank that caused
-    it may have died silently (its exit is only seen through its sentinel), and its peers'
-    "connection reset" errors must not mask it. ``grace=None`` waits for every rank.
-    """
+    """Wait for every rank's report, or stop listening ``grace`` seconds after the first
+    failure (``None``: wait for all): the rank that caused it may have died silently (seen
+    only through its sentinel), and its peers' "connection reset" must not mask it."""
     world_size = len(procs)
     deadline = time.monotonic() + timeout
     grace_deadline: float | None = None

@@ -1,10 +1,7 @@
-"""Ranks with their own ``PYTHONHASHSEED``, as under torchrun, for ``run_distributed``.
-
-Ranks forked from one process share its string hashing, so a set of strings iterates in one
-order on every rank; torchrun starts each rank as its own interpreter, which hashes its own
-way. Code whose collectives pair values by such an order passes the first and fails the
-second. The variable is read once, when an interpreter starts: a rank given a seed must be
-started fresh (``spawn``), with the variable in the environment it inherits.
+"""Ranks with their own ``PYTHONHASHSEED``, as under torchrun, for ``run_distributed``: forked
+ranks share string hashing, so a set iterates in one order on every rank, and code whose
+collectives pair values by such an order passes there and fails under torchrun. The variable
+is read when an interpreter starts: a seeded rank is spawned fresh with it in its environment.
 """
 
 from __future__ import annotations

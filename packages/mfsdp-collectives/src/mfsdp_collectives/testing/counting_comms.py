@@ -1,9 +1,6 @@
-"""Custom comms in FSDP2's protocol, for tests that drive ``set_custom_all_gather`` and
-``set_custom_reduce_scatter`` on our units and on FSDP2's side by side.
-
-They have the shape of torch's ``AllGather``/``ReduceScatter`` (which torch does not export
-publicly; FSDP2 calls them by that shape, as ours does), so the same objects serve both
-engines, and count what they were asked: calls, allocated sizes, the reduce ops.
+"""Custom comms in FSDP2's protocol that count what they were asked (calls, allocated sizes,
+reduce ops), for tests that drive ``set_custom_all_gather``/``set_custom_reduce_scatter`` on
+our units and FSDP2's side by side (torch does not export its own publicly).
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
-"""Simulated streams on CPU: the engine's stream code, checked for ordering bugs in CI.
+"""Simulated streams on CPU: the engine's stream code, checked for ordering bugs in CI (the
+package README's "Simulated streams").
 
-Inside ``simulated_streams()`` a CPU ``CommStreams`` is active: its side streams, the
-current stream and their events are stand-ins (``SimStream``, ``SimEvent``) that the
-unchanged engine drives exactly as it drives CUDA streams (``wait_stream``,
-``with stream:``, ``record_event``, ``wait_event``). Work runs at once, on the host; what
-is simulated is the *order* a GPU would guarantee, with vector clocks:
-
-* every stream counts the operations issued on it; ``a.wait_stream(b)`` and
-  ``a.wait_event(e)`` make ``a`` know everything ``b`` (or the stream ``e`` was recorded
-  on) had issued by then;
-* a dispatch mode sees every tensor op and which stream is current; collectives declare
-  what they read and write (``StreamBackend.note_collective``), since the bytes a backend
-  moves are no tensor op;
-* for each storage it keeps the last write and the reads since. A stream that reads a
-  storage whose last write it does not know of, or writes one that another stream may
-  still read or write, raises ``StreamOrderError`` naming both streams: the missing
-  ``wait_stream`` before an all-gather (the seeds' PR 003) or a consumer that never waited
-  on the collective's event. New storages count as writes, so memory handed back while a
-  side stream may still use it, then handed out again, raises too when the host's
-  allocator reuses the address (CUDA's caching allocator would, for the freeing stream).
-
-A check of the order catches each missing edge at its first use, whatever the timing; a
-lazy executor would only show it when the reordering it chose happened to change the
-numbers. ``Tensor.record_stream`` has no stand-in: the engine keeps collective buffers
-alive through ``CommHandle`` instead.
+Work runs at once; the order a GPU would guarantee is simulated with vector clocks: every
+stream counts its operations, and ``wait_stream``/``wait_event`` make a stream know what the
+other had issued. For each storage the last write and the reads since are kept; a use not
+ordered after another stream's earlier one raises ``StreamOrderError``. Checking the order
+catches each missing edge at its first use, whatever the timing; a lazy executor would only
+show it when its reordering changed the numbers. ``Tensor.record_stream`` has no stand-in:
+the engine keeps collective buffers alive through ``CommHandle`` instead.
 """
 
 from __future__ import annotations
@@ -50,12 +34,8 @@ class StreamOrderError(RuntimeError):
 
 
 class SimEvent:
-    """What a stream had issued when the event was recorded.
-
-    ``query()`` is always False: a GPU may be that slow, and code that polls must still be
-    right (work really runs at once; only its order is simulated). ``synchronize()`` is the
-    host waiting: everything it issues afterwards, on any stream, is ordered after it.
-    """
+    """What a stream had issued when the event was recorded. ``query()`` is always False (a
+    GPU may be that slow); ``synchronize()`` orders all later work after it."""
 
     def __init__(self, clock: dict[int, int], simulator: StreamSimulator | None = None) -> None:
         self.clock = dict(clock)

@@ -1,9 +1,6 @@
-"""Which process groups FSDP shards and replicates over, and on which device.
-
-Upper layers never build groups themselves: they take an ``FSDPTopology`` made
-from a ``DeviceMesh`` (the FSDP2-style API), from explicit process groups (the
-Megatron style), or from the default 1-D world mesh. Keeping the three entry
-points here means every layer agrees on what "the shard group" is.
+"""Which process groups FSDP shards and replicates over, and on which device: from a
+``DeviceMesh``, explicit process groups, or the default world mesh, in one place so every
+layer agrees on what "the shard group" is.
 """
 
 from __future__ import annotations
@@ -40,11 +37,8 @@ _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 def default_device() -> torch.device:
     """The current accelerator device when there is one, else CPU."""
-    if torch.accelerator.is_available():
-        accel = torch.accelerator.current_accelerator()
-        if accel is not None:
-            return torch.device(accel.type, torch.accelerator.current_device_index())
-    return torch.device("cpu")
+    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return torch.device("cpu") if accel is None else _device_for_type(accel.type)
 
 
 def mesh_has_dim(mesh: DeviceMesh, dim: str) -> bool:
@@ -104,12 +98,8 @@ def _backend_for(device: torch.device) -> str:
 
 
 def init_default_group(device: torch.device) -> None:
-    """Initialise torch.distributed's default group when a launcher's environment is there.
-
-    FSDP2 does the same (``init_device_mesh`` calls ``init_process_group()``), so a script
-    that only calls ``fully_shard`` works under torchrun. Without that environment there is
-    no way to know the world, and the error says what to call instead.
-    """
+    """Initialise torch.distributed's default group from a launcher's environment, as FSDP2's
+    ``init_device_mesh`` does, so a script that only calls ``fully_shard`` runs under torchrun."""
     if dist.is_initialized():
         return
     missing = [name for name in _LAUNCHER_ENV if name not in os.environ]
@@ -133,24 +123,18 @@ def init_default_group(device: torch.device) -> None:
     )
 
 
-def _require_initialized(what: str) -> None:
-    if not dist.is_initialized():
-        raise RuntimeError(
-            f"{what} needs torch.distributed to be initialised; call "
-            "torch.distributed.init_process_group(...) first (or use torchrun)"
-        )
+def _name_groups(shard: dist.ProcessGroup, *others: dist.ProcessGroup | None) -> None:
+    """The tracer's names: ``dp_shard``, and ``dp_outer`` and ``tp`` for those given."""
+    for group, name in zip((shard, *others), (DP_SHARD, DP_OUTER, TP), strict=True):
+        if group is not None:
+            register_group_name(group, name)
 
 
 @dataclass
 class FSDPTopology:
-    """The groups FSDP communicates over, plus the device its buffers live on.
-
-    ``shard_group`` is where parameters/gradients are sharded; ``outer_group``
-    (HSDP) is where shards are replicated; ``tp_group`` is only carried for the
-    upper layers. ``shard_mesh`` is the 1-D mesh DTensors of the sharded dim use.
-    ``optim_sharding`` (HFSDP, set by ``shard_optimizer_across_outer``) says that the
-    optimizer-facing shards are cut across ``outer_group`` as well.
-    """
+    """The groups FSDP communicates over, plus the device its buffers live on: ``shard_group``
+    shards, ``outer_group`` (HSDP) replicates, ``tp_group`` is carried for upper layers,
+    ``shard_mesh`` is the sharded dim's 1-D mesh, ``optim_sharding`` is HFSDP's cut."""
 
     shard_group: dist.ProcessGroup
     outer_group: dist.ProcessGroup | None
@@ -241,12 +225,8 @@ class FSDPTopology:
 
     def with_tp(self, tp_mesh: DeviceMesh) -> DeviceMesh:
         """The 2-D ``(dp, tp)`` mesh of a tensor-parallel parameter's DTensors: the optimizer
-        mesh joined with its TP mesh (both submeshes of one DeviceMesh).
-
-        Under HFSDP the optimizer mesh is the hybrid group's own 1-D mesh, which no root mesh
-        knows; its dp dim is then ``(dp_outer, dp_shard)`` of the user's mesh flattened (a
-        collective over the mesh the first time), whose ranks must be the hybrid group's.
-        Its coordinates need not be sub-shard order: ``optim_indices_along`` maps them."""
+        mesh joined with its TP mesh. Under HFSDP the dp dim is the user mesh's
+        ``(dp_outer, dp_shard)`` flattened (README), mapped by ``optim_indices_along``."""
         if self.shards_optimizer_across_outer:
             return concatenate_meshes([self._hfsdp_dp_mesh(), tp_mesh])
         if self.optim_mesh is None:
@@ -306,11 +286,8 @@ class FSDPTopology:
         dp_outer_dim: str | None = None,
         tp_dim: str | None = None,
     ) -> FSDPTopology:
-        """Take the groups from named dims of ``mesh``.
-
-        Naming the dims (rather than taking positions) is what lets a user's
-        ``("dp_outer", "dp_shard", "tp")`` mesh be read without guessing.
-        """
+        """Take the groups from named dims of ``mesh`` (names, not positions, so a user's
+        ``("dp_outer", "dp_shard", "tp")`` mesh is read without guessing)."""
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
         names = tuple(mesh.mesh_dim_names or ())
@@ -334,11 +311,7 @@ class FSDPTopology:
         shard_group = mesh.get_group(dp_shard_dim)
         outer_group = None if dp_outer_dim is None else mesh.get_group(dp_outer_dim)
         tp_group = None if tp_dim is None else mesh.get_group(tp_dim)
-        register_group_name(shard_group, DP_SHARD)
-        if outer_group is not None:
-            register_group_name(outer_group, DP_OUTER)
-        if tp_group is not None:
-            register_group_name(tp_group, TP)
+        _name_groups(shard_group, outer_group, tp_group)
         return cls(
             shard_group=shard_group,
             outer_group=outer_group,
@@ -359,18 +332,18 @@ class FSDPTopology:
         device: torch.device | str | None = None,
     ) -> FSDPTopology:
         """Wrap explicit process groups (Megatron-style parallel state)."""
-        _require_initialized("FSDPTopology.from_groups")
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "FSDPTopology.from_groups needs torch.distributed to be initialised; call "
+                "torch.distributed.init_process_group(...) first (or use torchrun)"
+            )
         _check_group(shard_group, "shard_group", optional=False)
         _check_group(outer_group, "outer_group", optional=True)
         _check_group(tp_group, "tp_group", optional=True)
         if outer_group is not None and outer_group is shard_group:
             raise ValueError("outer_group must differ from shard_group; pass None for plain FSDP")
         dev = _as_device(device)
-        register_group_name(shard_group, DP_SHARD)
-        if outer_group is not None:
-            register_group_name(outer_group, DP_OUTER)
-        if tp_group is not None:
-            register_group_name(tp_group, TP)
+        _name_groups(shard_group, outer_group, tp_group)
         shard_mesh = DeviceMesh.from_group(shard_group, dev.type, mesh_dim_names=(DP_SHARD,))
         return cls(
             shard_group=shard_group,

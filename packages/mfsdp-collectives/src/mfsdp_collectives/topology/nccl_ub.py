@@ -1,15 +1,8 @@
-"""NCCL user buffers: allocate communication buffers NCCL has pre-registered.
-
-With the buffers of a collective allocated from a ``torch.cuda.MemPool`` backed
-by the process group's NCCL allocator (``ncclMemAlloc``) and registered with
-the communicator, NCCL can use zero-copy, SM-light and in-switch (NVLS/SHARP)
-algorithms; with *symmetric* (window) registration it can also use its
-symmetric-memory kernels. That is worth a lot of SMs on large clusters and is
-meaningless anywhere else, so on any other backend or device the option is
-accepted, says once that it does nothing, and does nothing.
-
-Registration is collective on the group: every rank must create the pool and
-enter/leave ``allocation_context()`` in the same order.
+"""NCCL user buffers: communication buffers from a ``torch.cuda.MemPool`` backed by the
+group's NCCL allocator and registered (symmetrically where available), so NCCL can use its
+zero-copy, NVLS/SHARP and symmetric-memory algorithms. Elsewhere the option warns once and
+does nothing. Registration is collective: every rank must create the pool and enter/leave
+``allocation_context()`` in the same order.
 """
 
 from __future__ import annotations
@@ -38,12 +31,8 @@ def _warn_once(key: str, message: str) -> None:
 
 
 class UserBufferPool:
-    """A registered memory pool for one process group (inert off NCCL/CUDA).
-
-    Allocate the buffers NCCL should see inside ``allocation_context()``; on
-    leaving it the pool (and any segment it grew) is registered, symmetrically
-    when ``symmetric`` and supported, plainly otherwise.
-    """
+    """A registered memory pool for one process group (inert off NCCL/CUDA): buffers
+    allocated inside ``allocation_context()`` are registered on leaving it."""
 
     def __init__(
         self,

@@ -1,15 +1,8 @@
-"""Where the optimizer-facing shards live: the shard group, or (HFSDP) both DP levels.
-
-Plain FSDP and HSDP cut main weights, gradients and optimizer state over the shard group.
-HFSDP (Megatron-FSDP's ``outer_dp_sharding_strategy="optim"``) cuts each rank's compute
-shard once more across ``dp_outer``: the ``shard_size * outer_size`` ranks of the flattened
-``(dp_outer, dp_shard)`` submesh each hold one sub-shard. Sub-shard ``k`` of the flat buffer
-belongs to the rank with ``shard_rank * outer_size + outer_rank == k``, so the sub-shards
-of one ``dp_shard`` rank are adjacent and together make its compute shard: an all-gather
-across ``dp_outer`` rebuilds the compute shard from them, in place.
-
-The group over those ranks orders them by global rank, which is not sub-shard order; the
-table ``index_of_group_rank`` translates, for code that gathers every sub-shard.
+"""Where the optimizer-facing shards live: the shard group, or under HFSDP (Megatron-FSDP's
+``outer_dp_sharding_strategy="optim"``) the ranks of the flattened ``(dp_outer, dp_shard)``
+submesh, sub-shard ``shard_rank * outer_size + outer_rank`` each (the package README's
+"HFSDP"). That group orders its ranks by global rank, not sub-shard order:
+``index_of_group_rank`` translates, for code that gathers every sub-shard.
 """
 
 from __future__ import annotations
@@ -95,12 +88,9 @@ class OptimizerSharding:
         outer_size: int,
         device_type: str,
     ) -> OptimizerSharding:
-        """HFSDP over ``group``, the ranks of the flattened ``(dp_outer, dp_shard)`` submesh.
-
-        Collective over ``group`` (one ``all_gather_object``): every rank learns which
-        sub-shard each peer holds, and a group that is not exactly one rank per
-        ``(outer_rank, shard_rank)`` raises on every rank.
-        """
+        """HFSDP over ``group``, the ranks of the flattened ``(dp_outer, dp_shard)`` submesh
+        (collective: every rank learns each peer's sub-shard; a group that is not one rank
+        per ``(outer_rank, shard_rank)`` raises on every rank)."""
         size = dist.get_world_size(group)
         if size != shard_size * outer_size:
             raise ValueError(

@@ -1,16 +1,9 @@
-"""The smaller group a unit's weights are resharded onto after forward.
-
-FSDP2's ``reshard_after_forward=<int>`` (DeepSpeed ZeRO++'s hpZ): after forward each rank
-keeps ``1/size`` of a unit's gathered weights, where ``size`` consecutive ranks of the shard
-group (the ranks of one node, when ranks are numbered node by node) together hold all of
-them, so the backward all-gather stays inside those ranks instead of crossing the whole shard
-group. The cost is ``P / size`` elements per rank held from forward to backward.
-
-Only the members of a subgroup create it (``use_local_synchronization``), so wrapping stays
-collective over the shard group alone; a subgroup is created once per shard group and shared by
-every unit over it. The cache is keyed by the shard group object, not by global ranks: under
-torch's threaded process group the threads of one process are the ranks, each with its own
-groups over the same ranks.
+"""The smaller group a unit's weights are resharded onto after forward: FSDP2's
+``reshard_after_forward=<int>`` (ZeRO++'s hpZ), so the backward all-gather stays inside
+``size`` consecutive ranks (one node) at the cost of ``P / size`` elements per rank held from
+forward to backward. Created once per shard group by its members only. The cache is keyed by
+the shard group object, not global ranks: under torch's threaded process group each thread
+has its own groups over the same ranks.
 """
 
 from __future__ import annotations

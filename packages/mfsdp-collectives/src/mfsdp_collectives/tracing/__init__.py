@@ -1,3 +1,2 @@
-"""Communication accounting: the tracer every op reports to (``tracer``), the same
-records for torch's own c10d collectives (``c10d_tracer``), and the c10d ops a collective
-that issues none shows to dispatch modes (``mode_echo``)."""
+"""Communication accounting: ``CommTracer``, ``C10dTracer`` for torch's own collectives,
+and the c10d ops a shared-memory collective shows dispatch modes (``mode_echo``)."""

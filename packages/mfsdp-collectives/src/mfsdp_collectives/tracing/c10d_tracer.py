@@ -1,17 +1,9 @@
-"""The same accounting for collectives that do not go through this package: torch's own.
-
-``C10dTracer`` records every c10d collective dispatched on this thread while open (FSDP2's,
-DDP's, a user's ``dist.all_reduce``) as the ``CommRecord`` that ``CommTracer`` keeps for
-ours, so a benchmark or test can set megatron-fsdp's byte counts beside FSDP2's with one
-query API. It is a ``TorchDispatchMode`` (torch's ``CommDebugMode`` counts the same ops, but
-its module tracker fails under ``torch.distributed.pipelining``'s forward hooks), so it sees
-ops issued on this thread only: on CPU autograd runs backward on the caller's thread.
-
-``bytes`` is what this rank sends in, as for ``CommTracer``: the whole input of a
-reduce-scatter, this rank's shard of an all-gather, the tensor of an all-reduce. Our
-collectives are recorded here too: those that go through c10d, and those carried by the
-shared-memory host transport, which show themselves to dispatch modes as the c10d op they
-stand for (``mode_echo``).
+"""The same accounting for torch's own c10d collectives (FSDP2's, DDP's, a user's), as the
+``CommRecord`` that ``CommTracer`` keeps, so a benchmark sets FSDP2's bytes beside ours with
+one query API. A ``TorchDispatchMode`` (torch's ``CommDebugMode`` counts the same ops, but its
+module tracker fails under ``torch.distributed.pipelining``'s forward hooks): it sees ops of
+this thread only. ``bytes`` is what this rank sends in, as for ``CommTracer``. Ours show up
+too: through c10d, or from the shared-memory transport as the op it stands for (``mode_echo``).
 """
 
 from __future__ import annotations

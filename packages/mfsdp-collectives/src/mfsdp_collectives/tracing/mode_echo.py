@@ -1,19 +1,12 @@
 """Collectives that issue no c10d op, shown to torch's dispatch modes as the c10d op they are.
 
-torch's tools count collectives with a ``TorchDispatchMode`` (``CommDebugMode``, which
-torch's FSDP2 tests and users count with; FSDP2's memory tracker): it sees the c10d ops
-dispatched on its own thread. A collective carried by the shared-memory transport issues
-none, so such a mode would miss it. When a mode is active on the issuing thread, the
-transport also dispatches the c10d op of that collective (``_allgather_base_``,
-``_reduce_scatter_base_``) on the real group with *meta* tensors of the real shapes and
-dtypes: torch's meta kernels of the c10d ops return at once, communicating nothing and
-touching no data. The mode counts one op per collective under torch's name; the bytes
-travel over shared memory as always and the results are the transport's alone.
-
-Why not send the collective through gloo for real while a mode is on: a mode is one rank's
-affair, and a rank that switched transport alone would wait for its peers forever. The echo
-involves no peer, so ranks may disagree about modes. Without a mode it costs one look at
-the thread's mode stack per collective (well under a microsecond).
+A mode (``CommDebugMode``, FSDP2's memory tracker) sees the c10d ops of its own thread, and the
+shared-memory transport issues none. So while a mode is active on the issuing thread, the
+transport also dispatches that c10d op on the real group with *meta* tensors of the real
+shapes: torch's meta kernels communicate nothing and touch no data. Why not go through gloo
+for real while a mode is on: a mode is one rank's affair, and a rank that switched transport
+alone would wait forever; the echo involves no peer. Without a mode: one look at the thread's
+mode stack per collective.
 """
 
 from __future__ import annotations

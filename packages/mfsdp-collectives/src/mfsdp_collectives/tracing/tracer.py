@@ -1,13 +1,7 @@
-"""Communication accounting: how many collectives, and how many bytes, per group.
-
-FSDP's cost model is "each step moves exactly these bytes"; a regression that
-gathers a bucket twice or reduces in fp32 by accident is invisible in loss
-curves but obvious in a byte count. Every op in ``ops`` reports here, and tests
-and benchmarks assert on the totals.
-
-Tracers are process-wide, not thread-local, because autograd may run backward
-hooks (and so reduce-scatters) on a different thread than the one that opened
-the tracer.
+"""Communication accounting: how many collectives, and how many bytes, per group. A
+regression that gathers a bucket twice or reduces in fp32 by accident is invisible in loss
+curves but obvious in a byte count. Tracers are process-wide, not thread-local: autograd may
+run backward hooks (and their reduce-scatters) on another thread than the one that opened it.
 """
 
 from __future__ import annotations
@@ -105,11 +99,8 @@ class CommLog:
 
 
 class CommTracer(CommLog):
-    """Counts calls and bytes per ``(group, op)`` of this package's collectives while open.
-
-    Nested tracers each record everything issued inside them; entering the same
-    tracer twice is counted once.
-    """
+    """Counts calls and bytes per ``(group, op)`` of this package's collectives while open;
+    nested tracers each record everything, and one entered twice counts once."""
 
     def __init__(self) -> None:
         super().__init__()
