@@ -20,6 +20,7 @@ from mfsdp_hooks.api.fully_shard import (
 )
 from mfsdp_hooks.api.mesh_topology import resolve_topology
 from mfsdp_hooks.api.root_wrapper import (
+    FSDPRootWrapper,
     UnitSpec,
     fine_grained_units,
     resolve_unit_modules,
@@ -36,6 +37,7 @@ from mfsdp_hooks.config.grad_allocator import GRAD_ALLOCATORS, DoubleBuffer, mak
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.config.offload import forced_host_copies
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
+from mfsdp_hooks.config.sharding_options import ShardingOptions
 from mfsdp_hooks.config.strategy import (
     ShardingStrategy,
     check_post_forward_strategy,
@@ -158,13 +160,11 @@ __all__ = [
     "UnitTimes",
     "build_overlap_report",
     "chrome_trace",
+    "FSDPRootWrapper",
+    "ShardingOptions",
+    "PipelineStage",
+    "sharded_roots",
 ]
-
-# The root wrapper under the name that says what it is, and the options record it takes.
-from mfsdp_hooks.api.root_wrapper import FSDPRootWrapper
-from mfsdp_hooks.config.sharding_options import ShardingOptions
-
-__all__ += ["FSDPRootWrapper", "ShardingOptions"]
 
 # Pipeline stages: torch.distributed.pipelining takes about a second to import, and every
 # spawned rank imports this package, so they load on first use.
@@ -178,6 +178,3 @@ else:
 
             return getattr(pipelining, name)
         raise AttributeError(f"module 'mfsdp_hooks' has no attribute {name!r}")
-
-
-__all__ += ["PipelineStage", "sharded_roots"]

@@ -1,12 +1,7 @@
-"""Block-quantized collectives for a whole model (or one part of it), in one call.
-
-``quantize_communication(model)`` gives every fully-sharded unit under ``model`` a
-``QuantizedReduceScatter`` (and, with ``weights=``, a ``QuantizedAllGather``) through
-FSDP2's comm hooks, so it reaches the units of every entry point: the seed API,
-``fully_shard_model``, the ``MegatronFSDP`` class, the Megatron-Core adapter and FSDP2's
-per-module ``fully_shard``. Call it on a submodule to quantize that part only. A unit whose
-chunk per rank is smaller than one block (norms, biases, a small head) keeps full precision.
-What travels and how errors are reported: ``mfsdp_collectives.comms.quantized``.
+"""Block-quantized collectives for a whole model (or one part of it), in one call, set
+through FSDP2's comm hooks so they reach the units of every entry point. A unit whose chunk
+per rank is smaller than one block (norms, biases, a small head) keeps full precision. What
+travels and how errors are reported: ``mfsdp_collectives.comms.quantized``.
 """
 
 from __future__ import annotations
@@ -44,21 +39,13 @@ def quantize_communication(
     """Carry the gradient reduce-scatters (``gradients``, int8 with 2048-element blocks by
     default) and the weight all-gathers (``weights``, off by default) of every unit under
     ``module`` block-quantized; ``None`` leaves that collective in full precision (a
-    quantized comm an earlier call set is removed; a comm of the user's is left as it is),
-    so a second call switches quantization off again. Returns the units changed. 1-D
-    parameters (norm weights, biases) travel exactly, in fp32 beside the codes. Under an
-    int ``reshard_after_forward`` the forward gather is quantized and the backward one,
-    inside the smaller group, carries the forward's dequantized weights exactly (ZeRO++'s
-    qwZ with hpZ: backward computes with the forward's weights).
-    ``background`` (default: on gloo groups): the quantized collectives run on a worker
-    thread of their own, off the training thread (``CollectiveWorker``).
-    ``error_log``: each unit's relative quantization error is recorded there, and logged,
-    at every reduction and gather (a bucket per unit and op, named by the unit's path
-    under ``module``, ``root`` for ``module`` itself). Call it between iterations, on every
-    rank alike. Every unit's new hooks are checked before any unit changes. Quantized
-    weights need floating weights (float8 ones travel as bytes) gathered apart from the ones
-    the optimizer steps (not so under ZeRO-1/2 with no main weights apart): elsewhere it
-    raises, naming the unit."""
+    quantized comm an earlier call set is removed; a comm of the user's is left as it is).
+    Returns the units changed. 1-D parameters (norm weights, biases) travel exactly. Under an
+    int ``reshard_after_forward`` the backward gather carries the forward's dequantized
+    weights exactly (ZeRO++'s qwZ with hpZ). ``background`` (default: on gloo groups) and
+    ``error_log``: see the package README. Call it between iterations, on every rank alike;
+    where quantized weights cannot be honoured it raises, naming the unit, before any unit
+    changes."""
     for name, value in (("gradients", gradients), ("weights", weights)):
         if value is not None and not isinstance(value, BlockQuantization):
             raise TypeError(
@@ -84,11 +71,6 @@ def quantize_communication(
     changes: list[tuple[FSDPUnit, dict[str, object]]] = []
     for path, unit in units:
         name, exact = path or "root", _one_dim_ranges(unit)
-        hooks = unit.comm_hooks
-        current: dict[str, object] = {
-            "reduce_scatter": hooks.reduce_scatter,
-            "all_gather": hooks.all_gather,
-        }
         change: dict[str, object] = {}
         for kind, spec, comm in kinds:
             if spec is not None:
@@ -101,7 +83,7 @@ def quantize_communication(
                     name=name,
                     exact=exact,
                 )
-            elif isinstance(current[kind], comm):  # an earlier call's: back to full precision
+            elif isinstance(getattr(unit.comm_hooks, kind), comm):  # an earlier call's comm
                 change[kind] = None
         checked_comm_hooks(unit, **change)  # every unit is checked before any changes
         changes.append((unit, change))

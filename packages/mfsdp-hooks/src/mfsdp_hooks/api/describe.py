@@ -1,10 +1,6 @@
 """``describe(model)``, ``FSDPModule.describe_sharding()``: what sharding made of a model,
-parameter group by group, on this rank.
-
-FSDP2 users print this with ad-hoc scripts; here the engine answers it from the buffers it
-built. Each row is one parameter group (a unit's parameters of one dtype and
-``requires_grad``): its unit, parameters, the mesh it is sharded over, the dtypes on the wire
-and the bytes it holds on this rank in each category:
+parameter group by group, on this rank (the package README's "What did sharding make of my
+model?"). The bytes a group holds, by category:
 
 * ``compute_weights``: the compute-dtype weights held between steps (the whole buffer under
   ZeRO-0/1/2; this rank's shard under ZeRO-3; none when ZeRO-3 rebuilds them from main
@@ -22,8 +18,6 @@ gradients and the optimizer state live on the host: ``host_bytes`` says, by cate
 many of a group's bytes are there, read off the buffers themselves
 (``mfsdp_buffers.residence``); the rest are on the device (``device_bytes``), and the table
 marks them ``host``.
-
-Nothing is communicated: every rank describes itself.
 """
 
 from __future__ import annotations
@@ -138,8 +132,9 @@ class ShardingSummary:
         lines = [
             f"megatron-fsdp on rank {self.rank} of {self.world_size}: "
             f"{format_bytes(self.between_steps_bytes, 2)} held between steps"
-            + _on_host(self.host_between_steps_bytes)
         ]
+        if self.host_between_steps_bytes:
+            lines[0] += f" ({format_bytes(self.host_between_steps_bytes, 2)} of it on the host)"
         for index, row in enumerate(rows):
             padded = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
             lines.append("  ".join(padded))
@@ -265,10 +260,6 @@ def _cell(nbytes: int, host: int) -> str:
     if host == nbytes:
         return f"{format_bytes(nbytes, 2)} host"
     return f"{format_bytes(nbytes - host, 2)} + {format_bytes(host, 2)} host"
-
-
-def _on_host(nbytes: int) -> str:
-    return f" ({format_bytes(nbytes, 2)} of it on the host)" if nbytes else ""
 
 
 def _mesh(group: ParameterGroup) -> str:

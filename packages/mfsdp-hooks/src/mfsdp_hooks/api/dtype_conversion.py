@@ -12,13 +12,9 @@ leaves one bf16 copy (no main weights). Without ``param_dtype`` the compute foll
 conversion: ``.to(torch.bfloat16)`` is pure-bf16 training.
 
 Refused, on every rank alike, before anything changes (``NotImplementedError`` naming the
-fix): a conversion of part of a unit, to a non-floating dtype, of a group whose weights travel
-through a codec (float8, quantized gathers) or are tensor-parallel, during a step (gradients
-held or waiting), inside ``mixed_precision_context``, under a policy's ``main_grads_dtype``
-that would then differ from the weights', and while an optimizer holds state for the
-parameters (its state would stay in the old dtype: torch's optimizers make it lazily, so one
-built before the conversion and not yet stepped is fine, as the parameters keep their
-identity).
+fix): a conversion of part of a unit, what ``_why_not`` lists, and one while an optimizer
+holds state for the parameters (torch's optimizers make it lazily, so one built before the
+conversion and not yet stepped is fine, as the parameters keep their identity).
 """
 
 from __future__ import annotations
@@ -65,11 +61,11 @@ def _plan(unit: FSDPUnit, group: ParameterGroup, fn: Conversion) -> _Plan | None
     if optimizer == group.dist_params[0].dtype and original == group.original_dtype:
         return None
     policy = unit.options.policy
-    compute = policy.param_dtype or original
-    return _Plan(unit, group, original, compute, optimizer, policy.reduce_dtype or compute)
+    compute, reduce = policy.compute_dtype(original), policy.grad_reduce_dtype(original)
+    return _Plan(unit, group, original, compute, optimizer, reduce)
 
 
-def _why_not(plan: _Plan, held: Sequence[str]) -> str | None:
+def _why_not(plan: _Plan) -> str | None:
     """Why ``plan`` cannot be carried out now, or None."""
     unit, group = plan.unit, plan.group
     if not plan.optimizer.is_floating_point:
@@ -83,25 +79,21 @@ def _why_not(plan: _Plan, held: Sequence[str]) -> str | None:
         return f"its policy's main_grads_dtype={grads_dtype} would differ from the weights'"
     if unit.state is not TrainingState.IDLE or unit.in_step or unit.region is not None:
         return "it is in a forward or backward, or inside mixed_precision_context"
-    reducer = group.reducer
+    reducer, grads = group.reducer, group.grads
+    held = grads is not None and any(grads.held(p) is not None for p in group.dist_params)
     if held or (reducer is not None and (reducer.has_grads or reducer.needs_outer_sync)):
         return "gradients are held or waiting to be reduced: call optimizer.zero_grad() first"
     return None
 
 
-def _held_grads(group: ParameterGroup) -> list[str]:
-    if group.grads is None:
-        return []
-    grads = group.grads
-    return [
-        n for n, p in zip(group.names, group.dist_params, strict=True) if grads.held(p) is not None
-    ]
-
-
 def _refuse_optimizer_state(plans: Sequence[_Plan]) -> None:
     """An optimizer with state for a converted parameter would step it with state of the old
     dtype (torch's Adam fails or mixes dtypes): found among the live objects, once."""
-    params = {id(p): (plan, name) for plan in plans for name, p in _named(plan.group)}
+    params = {
+        id(p): (plan, name)
+        for plan in plans
+        for name, p in zip(plan.group.full_names, plan.group.dist_params, strict=True)
+    }
     for obj in gc.get_objects():
         if not issubclass(type(obj), torch.optim.Optimizer):  # no __class__ lookups
             continue
@@ -116,10 +108,6 @@ def _refuse_optimizer_state(plans: Sequence[_Plan]) -> None:
                 "optimizer's first step (e.g. right after fully_shard) or before sharding, or "
                 "build a new optimizer after the conversion"
             )
-
-
-def _named(group: ParameterGroup) -> list[tuple[str, nn.Parameter]]:
-    return list(zip(group.full_names, group.dist_params, strict=True))
 
 
 def convert_managed_dtypes(
@@ -147,7 +135,7 @@ def convert_managed_dtypes(
         plan = _plan(unit, group, fn)
         if plan is None:
             continue
-        why = _why_not(plan, _held_grads(group))
+        why = _why_not(plan)
         if why is not None:
             raise NotImplementedError(
                 f"converting {group.full_names[0]!r} (FSDP unit {unit.name}) from "

@@ -46,11 +46,9 @@ def check_reshard_after_forward(
 def check_offload_policy(
     policy: object, topology: FSDPTopology, strategy: ShardingStrategy, *, codecs: bool = False
 ) -> HostOffload | None:
-    """FSDP2's offload policies. ``CPUOffloadPolicy`` keeps the sharded (main) weights, their
-    gradients and the optimizer step on the host while the accelerator computes
-    (``config.offload``); on CPU they are there already and nothing moves, unless a test
-    forces the copies. Returns the offload, or None. ``codecs``: claiming codecs (float8
-    weights) were given."""
+    """FSDP2's offload policies (``config.offload``) as our offload, or None (also on CPU,
+    where nothing moves, unless a test forces the copies). ``codecs``: claiming codecs
+    (float8 weights) claimed a parameter."""
     if policy is None or type(policy) is OffloadPolicy:
         return None
     if not isinstance(policy, CPUOffloadPolicy):

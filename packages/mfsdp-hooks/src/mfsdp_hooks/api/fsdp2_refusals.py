@@ -1,10 +1,5 @@
 """FSDP2's ``FSDPModule`` methods whose machinery ours does not have: each raises, naming
-itself and what to do, instead of reaching FSDP2's private state (which our units lack).
-
-Our ``FSDPModule`` derives from torch's, so torch's pipelining and tools that check
-``isinstance(m, torch.distributed.fsdp.FSDPModule)`` see our units; every public method they
-could call is then ours: implemented in ``fsdp_module``, or refused here.
-"""
+itself and what to do, instead of reaching FSDP2's private state (which our units lack)."""
 
 from __future__ import annotations
 

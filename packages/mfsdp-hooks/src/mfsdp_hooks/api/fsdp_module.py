@@ -1,12 +1,8 @@
 """The methods every fully-sharded module gains: FSDP2's ``FSDPModule`` API, on our units.
 
-``fully_shard`` swaps a module's class for a subclass that also derives from ``FSDPModule``,
-which derives from torch's ``torch.distributed.fsdp.FSDPModule`` (so torch's pipelining and
-tools see a fully-sharded module); every public method of torch's is ours, implemented here
-or refused in ``fsdp2_refusals``.
-The setters that change how units behave from now on (``set_reshard_after_forward``,
-``set_reshard_after_backward``, ``set_gradient_divide_factor``) apply to every unit in the
-module's subtree unless ``recurse=False``, as FSDP2's do.
+Every public method of torch's ``FSDPModule`` (our base) is ours, implemented here or refused
+in ``fsdp2_refusals``. Setters with ``recurse`` apply to every unit in the module's subtree
+unless ``recurse=False``, as FSDP2's do.
 """
 
 from __future__ import annotations
@@ -26,10 +22,10 @@ from mfsdp_hooks.api.describe import ShardingSummary, describe
 from mfsdp_hooks.api.fsdp2_comm_hooks import FSDP2CommHooks
 from mfsdp_hooks.api.fsdp2_refusals import FSDP2Refusals
 from mfsdp_hooks.api.module_conversion import managed_params_hidden
-from mfsdp_hooks.api.precision_region import mixed_precision_context
-from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
+from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy, as_policy
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.unit_options import RootOptions
+from mfsdp_hooks.runtime.compute_region import enter_region, leave_region
 from mfsdp_hooks.runtime.root import FSDPRoot, root_of
 from mfsdp_hooks.runtime.unit import FSDPUnit, unit_of, units_under
 
@@ -50,11 +46,6 @@ class UnshardHandle(TorchUnshardHandle):
 
 class FSDPModule(FSDP2CommHooks, FSDP2Refusals, RefusesDDP, TorchFSDPModule):
     """Methods every fully-sharded module gains (mixed into its class)."""
-
-    def _mfsdp_unit(self) -> FSDPUnit:
-        unit = unit_of(self)  # type: ignore[arg-type]
-        assert unit is not None
-        return unit
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this module's parameters now; with ``async_op`` return a handle to wait on."""
@@ -174,8 +165,7 @@ class FSDPModule(FSDP2CommHooks, FSDP2Refusals, RefusesDDP, TorchFSDPModule):
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Reshard after forward (True, the root included, over the whole shard group, as
         FSDP2's setter does even after an int) or keep the weights for backward."""
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+        _check_bool(reshard_after_forward, "reshard_after_forward")
         for unit in self._units(recurse):
             unit.options = dataclasses.replace(
                 unit.options,
@@ -204,12 +194,8 @@ class FSDPModule(FSDP2CommHooks, FSDP2Refusals, RefusesDDP, TorchFSDPModule):
         )
 
     def set_reduce_scatter_in_no_sync(self, reduce_scatter_in_no_sync: bool) -> None:
-        """Under ``no_sync``, ZeRO-2/3 units reduce-scatter every micro-batch inside
-        ``dp_shard`` and keep only their gradient shard (True, Megatron-FSDP's ``no_sync``:
-        less memory, one reduce-scatter per unit per micro-batch), or keep their unsharded
-        gradients local until the synced backward reduces them once (False, FSDP2's: one
-        reduce-scatter per unit per step). A root-level option: call it on the root; it
-        applies to the whole tree, from the next backward on."""
+        """``RootOptions.reduce_scatter_in_no_sync``. A root-level option: call it on the
+        root; it applies to the whole tree, from the next backward on."""
         _check_bool(reduce_scatter_in_no_sync, "reduce_scatter_in_no_sync")
         self._set_root_option(
             "set_reduce_scatter_in_no_sync", reduce_scatter_in_no_sync=reduce_scatter_in_no_sync
@@ -280,7 +266,7 @@ class FSDPModule(FSDP2CommHooks, FSDP2Refusals, RefusesDDP, TorchFSDPModule):
         """Another mixed-precision policy for every unit under this module for a region
         (see ``FSDPRootWrapper.mixed_precision_context``); call it on the root."""
         self._root_only("mixed_precision_context")
-        return mixed_precision_context(self, policy)  # type: ignore[arg-type]
+        return _policy_region(self._units(recurse=True), policy)
 
     @property
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
@@ -293,6 +279,18 @@ class FSDPModule(FSDP2CommHooks, FSDP2Refusals, RefusesDDP, TorchFSDPModule):
             "set_post_optim_event: waiting the all-gather stream on a user event is not "
             "supported yet; the next all-gather already waits for the optimizer step"
         )
+
+
+@contextlib.contextmanager
+def _policy_region(units: list[FSDPUnit], policy: Any) -> Iterator[None]:
+    """``units`` follow ``policy`` (ours, or torch FSDP2's) inside, the wrap-time policy again
+    after, even when the region raises (``runtime.compute_region``). Regions do not nest."""
+    converted = as_policy(policy, "mixed_precision_context: policy")
+    enter_region(units, converted)
+    try:
+        yield
+    finally:
+        leave_region(units)
 
 
 def _check_bool(value: object, name: str) -> None:

@@ -1,9 +1,5 @@
-"""The per-module, FSDP2-compatible entry point: ``fully_shard(module, ...)``.
-
-Call it on each block, then on the root, exactly like ``torch.distributed.fsdp.fully_shard``.
-The module's class is swapped for a subclass that also derives from ``FSDPModule``, which adds
-``unshard()``, ``reshard()``, ``set_requires_gradient_sync()`` and explicit prefetch lists.
-"""
+"""The per-module, FSDP2-compatible entry point, ``fully_shard(module, ...)``, and its
+wrap-time checks."""
 
 from __future__ import annotations
 
@@ -47,7 +43,7 @@ from mfsdp_hooks.api.wrap_agreement import UNITS_INSIDE, explain_wrap_mismatch, 
 from mfsdp_hooks.config.codec import IDENTITY, ParamClassCodec, ParamCodec
 from mfsdp_hooks.config.experts import ExpertSharding
 from mfsdp_hooks.config.grad_allocator import DoubleBuffer, make_grad_allocator
-from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy, from_fsdp2_policy
+from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy, as_policy
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 from mfsdp_hooks.config.strategy import (
     ShardingStrategy,
@@ -84,17 +80,6 @@ def _check_module(members: Sequence[nn.Module], experts: object) -> None:
         )
 
 
-def _policy(mp_policy: object) -> MixedPrecisionPolicy:
-    """Ours, torch FSDP2's (converted: same fields) or None (the default)."""
-    policy = from_fsdp2_policy(mp_policy) if mp_policy is not None else MixedPrecisionPolicy()
-    if not isinstance(policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"mp_policy must be an mfsdp_hooks.MixedPrecisionPolicy or torch FSDP2's, got "
-            f"{type(mp_policy).__name__}"
-        )
-    return policy
-
-
 def _agree_on_wrap(
     label: str,
     target: nn.Module,
@@ -117,7 +102,7 @@ def _agree_on_wrap(
         experts = options.experts
         digests = weight_digests(
             [(name, param) for param, name, _ in slots.values()],
-            experts.is_expert if experts is not None else _no_experts,
+            experts.is_expert if experts is not None else lambda name, param: False,
         )
         facts[WEIGHTS], details[WEIGHTS] = summarise(digests), digests
     for field in dataclasses.fields(options):
@@ -134,10 +119,6 @@ def _agree_on_wrap(
     for group in (options.topology.shard_group, options.topology.outer_group):
         if group is not None:  # HSDP: the replicas must agree too
             check_ranks_agree(group, facts, what="fully_shard", details=details, explain=_explain)
-
-
-def _no_experts(name: str, param: nn.Parameter) -> bool:
-    return False
 
 
 def _explain(reports: Sequence[RankFacts]) -> str | None:
@@ -161,43 +142,32 @@ def _check_parameters(
     codecs: tuple[ParamClassCodec, ...],
     shard_placement_fn: Callable[[nn.Parameter], Any] | None,
     topology: FSDPTopology,
-) -> tuple[tuple[str, int], ...]:
-    """Refuse parameters the engine cannot shard; the dims ``shard_placement_fn`` cuts along."""
+) -> tuple[tuple[tuple[str, int], ...], bool]:
+    """Refuse parameters the engine cannot shard; the dims ``shard_placement_fn`` cuts along,
+    and whether ``codecs`` claim any parameter."""
 
     def claimed(param: nn.Parameter) -> bool:
         return any(codec.claims(param) for codec in codecs)
 
     check_parameters_supported(slots, target, claimed)
-    return check_shard_placements(shard_placement_fn, slots, claimed, topology.tp_mesh)
+    dims = check_shard_placements(shard_placement_fn, slots, claimed, topology.tp_mesh)
+    return dims, any(claimed(param) for param, _, _ in slots.values())
 
 
 def _check_topology_options(
     topology: FSDPTopology, strategy: ShardingStrategy, reshard: Any
 ) -> tuple[bool | None, int | None]:
     """The options that depend on the topology; returns ``check_reshard_after_forward``'s."""
-    _check_hfsdp_strategy(topology, strategy)
-    after_forward, group_size = check_reshard_after_forward(reshard, topology.shard_size)
-    if group_size is not None:
-        option = f"reshard_after_forward={reshard}"
-        check_post_forward_strategy(option, strategy, "sharding_strategy", "a bool")
-    return after_forward, group_size
-
-
-def _check_hfsdp_strategy(topology: FSDPTopology, strategy: ShardingStrategy) -> None:
     if topology.shards_optimizer_across_outer and strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
         raise ValueError(
             f"sharding_strategy={strategy}: a topology that shards the optimizer across "
             "dp_outer (HFSDP) needs ZeRO-3; pass sharding_strategy=3 or replicate across dp_outer"
         )
-
-
-def _own_parameters(scope: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Parameter]]:
-    """The parameters the modules in ``scope`` register themselves, with their paths."""
-    return [
-        (f"{path}.{name}" if path else name, param)
-        for path, sub in scope
-        for name, param in sub.named_parameters(recurse=False)
-    ]
+    after_forward, group_size = check_reshard_after_forward(reshard, topology.shard_size)
+    if group_size is not None:
+        option = f"reshard_after_forward={reshard}"
+        check_post_forward_strategy(option, strategy, "sharding_strategy", "a bool")
+    return after_forward, group_size
 
 
 def _meta_params_to_zeros(
@@ -206,7 +176,11 @@ def _meta_params_to_zeros(
     """FSDP2's contract for meta parameters: zeroed storage to shard, initialised by the user
     after ``model.to_empty`` (weights/meta_init, api/module_conversion). Whether there were
     any. Their TP parameters are checked first (refused, not materialised, if wrong)."""
-    params = _own_parameters(scope)
+    params = [
+        (f"{path}.{name}" if path else name, param)
+        for path, sub in scope
+        for name, param in sub.named_parameters(recurse=False)
+    ]
     check_tp_parameters(params, topology, f"fully_shard({label})")
     built_on_meta = any(p.device.type == "meta" for _, p in params)
     MetaMaterializer(topology.device, initialise=False).materialize_all(sub for _, sub in scope)
@@ -245,51 +219,17 @@ def fully_shard(
     check_replicas: bool = True,
     **unsupported: Any,
 ) -> Any:
-    """Shard ``module``'s parameters (those not owned by an already-sharded child) in place.
+    """Shard ``module``'s parameters (those not owned by an already-sharded child) in place,
+    as ``torch.distributed.fsdp.fully_shard`` does, and return it, its class now also an
+    ``FSDPModule``. A list of modules (``fully_shard([embed, head])``) becomes one unit.
 
-    Returns the same module object, whose class now also derives from ``FSDPModule``. A
-    list of modules (FSDP2's ``fully_shard([a, b])``, e.g. tied embeddings) becomes one unit:
-    gathered before the first of them runs forward, resharded after the last; the list is
-    returned, each module now an ``FSDPModule``.
-    Overlap is bounded in units: ``prefetch_depth`` units are gathered ahead (forward and
-    backward, after the first iteration recorded the order) and at most
-    ``max_inflight_reductions`` gradient reductions are in flight; ``prefetch_numel``
-    (root-level) bounds the prefetch in elements instead: the next units while their
-    unsharded elements sum to at most it; ``coalesce_prefetch`` (root-level) gathers the units
-    ahead together, one all-gather per window, once the window has drained, instead of one
-    unit at a time (fewer, larger collectives for small units). ``max_bucket_numel`` splits
-    the unit's parameters of one kind into collectives of at most that many elements. In
-    backward a unit issues its prefetch once ``backward_prefetch_grad_fraction`` of its
-    gradient elements arrived:
-    0.0 gathers at the unit's pre-backward as FSDP2 does; the default 0.5 lets the unit's
-    widest backward activations die first, so the next unit's weights do not add to the
-    backward peak. ``reduce_scatter_in_no_sync`` (root-level): under ``no_sync`` ZeRO-2/3
-    units keep their unsharded gradients local until a synced backward, as FSDP2's do
-    (False), or still reduce-scatter each micro-batch inside ``dp_shard``, keeping gradient
-    memory sharded, as Megatron-FSDP does (True). ``grad_buffer_allocator``
-    serves the temporary reduce buffers: ``"plain"``, ``"double_buffer"`` or ``"trace_pool"``.
-    ``host_transport`` picks how CPU all-gathers and reduce-scatters travel: ``"auto"``
-    (shared memory when every rank of the shard group is on this host, else gloo),
-    ``"shm"`` (shared memory or an error) or ``"gloo"``. ``param_codec`` changes how the
-    weights travel in the all-gather (``mfsdp_hooks.config.codec``; the default sends them as they
-    are); it needs main weights apart from the compute weights. ``param_codecs`` claim
-    tensor-subclass parameters (``mfsdp_te.float8_codecs()``: torchao float8 weights, which
-    then travel as float8 bytes). ``ignored_params`` (FSDP2's) are left as they are: not
-    sharded, not gathered, their gradients not reduced. ``reshard_after_forward`` None is
-    FSDP2's default: True, except for the root, which keeps its weights for backward. ``experts``
-    (``ExpertSharding``) shards the parameters it names over the expert-data-parallel group
-    instead, with their gradient mean over the dense DP size (expert parallelism).
-    ``offload_policy``: FSDP2's ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy(pin_memory=)``:
-    the sharded main weights, their gradients and the optimizer step on the host, each
-    unit's shard copied over for its all-gather (ZeRO-1/2/3 and HSDP; see
-    :func:`check_offload_policy` and ``config.offload``). ``shard_placement_fn`` (FSDP2's):
-    each parameter's placement, ``Shard(d)`` or None (``Shard(0)``); a parameter cut along
-    ``d`` is a ``Shard(d)`` DTensor to the optimizer and ``state_dict`` (see
-    :func:`check_shard_placements`).
-    ``check_replicas`` (not FSDP2's, which trains a patchwork silently): the wrap's agreement
-    check also compares the values of the module's weights across the ranks and raises on
-    every rank, naming the first that differs, when the ranks built the model with different
-    values; False when you load the weights into the sharded model after wrapping.
+    FSDP2's arguments behave as FSDP2's; ours and the root-level ones (``RootOptions``) are
+    described in the package README ("Options worth knowing"), each checked here before
+    anything is communicated. Not described there: ``max_bucket_numel`` splits the unit's
+    parameters of one kind into collectives of at most that many elements;
+    ``check_replicas`` (not FSDP2's, which trains a patchwork silently) also compares the
+    values of the weights across the ranks and raises, naming the first that differs; pass
+    False when you load the weights into the sharded model after wrapping.
     """
     refuse_unknown_arguments(unsupported)
     members = unit_members(module)
@@ -297,7 +237,7 @@ def fully_shard(
     # One module is its own scope; several are gathered into a container outside the tree.
     target = members[0] if len(members) == 1 else ModuleGroup(members)
     label = "+".join(type(m).__name__ for m in members)
-    policy = _policy(mp_policy)
+    policy = MixedPrecisionPolicy() if mp_policy is None else as_policy(mp_policy, "mp_policy")
     strategy = parse_strategy(sharding_strategy, "sharding_strategy")
     check_overlap_options(max_inflight_reductions, prefetch_depth, backward_prefetch_grad_fraction)
     check_numel_caps(prefetch_numel=prefetch_numel, max_bucket_numel=max_bucket_numel)
@@ -311,8 +251,7 @@ def fully_shard(
     built_on_meta = _meta_params_to_zeros(scope, topology, label)
     slots = collect_slots(target, _ignored_ids(ignored_params))
     codecs = tuple(param_codecs)
-    shard_dims = _check_parameters(slots, target, codecs, shard_placement_fn, topology)
-    claimed = any(c.claims(p) for p, _, _ in slots.values() for c in codecs)
+    shard_dims, claimed = _check_parameters(slots, target, codecs, shard_placement_fn, topology)
     offload = check_offload_policy(offload_policy, topology, strategy, codecs=claimed)
     options = UnitOptions(
         topology=topology,

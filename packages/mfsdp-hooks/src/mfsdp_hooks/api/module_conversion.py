@@ -105,10 +105,8 @@ def _give_storage(units: list[FSDPUnit], fn: Conversion) -> None:
 
 @contextlib.contextmanager
 def managed_params_hidden(module: nn.Module, fn: Conversion) -> Iterator[None]:
-    """For the duration of ``module._apply(fn)``: refuse ``fn`` if it would change the
-    managed parameters' device, carry out a change of their dtype, then hide them from it
-    (see the module note). Units awaiting storage take ``to_empty`` as the storage they
-    await."""
+    """For the duration of ``module._apply(fn)``: what the module notes say, in their order
+    (storage for units awaiting it, the device check, the dtype change, then hiding)."""
     awaiting = [u for u in units_under(module.modules()) if u.awaiting_storage]
     if awaiting:
         _give_storage(awaiting, fn)

@@ -10,29 +10,11 @@ FSDP2 parameter group's ``post_backward`` and the root's final callback, found t
 inference (dynamic metadata) also runs one real forward and an input-only backward, whose
 end our units would take for a synced backward and reduce.
 
-:class:`PipelineStage` is torch's class with those steps done through our public calls:
-
-* every micro-batch's backward: ``set_requires_gradient_sync(False)`` and
-  ``set_reshard_after_backward(False)`` on each outermost sharded module of the stage, also
-  when the stage module is a root wrapper (``FSDPRootWrapper``, which torch does not
-  recognise); the units keep their unsharded gradients local and add them up, with either
-  API (the seed API's Megatron-FSDP ``no_sync`` would reduce-scatter every micro-batch: the
-  stage's ``reduce_scatter_each_microbatch`` chooses, see :class:`PipelineStage`);
-* ``perform_reduce_grad``: sync back on, ``finish_grad_sync()`` (one reduction per unit for
-  the whole step), every unit resharded, so the reduced, sharded gradients sit in ``.grad``
-  of the parameters torch's ``scale_grads`` then divides by the number of micro-batches;
-* shape inference's input-only backward runs with gradient sync off, so it reduces nothing;
-* zero-bubble schedules (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``) split
-  a backward into an input pass and a later weight pass that sets ``.grad`` by hand: the
-  units are gathered for both (torch reads ``submod.parameters()`` as the graph's) and the
-  weight pass's gradients reach the units through autograd's accumulation, so a unit's one
-  reduction waits for its last weight pass;
-* ``clear_runtime_states`` (the start of every schedule step) installs the weights the
-  optimizer stepped, once, where the units would re-install them at every forward before
-  the step's first backward.
-
-Our DP reduction averages over the DP ranks and ``scale_grads`` divides by the micro-batches:
-together one mean over the global batch, as one process computes it.
+:class:`PipelineStage` does those steps through our public calls, on each outermost sharded
+module of the stage (``sharded_roots``: also inside a root wrapper, which torch does not
+recognise); each method says which. Our DP reduction averages over the DP ranks and
+``scale_grads`` divides by the micro-batches: together one mean over the global batch, as
+one process computes it.
 """
 
 from __future__ import annotations
@@ -104,18 +86,24 @@ class PipelineStage(pipelining.PipelineStage):
 
     def _begin_accumulation(self) -> None:
         """The step's first backward: the roots follow the stage's reduce-scatter choice."""
-        if self._roots_own_setting is not None:
-            return
-        self._roots_own_setting = [root.reduce_scatter_in_no_sync for root in self._mfsdp_roots]
-        for root in self._mfsdp_roots:
-            root.set_reduce_scatter_in_no_sync(self._reduce_scatter_each_microbatch)
+        if self._roots_own_setting is None:
+            self._roots_own_setting = self._set_roots(self._reduce_scatter_each_microbatch)
 
     def _end_accumulation(self) -> None:
-        if self._roots_own_setting is None:
-            return
-        for root, own in zip(self._mfsdp_roots, self._roots_own_setting, strict=True):
-            root.set_reduce_scatter_in_no_sync(own)
-        self._roots_own_setting = None
+        if self._roots_own_setting is not None:
+            self._set_roots(self._roots_own_setting)
+            self._roots_own_setting = None
+
+    def _set_roots(self, reduce_scatter_in_no_sync: bool | list[bool]) -> list[bool]:
+        """The roots' ``reduce_scatter_in_no_sync`` set (one value, or one per root); returns
+        what they were."""
+        roots = self._mfsdp_roots
+        before = [root.reduce_scatter_in_no_sync for root in roots]
+        if isinstance(reduce_scatter_in_no_sync, bool):
+            reduce_scatter_in_no_sync = [reduce_scatter_in_no_sync] * len(roots)
+        for root, setting in zip(roots, reduce_scatter_in_no_sync, strict=True):
+            root.set_reduce_scatter_in_no_sync(setting)
+        return before
 
     def clear_runtime_states(self) -> None:
         """At the start of every schedule step: the weights an optimizer updated since the
@@ -194,11 +182,9 @@ class PipelineStage(pipelining.PipelineStage):
         must reduce nothing, not even a shard inside ``dp_shard`` (each unit's own sync flag
         and the roots' own ``reduce_scatter_in_no_sync`` are put back after)."""
         flags = [(m, m.requires_gradient_sync) for m in _sharded_modules(self.submod)]
-        own = [root.reduce_scatter_in_no_sync for root in self._mfsdp_roots]
         for module, _ in flags:
             module.set_requires_gradient_sync(False, recurse=False)
-        for root in self._mfsdp_roots:
-            root.set_reduce_scatter_in_no_sync(False)
+        own = self._set_roots(False)
         try:
             grads: tuple[torch.Tensor | None, ...] = super()._compute_input_grads(
                 outputs, all_fwd_inputs, grad_outputs
@@ -206,6 +192,5 @@ class PipelineStage(pipelining.PipelineStage):
         finally:
             for module, flag in flags:
                 module.set_requires_gradient_sync(flag, recurse=False)
-            for root, setting in zip(self._mfsdp_roots, own, strict=True):
-                root.set_reduce_scatter_in_no_sync(setting)
+            self._set_roots(own)
         return grads

@@ -1,12 +1,9 @@
-"""``FSDPRootWrapper``: the root wrapper that shards every ``fsdp_unit_modules`` match at once.
-
-It takes the model's options as one ``ShardingOptions`` record and hands each unit the
-record's fields as explicit arguments of ``fully_shard``.
-"""
+"""``FSDPRootWrapper``: the root wrapper that shards every ``fsdp_unit_modules`` match at once."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -19,7 +16,6 @@ from mfsdp_collectives import FSDPTopology
 from mfsdp_hooks.api.ddp_refusal import RefusesDDP
 from mfsdp_hooks.api.fully_shard import FSDPModule, fsdp_units, fully_shard
 from mfsdp_hooks.api.mesh_topology import resolve_topology
-from mfsdp_hooks.api.precision_region import mixed_precision_context, wrap_time_policy
 from mfsdp_hooks.config.grad_allocator import make_grad_allocator
 from mfsdp_hooks.config.mixed_precision import MixedPrecisionPolicy
 from mfsdp_hooks.config.sharding_options import ShardingOptions
@@ -79,9 +75,6 @@ class FSDPRootWrapper(RefusesDDP, nn.Module):
 
     ``options`` (a ``ShardingOptions``; None: its defaults) carries every choice, under the
     seed's names; each unit gets them as explicit arguments of the per-module ``fully_shard``.
-    With ``sync_model_each_microbatch=False`` the reductions of ``no_sync`` micro-batches stay
-    in flight into the next one; a backward outside ``no_sync`` (the last micro-batch) waits
-    for all of them, so the gradients are final when it returns.
     """
 
     def __init__(
@@ -141,12 +134,12 @@ class FSDPRootWrapper(RefusesDDP, nn.Module):
         ``reduce_dtype`` for the reductions of its backwards, ``param_dtype``/
         ``cast_forward_inputs``/``output_dtype`` for forwards without autograd (evaluation,
         generation). See ``mfsdp_hooks.runtime.compute_region``."""
-        return mixed_precision_context(self.module, policy)
+        return self.root_unit_module.mixed_precision_context(policy)
 
     @property
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
         """The policy the model was wrapped with."""
-        return wrap_time_policy(self.module)
+        return self.root_unit_module.mixed_precision_policy
 
     @property
     def root_unit_module(self) -> FSDPModule:
@@ -154,12 +147,10 @@ class FSDPRootWrapper(RefusesDDP, nn.Module):
         assert isinstance(self.module, FSDPModule)
         return self.module
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients without a full reduction (ZeRO-2/3 still reduce-scatter each
         micro-batch while ``reduce_scatter_in_no_sync`` is set, Megatron-FSDP's default)."""
-        with self.root_unit_module.no_sync():
-            yield
+        return self.root_unit_module.no_sync()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         self.root_unit_module.set_requires_gradient_sync(requires_gradient_sync)
@@ -297,8 +288,5 @@ def _init_from_meta_and_shard(
     check_initialisable(modules, "init_model_with_meta_device")
     topology = resolve_topology(options.device_mesh, module)
     materializer = MetaMaterializer(topology.device)
-
-    def wrap(unit: nn.Module) -> None:
-        _shard_unit(unit, options, topology, allocator)
-
+    wrap = functools.partial(_shard_unit, options=options, mesh=topology, allocator=allocator)
     materialize_in_order(modules, materializer, units, wrap=wrap)

@@ -1,23 +1,7 @@
-"""How a parameter group's weights travel in its all-gather: the ``ParamCodec`` extension point.
-
-By default a shard is sent as it is (cast to the compute dtype when fp32 main weights
-exist) and the gathered buffer *is* the compute weights. A codec changes both ends, the
-shape FSDP2 gives its tensor-subclass protocol: ``encode`` is ``fsdp_pre_all_gather`` (what
-this rank contributes, computed from its optimizer-facing shard) and ``decode`` is
-``fsdp_post_all_gather`` (the compute weights, rebuilt once everything arrived). FP8
-weights plug in here: encode quantises the main shard, decode rebuilds the float8 weight.
-
-A codec reads the optimizer's weights and writes the gather buffer, so it needs main weights
-separate from the compute weights (a ``MixedPrecisionPolicy`` whose compute dtype differs
-from the main dtype); ``ParameterGroup`` refuses it otherwise.
-
-Two ways in. ``fully_shard(param_codec=...)`` applies one ``ParamCodec`` to every group of
-a unit. A ``ParamClassCodec`` (``fully_shard(param_codecs=[...])``) instead *claims* the
-parameters of a tensor-subclass class (torchao's float8 weights, Transformer Engine's): they
-get groups of their own, and the codec is bound to each such group (``bind``) as a
-``GroupCodec``, which also says what travels (``wire_dtype``, e.g. uint8 for float8 bytes),
-which high-precision value the main weights start from, and what the forward sees (the
-unsharded parameter it builds over the gathered bytes). ``mfsdp_te`` implements them; this
+"""How a parameter group's weights travel in its all-gather: the ``ParamCodec`` extension point
+(``fully_shard(param_codec=...)``) and the per-class ``ParamClassCodec``
+(``fully_shard(param_codecs=[...])``), FSDP2's tensor-subclass protocol over flat buffers; the
+package README's "Extension point" walks through both. ``mfsdp_te`` implements them; this
 layer never imports it.
 """
 

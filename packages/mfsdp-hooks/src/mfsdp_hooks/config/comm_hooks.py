@@ -1,21 +1,7 @@
-"""FSDP2's communication hooks of one unit, and where the engine cannot honour them.
-
-``FSDPModule.set_custom_all_gather``, ``set_custom_reduce_scatter``, ``set_all_reduce_hook``
-and ``set_force_sum_reduction_for_comms`` each change one field of the unit's ``CommHooks``
-(the unit owns it, ``FSDPUnit.set_comm_hooks``); the unit's parameter groups take the
-all-gather comm, their reducers the rest:
-
-- ``all_gather``: every all-gather of the unit's weights over the shard group runs through it
-  (``mfsdp_collectives.comms.custom_comms``), and so does the backward gather over the smaller
-  group of an int ``reshard_after_forward``, as FSDP2's, unless the comm cannot regather
-  its own output exactly (``regathers_exactly``: block quantization), when it is exact;
-- ``reduce_scatter``: the gradient reduce-scatter runs through it, and the unsharded gradient
-  buffer it reads comes from its ``allocate``;
-- ``all_reduce_hook``: called with the reduced gradient shard, in the reduce dtype, after the
-  reduce-scatter (FSDP) or the all-reduce across the replicas (HSDP), before any divide still
-  owed and before it is stored into ``.grad``, as FSDP2 calls it;
-- ``force_sum``: every gradient collective sums (never ``ReduceOp.AVG``) and the mean is a
-  divide of the output.
+"""FSDP2's communication hooks of one unit, ``CommHooks`` (the unit owns it,
+``FSDPUnit.set_comm_hooks``; its parameter groups take the all-gather comm, their reducers
+the rest), and where the engine cannot honour them. What each hook does: the setters on
+``FSDPModule`` (``api.fsdp2_comm_hooks``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,5 @@
-"""Expert parallelism: expert parameters sharded and reduced over the expert-data-parallel group.
-
-In a mixture-of-experts model each expert lives on one rank of every expert-parallel (EP)
-group, so the ranks holding the same expert, the expert-data-parallel (EDP) group, are fewer
-than the data-parallel ranks. An FSDP unit (a transformer layer) holds both kinds of
-parameters: the dense ones are sharded and reduced over DP, the expert ones over EDP, each
-kind in its own parameter groups (``ExpertSharding.topology``).
-
-Which parameters are experts is decided by the same rule on every rank: Megatron-Core marks
-them ``allreduce=False`` (``is_megatron_expert``), or a user gives a predicate on the
-parameter's name within the unit.
+"""Expert parallelism: expert parameters sharded and reduced over the expert-data-parallel
+(EDP) group, in parameter groups of their own (the package README's "Expert parallelism").
 
 Gradient scale: an expert's gradient on its rank already sums the contributions of every
 token its EP group routed to it. Averaged over EDP that is ``dp_size / edp_size`` times the
@@ -27,9 +18,7 @@ from torch import nn
 from mfsdp_collectives import FSDPTopology, register_group_name
 from mfsdp_hooks.config.reduce_config import GradReduceConfig
 
-__all__ = ["EXPERT_DP", "ExpertSharding", "is_megatron_expert"]
-
-EXPERT_DP = "expert_dp"
+__all__ = ["ExpertSharding", "is_megatron_expert"]
 
 
 def is_megatron_expert(name: str, param: nn.Parameter) -> bool:
@@ -59,10 +48,10 @@ class ExpertSharding:
     def adopted(self, host_transport: str) -> ExpertSharding:
         """What ``fully_shard`` makes of this sharding at wrap time: the EDP group takes the
         role name ``expert_dp`` (so the comm tracer and error messages tell the EDP hop from
-        the dense one), and a copy over the topology with its CPU transport chosen is
-        returned (``FSDPTopology.with_host_transport``: collective over the EDP group unless
-        ``"gloo"``). The only place that names it."""
-        register_group_name(self.topology.shard_group, EXPERT_DP)
+        the dense one), over the topology with its CPU transport chosen
+        (``FSDPTopology.with_host_transport``: collective over the EDP group unless
+        ``"gloo"``)."""
+        register_group_name(self.topology.shard_group, "expert_dp")
         return dataclasses.replace(self, topology=self.topology.with_host_transport(host_transport))
 
     def describe(self) -> str:

@@ -51,6 +51,8 @@ def make_grad_allocator(
     ``double_buffer`` is ``DoubleBuffer()`` (see there); ``trace_pool`` replays a static pool
     planned from the first iteration's requests.
     """
+    if choice == "double_buffer":
+        choice = DoubleBuffer()
     if isinstance(choice, DoubleBuffer):
         return choice.allocator(max_inflight_reductions + 1)
     if not isinstance(choice, str):
@@ -63,8 +65,6 @@ def make_grad_allocator(
         return choice
     if choice == "plain":
         return PlainAllocator()
-    if choice == "double_buffer":
-        return DoubleBuffer().allocator(max_inflight_reductions + 1)
     if choice == "trace_pool":
         return TracePoolAllocator()
     raise ValueError(

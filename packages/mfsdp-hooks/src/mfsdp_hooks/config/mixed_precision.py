@@ -6,9 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-DECOUPLED_GRAD = "decoupled_grad"
-"""The attribute ``use_decoupled_grad`` puts the reduced gradients in (the reference's name)."""
-
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -52,7 +49,7 @@ class MixedPrecisionPolicy:
     @property
     def grad_attribute(self) -> str:
         """The parameter attribute that holds the reduced gradient the optimizer reads."""
-        return DECOUPLED_GRAD if self.use_decoupled_grad else "grad"
+        return "decoupled_grad" if self.use_decoupled_grad else "grad"
 
     def compute_dtype(self, original: torch.dtype) -> torch.dtype:
         return self.param_dtype or original
@@ -81,3 +78,14 @@ def from_fsdp2_policy(policy: object) -> object:
         output_dtype=policy.output_dtype,
         cast_forward_inputs=policy.cast_forward_inputs,
     )
+
+
+def as_policy(policy: object, argument: str) -> MixedPrecisionPolicy:
+    """``policy``, ours or torch FSDP2's (converted), as ours; else a ``TypeError``."""
+    converted = from_fsdp2_policy(policy)
+    if not isinstance(converted, MixedPrecisionPolicy):
+        raise TypeError(
+            f"{argument} must be an mfsdp_hooks.MixedPrecisionPolicy or torch FSDP2's, got "
+            f"{type(policy).__name__}"
+        )
+    return converted

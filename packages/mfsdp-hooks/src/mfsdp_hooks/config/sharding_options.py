@@ -1,18 +1,12 @@
-"""``ShardingOptions``: how a whole model is sharded, as one frozen, typed record.
-
-The seed's ``fully_shard_model`` options travel in it, under the seed's names, from the
-meta-package's public functions (``megatron_fsdp.fully_shard_model``, ``fully_shard``, the
-``MegatronFSDP`` class, ``DistributedDataParallelConfig``, the Megatron-Core adapter) to the
-root wrapper (``FSDPRootWrapper``), which reads each field into an explicit keyword argument
-of the per-module ``fully_shard``. That call is the one place names change: ``fully_shard``
-speaks FSDP2's (``mesh``, ``mp_policy``, ``sharding_strategy``).
+"""``ShardingOptions``: how a whole model is sharded, as one frozen, typed record under the
+seed's names, from the meta-package's public functions to the root wrapper, which reads each
+field into an explicit argument of ``fully_shard`` (see the package README's root wrapper).
 
 The meta-package resolves what needs the reference's other arguments before it builds the
 record: ``device_mesh`` with ``dp_shard_dim``/``dp_outer_dim``/``tp_dim``/
 ``hybrid_fsdp_group`` becomes one ``FSDPTopology``, ``expt_device_mesh`` an
 ``ExpertSharding``, ``grad_reduce_in_fp32``/``preserve_fp32_weights`` a policy and
-``fsdp_double_buffer`` a gradient-buffer allocator. Choices only: building a record
-communicates nothing.
+``fsdp_double_buffer`` a gradient-buffer allocator. Building a record communicates nothing.
 """
 
 from __future__ import annotations
@@ -78,14 +72,12 @@ class ShardingOptions:
     prefetch_numel: int | None = None
     """The reference's ``suggested_communication_unit_size`` (see ``RootOptions``)."""
     coalesce_prefetch: bool = False
-    """The units gathered ahead go out together, one all-gather per window
-    (``fully_shard(coalesce_prefetch=...)``; the reference's merging of small units)."""
+    """The reference's merging of small units (see ``RootOptions``)."""
     max_bucket_numel: int | None = None
     """The reference's ``bucket_size`` (see ``UnitOptions``)."""
     reduce_scatter_in_no_sync: bool = True
-    """Under ``no_sync`` ZeRO-2/3 units still reduce-scatter each micro-batch inside
-    ``dp_shard``, as Megatron-FSDP does (False: keep them local until a synced backward, as
-    FSDP2 and the per-module ``fully_shard``'s default do)."""
+    """Megatron-FSDP's ``no_sync`` (see ``RootOptions``; the per-module ``fully_shard``
+    defaults to FSDP2's, False)."""
     offload_policy: OffloadPolicy | None = None
     """FSDP2's ``CPUOffloadPolicy`` (the seed API's ``optimizer_cpu_offload``): the sharded main
     weights, their gradients and the optimizer step on the host (``config.offload``)."""

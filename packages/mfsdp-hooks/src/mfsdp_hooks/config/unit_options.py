@@ -1,11 +1,8 @@
 """The choices ``fully_shard`` makes for one FSDP unit, and the root-level ones among them.
 
-``RootOptions`` are read for the whole tree by its root (the reduction queue, when a
-backward waits, the NaN check, prefetch depth). Every unit carries the ones its
-``fully_shard`` call was given; once the root is built, the root unit's are the tree's, the
-one copy its setters change and its ``ExecutionOrder`` and ``GradSync`` read
-(``FSDPRoot.root_options``). A non-root unit given other values than the root's is refused
-then (they would be ignored without a word).
+Every unit carries the ``RootOptions`` its ``fully_shard`` call was given; once the root is
+built, the root unit's are the tree's (``FSDPRoot.root_options``), the one copy its setters
+change, and a non-root unit given other values is refused (they would be ignored silently).
 """
 
 from __future__ import annotations

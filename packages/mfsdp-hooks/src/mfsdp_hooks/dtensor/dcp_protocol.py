@@ -1,15 +1,12 @@
 """Where a row-sharded DTensor's local rows sit in the full tensor, told to DCP.
 
-``torch.distributed.checkpoint`` asks every DTensor it saves for its write items
-(``__create_write_items__``) and every DTensor it loads into for its chunks
-(``__create_chunk_list__``). DTensor's own answer derives the offsets from the placements,
-that is from ``torch.chunk``'s split, which the flat layout's row ranges do not follow: a
-checkpoint written that way puts rows in the wrong place, and a rank whose piece is empty
-cannot load. A :class:`~mfsdp_hooks.dtensor.row_sharded.RowShardedDTensor` answers from
-its ranges instead (these functions), so plain ``dcp.save``/``dcp.load`` of a model's and
-a bare optimizer's state dicts are exact with no checkpoint layer installed.
-``mfsdp_checkpoint`` gives its state-dict tensors instance-level methods of its own (Megatron
-strided partitions, optimizer state of other shapes, dirty marks); those take precedence.
+DCP asks every DTensor it saves for its write items (``__create_write_items__``) and every
+DTensor it loads into for its chunks (``__create_chunk_list__``). DTensor's own answer follows
+``torch.chunk``'s split, not the flat layout's rows: rows land in the wrong place and a rank
+whose piece is empty cannot load. A ``RowShardedDTensor`` answers from its ranges (these
+functions), so plain ``dcp.save``/``dcp.load`` of a model's and a bare optimizer's state
+dicts are exact. ``mfsdp_checkpoint``'s instance-level methods (Megatron strided partitions,
+optimizer state of other shapes, dirty marks) take precedence.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""DTensors of a parameter's original shape over zero-copy views into flat buffers.
-
-The flat layout cuts parameters on row boundaries, so each rank's piece is a row range that
-may be uneven or empty. ``DTensor.from_local`` with an explicit global shape and stride accepts
-such pieces; :mod:`mfsdp_hooks.dtensor.row_sharded` makes gathering them exact, and the checkpoint
-layer gives DCP the true row ranges from the layout.
-"""
+"""DTensors of a parameter's original shape over zero-copy views into flat buffers: each
+rank's piece is a row range, maybe uneven or empty, which ``DTensor.from_local`` with an
+explicit global shape and stride accepts (:mod:`.row_sharded` makes gathering it exact)."""
 
 from __future__ import annotations
 
@@ -61,15 +57,8 @@ def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
     meta = like._spec.tensor_meta
     if layout.fits(local) and meta is not None and meta.stride == contiguous_stride(like.shape):
         return layout.over(local)  # like's own spec: none to derive, no autograd function
-    with torch.no_grad():
-        out = DTensor.from_local(
-            local,
-            like.device_mesh,
-            like._spec.placements,  # not a row-sharded one's RowShard: it is not ``local``'s
-            run_check=False,
-            shape=like.shape,
-            stride=contiguous_stride(like.shape),
-        )
+    # The spec's placements, not a row-sharded one's RowShard: that is not ``local``'s.
+    out = sharded_dtensor(local, like.device_mesh, like.shape, like._spec.placements)
     if not isinstance(like, RowShardedDTensor):
         return out
     return row_sharded(out, like.dp_row_ranges, tp_partition_stride=like.tp_partition_stride)

@@ -1,27 +1,17 @@
 """``load_state_dict`` of full tensors and torch-sharded DTensors into row-sharded parameters.
 
-``load_state_dict`` ends in ``param.copy_(value)``, a local copy: right only when ``value``
-is laid out as the parameter, a :class:`~.row_sharded.RowShardedDTensor` of the flat
-layout's row ranges. What users and torch's helpers hand in instead:
-
-* full tensors (``torch.load`` of a full checkpoint, or ``set_model_state_dict(...,
-  full_state_dict=True)``... which first turns them into the next kind);
-* DTensors laid out as their placements say: ``distribute_tensor(full, mesh, param.placements)``
-  (torch's ``_distribute_state_dict``) cuts by ``torch.chunk``, not by our rows.
-
-On a ``(dp, tp)`` mesh the rows are those of the TP-local tensor, which torch's own TP split
-of the full value gives (``ColwiseParallel`` cuts dim 0 over tp, then our rows over dp).
-
-Each unit's pre-hook (on its member modules, over the parameters that unit owns, so a
-nested unit's values are converted once, by their own unit) replaces each such value by
-this rank's rows laid out as the parameter (a torch-sharded DTensor is gathered first: one
-collective per tensor, in module traversal order, the same on every rank), so ``copy_`` is
-exact as with FSDP2.
-
-An optimizer's state gets the same treatment (:func:`own_optimizer_rows`): torch's
-``set_optimizer_state_dict(full_state_dict=True)`` without ``broadcast_from_rank0`` hands the
-optimizer ``distribute_tensor`` pieces (``torch.chunk``'s), and ``optimizer.load_state_dict``
-of a full state dict full tensors; a step on them would mix two layouts.
+``load_state_dict`` ends in ``param.copy_(value)``, a local copy: right only when ``value`` is
+laid out as the parameter. What users and torch's helpers hand in instead: full tensors
+(``torch.load`` of a full checkpoint), and DTensors cut by ``torch.chunk``
+(``distribute_tensor(full, mesh, param.placements)``, what ``set_model_state_dict(...,
+full_state_dict=True)`` makes). Each unit's pre-hook (:func:`take_own_rows`, over the
+parameters that unit owns) replaces such a value by this rank's rows laid out as the
+parameter (a torch-sharded DTensor is gathered first: one collective per tensor, in module
+traversal order, the same on every rank); on a ``(dp, tp)`` mesh, rows of torch's own TP
+split of the full value. An optimizer's state gets the same (:func:`own_optimizer_rows`):
+torch's ``set_optimizer_state_dict(full_state_dict=True)`` without ``broadcast_from_rank0``
+hands it ``torch.chunk`` pieces, ``optimizer.load_state_dict`` of a full state dict full
+tensors; a step on them would mix two layouts.
 """
 
 from __future__ import annotations

@@ -2,37 +2,35 @@
 
 An elementwise op whose tensor arguments all share one DTensor layout (one spec: mesh,
 placements, shape, stride and dtype; the same row ranges) and hold no pending reduction
-(``Partial``) computes each output element from the same element of every input. Each rank's
-result is then the op on its local tensors, laid out as the inputs: nothing to propagate,
-nothing to redistribute. DTensor reaches the same result through its dispatcher, which
-costs ~20 us per op on top of the kernel (a sharding-propagation cache lookup and a new
-output spec); a torch optimizer's step is a dozen such ops per parameter, so on a model of
-many small parameters that overhead, not the arithmetic, is the step.
+(``Partial``) computes each output element from the same element of every input, so each
+rank's result is the op on its local tensors, laid out as the inputs. DTensor's dispatcher
+gets there for ~20 us an op on top of the kernel (sharding propagation, a new output spec);
+a torch optimizer's step is a dozen such ops per parameter, so on a model of many small
+parameters that overhead, not the arithmetic, is the step.
 
-:func:`run_locally` is that shortcut, for the row-sharded DTensors' ``__torch_dispatch__``.
-It answers only what it can prove (below); everything else is left to DTensor, unchanged:
+:func:`run_locally` (for the row-sharded DTensors' ``__torch_dispatch__``) answers only what
+it can prove; everything else is left to DTensor, unchanged:
 
-- the op is tagged ``pointwise`` (or is one of the "same layout, new values" factories:
-  ``zeros_like``, ``ones_like``, ``empty_like``, ``full_like``, ``fill_``, ``zero_``; or
-  ``detach``, the same values without autograd's history: ``nn.Parameter``, ``.data``),
-  or is the ``_foreach_`` form of one (``foreach=True`` optimizers, gradient clipping's
-  scaling), and is not random (DTensor keeps random ops consistent across shards);
-- every tensor argument is either of the same row-sharded class with the same spec and row
-  ranges as the first (for a ``_foreach_`` op: element by element of the lists), or a scalar
-  every shard sees alike: a 0-dim plain tensor, or a 0-dim DTensor replicated everywhere
+- the op is tagged ``pointwise``, or is a "same layout, new values" factory (``zeros_like``,
+  ``ones_like``, ``empty_like``, ``full_like``, ``fill_``, ``zero_``) or ``detach``
+  (``nn.Parameter``, ``.data``), or the ``_foreach_`` form of one (``foreach=True``
+  optimizers, gradient clipping's scaling), and is not random (DTensor keeps random ops
+  consistent across shards);
+- every tensor argument is of the same row-sharded class with the same spec and row ranges
+  as the first (for a ``_foreach_`` op: element by element of the lists), or a scalar every
+  shard sees alike: a 0-dim plain tensor, or a 0-dim DTensor replicated everywhere
   (``clip_grad_norm_``'s factor);
 - no keyword names a device, dtype, layout or output, and the result has the first
   argument's dtype, device and strides (type promotion or a copy elsewhere falls back).
 
-Torch's optimizers then keep their state in the parameter's class (``zeros_like`` of it),
-so the whole step stays on this path. What falls back (a norm, a copy between layouts) goes
-to DTensor with the row-sharded tensors as plain DTensors over the same local tensors
-(:func:`as_plain_dtensors`): DTensor's rules, as if the subclass were not there.
+What falls back (a norm, a copy between layouts) goes to DTensor with the row-sharded tensors
+as plain DTensors over the same local tensors (:func:`as_plain_dtensors`).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,17 +66,8 @@ class _Kind(enum.Enum):
     NOT_ELEMENTWISE = "not_elementwise"
 
 
-_KINDS: dict[torch._ops.OpOverload, _Kind] = {}
-
-
+@functools.cache
 def _kind(func: torch._ops.OpOverload) -> _Kind:
-    kind = _KINDS.get(func)
-    if kind is None:
-        kind = _KINDS[func] = _classify(func)
-    return kind
-
-
-def _classify(func: torch._ops.OpOverload) -> _Kind:
     schema = func._schema
     if not schema.arguments or schema.overload_name.startswith("out"):
         return _Kind.NOT_ELEMENTWISE

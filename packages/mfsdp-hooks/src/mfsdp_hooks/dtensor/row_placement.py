@@ -1,18 +1,14 @@
 """The placement a row-sharded DTensor shows torch: ``Shard(d)`` that knows where its rows are.
 
-torch's own state-dict helpers cut a full tensor for a DTensor by asking its placements where
-this rank's piece is (``compute_local_shape_and_global_offset``, which calls each placement's
-``_local_shard_size_and_offset``): ``set_model_state_dict`` / ``set_optimizer_state_dict``
-with ``broadcast_from_rank0`` copy ``full[offset : offset + size]`` into the local tensor.
-A plain ``Shard(d)`` answers with ``torch.chunk``'s split, which is not the flat layout's row
-range, so the copy fails on a size mismatch or, where the sizes happen to agree, silently
-loads another rank's rows.
-
-:class:`RowShard` is ``Shard(d)`` in every other respect (equal to it, same hash, so
-sharding propagation and every ``placements == ...`` test treat it as ``Shard(d)``), and
-answers that one question from the ranges. ``RowShardedDTensor.placements`` returns it;
-the tensor's spec (what DTensor's dispatch reads) keeps the plain ``Shard(d)``, so no op
-result ever carries another tensor's ranges.
+torch's state-dict helpers (``set_model_state_dict`` / ``set_optimizer_state_dict`` with
+``broadcast_from_rank0``) copy ``full[offset : offset + size]`` into the local tensor, asking
+each placement for its piece (``_local_shard_size_and_offset``). A plain ``Shard(d)`` answers
+with ``torch.chunk``'s split, not the flat layout's rows: the copy fails on a size mismatch or,
+where the sizes agree, silently loads another rank's rows. :class:`RowShard` equals
+``Shard(d)`` (same hash, so sharding propagation and every ``placements == ...`` test treat it
+as one) and answers that question from the ranges. ``RowShardedDTensor.placements`` returns
+it; the spec DTensor's dispatch reads keeps the plain ``Shard(d)``, so no op result ever
+carries another tensor's ranges.
 """
 
 from __future__ import annotations

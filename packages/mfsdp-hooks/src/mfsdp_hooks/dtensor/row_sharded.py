@@ -1,50 +1,21 @@
 """DTensors whose data-parallel shard is the flat layout's row range, not ``torch.chunk``'s.
 
 The flat layout cuts each parameter where the buffer's shard edges fall, so each rank holds
-a contiguous row range of it: uneven, often the whole parameter on one rank (and under HFSDP
-not even in mesh-rank order). A plain ``Shard(0)`` DTensor claims ``torch.chunk``'s split,
-and whatever gathers it (``full_tensor()``, ``redistribute()``) would silently put rows in
-the wrong place.
+a contiguous row range of it: uneven, often empty, under HFSDP not in mesh-rank order. A plain
+``Shard(d)`` DTensor claims ``torch.chunk``'s split, and whatever gathers it would put rows in
+the wrong place. :class:`RowShardedDTensor` is a plain DTensor in every op and also knows
+every rank's rows along mesh dim 0 (``dp_row_ranges``, along ``dp_shard_dim``; on a
+``(dp, tp)`` mesh, rows of the TP-local tensor: FSDP2's ``_StridedShard`` for a colwise
+weight). ``redistribute`` (so ``full_tensor()``) gathers them exactly over mesh dim 0 first,
+then follows torch's rules; DCP's chunks come from them too (:mod:`.dcp_protocol`).
 
-:class:`RowShardedDTensor` behaves as a plain DTensor in every op and also knows every
-rank's true row range along mesh dim 0 (``dp_row_ranges``). Its ``redistribute`` gathers
-those rows exactly over mesh dim 0 first; any further change (the TP dim of a 2-D
-``(dp, tp)`` mesh) follows torch's own rules from there. ``full_tensor()`` calls
-``redistribute``, so it is right too.
-
-A parameter cut along another dim ``d`` (FSDP2's ``Shard(d)``) is ``Shard(d)`` on mesh dim 0,
-and its "rows" are slices along ``d``: the ranges are along ``d`` (``dp_shard_dim``).
-
-On a ``(dp, tp)`` mesh the ranges are rows of the TP-local tensor: when the TP placement also
-shards dim 0 (``ColwiseParallel``), dim 0 is cut over tp first and then over dp, which is
-what FSDP2 spells ``_StridedShard``; here ``Shard(0)`` plus the ranges say it.
-
-What keeps the type: ``.data``, ``detach()``, ``clone()`` (so ``nn.Parameter`` and
-``state_dict()`` values keep it), ``dtensor_like`` of one, and the result of any op whose
-first argument is one and that DTensor computed row by row: laid out as that argument
-(same mesh, placements, global and local shape), which DTensor's sharding rules
-give only where each output row comes from the same input row (``zeros_like``,
-``full_like``, ``Tensor.to``, pointwise ops). That is how torch's optimizers make their
-state: ``exp_avg = zeros_like(param)``, and SGD's momentum buffer, a clone of
-``grad.add(param, alpha=weight_decay)``; a bare optimizer's state knows the rows as its
-parameter does (a plain DTensor there would claim ``torch.chunk``'s rows: ``full_tensor()``,
-DCP and a load would put another rank's values in place). What does not keep it: results
-laid out otherwise, and ops whose first argument is not one; re-lay such a tensor out with
-``dtensor_like(t.to_local(), param)`` before gathering it.
-
-Checkpoints: DCP asks a DTensor where its piece goes (``__create_write_items__``,
-``__create_chunk_list__``); this one answers from its ranges (:mod:`.dcp_protocol`), so
-``dcp.save``/``dcp.load`` of ``model.state_dict()`` and of a bare optimizer's
-``state_dict()`` are exact as they are with FSDP2.
-
-Cost: an elementwise op among tensors of one layout (every op of a torch optimizer's step,
-once its state is made by ``zeros_like``) runs on the local tensors
-(:mod:`.local_elementwise`), without DTensor's sharding propagation (~20 us an op); every
-other op goes through DTensor's dispatcher as before. Torch's optimizers default to
-``foreach`` only for exact ``DTensor`` types, so on CUDA pass ``foreach=True`` (or use the
-contiguous optimizer step). There is no Python ``__torch_function__``: the rows are kept
-where the ops land, in ``__torch_dispatch__``. Forward and backward never see these tensors
-(they compute with the unsharded parameters).
+What keeps the type: ``.data``, ``detach()``, ``clone()``, ``dtensor_like`` of one, and any
+op whose first argument is one and whose result DTensor lays out as that argument (pointwise
+ops, ``zeros_like``, ``full_like``, ``Tensor.to``), so a torch optimizer's state
+(``exp_avg = zeros_like(param)``, SGD's momentum ``clone``) knows its parameter's rows. Other
+results are plain DTensors: re-lay one out with ``dtensor_like(t.to_local(), param)``.
+Elementwise ops among one layout run on the local tensors (:mod:`.local_elementwise`); there
+is no Python ``__torch_function__``. Forward and backward never see these tensors.
 """
 
 from __future__ import annotations
@@ -65,12 +36,7 @@ from mfsdp_hooks.dtensor.dcp_protocol import row_chunks, row_write_items
 from mfsdp_hooks.dtensor.local_elementwise import NOT_LOCAL, as_plain_dtensors, run_locally
 from mfsdp_hooks.dtensor.row_placement import row_placements
 
-__all__ = [
-    "RowShardedDTensor",
-    "new_row_sharded",
-    "row_sharded",
-    "row_sharded_over",
-]
+__all__ = ["RowShardedDTensor", "new_row_sharded", "row_sharded"]
 
 _TENSOR_DATA: Any = torch.Tensor.data  # the C getset descriptor behind ``Tensor.data``
 
@@ -236,16 +202,20 @@ def row_sharded(
     if local.shape[placement.dim] != end - start:
         raise ValueError(
             f"this rank's local tensor has {local.shape[placement.dim]} rows along dim "
-            f"{placement.dim}; dp_row_ranges gives it "
-            f"rows [{start}, {end})"
+            f"{placement.dim}; dp_row_ranges gives it rows [{start}, {end})"
         )
     next_row = 0
     for start, end in sorted(r for r in ranges if r[0] != r[1]):
         if start != next_row or end < start:
             raise ValueError(f"dp_row_ranges {ranges} do not tile the rows from 0 without gaps")
         next_row = end
-    return row_sharded_over(
-        local, tensor._spec, ranges, tp_partition_stride, requires_grad=tensor.requires_grad
+    return new_row_sharded(
+        RowShardedDTensor,
+        local,
+        tensor._spec,
+        ranges,
+        tp_partition_stride,
+        requires_grad=tensor.requires_grad,
     )
 
 
@@ -262,21 +232,6 @@ def _rewrap(tensor: torch.Tensor, like: RowShardedDTensor) -> RowShardedDTensor:
     ranges, stride = like.dp_row_ranges, like.tp_partition_stride
     local, spec, grad = tensor._local_tensor, tensor._spec, tensor.requires_grad
     return new_row_sharded(type(like), local, spec, ranges, stride, requires_grad=grad)
-
-
-def row_sharded_over(
-    local: torch.Tensor,
-    spec: DTensorSpec,
-    ranges: tuple[tuple[int, int], ...],
-    stride: int = 1,
-    *,
-    requires_grad: bool = False,
-) -> RowShardedDTensor:
-    """A :class:`RowShardedDTensor` of ``spec`` and ``ranges`` over ``local``, unchecked
-    (:func:`row_sharded` checks)."""
-    return new_row_sharded(
-        RowShardedDTensor, local, spec, ranges, stride, requires_grad=requires_grad
-    )
 
 
 def new_row_sharded(

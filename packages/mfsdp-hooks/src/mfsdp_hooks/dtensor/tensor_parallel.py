@@ -1,25 +1,13 @@
-"""Tensor-parallel parameters inside FSDP units: DTensors on a TP mesh, sharded again over DP.
+"""Tensor-parallel parameters inside FSDP units: DTensors on a TP mesh, sharded again over DP
+(the package README's "Tensor parallelism").
 
-A model parallelised with torch's DTensor TP (``parallelize_module``) holds its parameters
-as DTensors on a 1-D ``tp`` mesh: ``Shard(0)`` (colwise), ``Shard(1)`` (rowwise) or
-``Replicate()`` (a rowwise bias, a sequence-parallel norm). FSDP flattens each parameter's
-TP-local tensor into its buffers and shards those rows over the DP group, as it does any
-plain parameter. Around that:
-
-* forward and backward see DTensors on the TP mesh with the original placements, whose local
-  tensors are views of the unsharded buffer (``unsharded_param``), so the TP module's own
-  collectives run as before;
-* a Megatron-Core TP parameter (a plain local tensor marked ``tensor_model_parallel`` with
-  its ``partition_dim``) is recognised when the topology has a ``tp_dim``; forward sees it
-  plain, as Megatron's layers expect, and its public attributes carry over to the sharded
-  parameter (``carry_attributes``);
-* a gradient arrives as a DTensor; a ``Partial`` one (a replicated parameter whose users
-  were sharded) is first reduced over TP to the parameter's placements (``grad_local``),
-  then only its local tensor is reduced over DP: no DP collective ever spans the TP group;
-* the parameters the optimizer and ``state_dict`` see are DTensors on the 2-D ``(dp, tp)``
-  mesh: rows over DP (the engine's row ranges) and the TP placement over TP (``TPSpec``).
-
-Everything here is local to one rank: the spec is read from the parameter itself.
+FSDP flattens each parameter's TP-local tensor and shards its rows over DP. Forward sees
+DTensors on the TP mesh over views of the unsharded buffer (``unsharded_param``), so the TP
+modules' own collectives run as before; a Megatron-Core TP parameter (a plain local tensor
+marked ``tensor_model_parallel``, with ``partition_dim``) stays plain, as Megatron's layers
+expect. A ``Partial`` gradient is reduced over TP to the parameter's placements first
+(``grad_local``), so no DP collective ever spans the TP group. Everything here is local to
+one rank: the spec is read from the parameter itself.
 """
 
 from __future__ import annotations
@@ -130,16 +118,15 @@ def check_tp_parameters(
             bad.append(f"{name!r} has placements {placements} (only Shard and Replicate)")
         elif not local_tensor(param).is_contiguous():
             bad.append(f"{name!r} has a non-contiguous local tensor")
-    meshes = {id(p.device_mesh): p.device_mesh for _, p in named if isinstance(p, DTensor)}
-    if not bad:
-        for mesh in meshes.values():
-            topology.with_tp(mesh)  # raises naming both meshes when they do not join
     if bad:
         raise NotImplementedError(
             f"{what}: tensor-parallel parameter(s) {'; '.join(bad)} cannot be sharded over "
             "DP; parallelise with torch's ColwiseParallel/RowwiseParallel/SequenceParallel "
             "on a 1-D tp mesh"
         )
+    meshes = {id(p.device_mesh): p.device_mesh for _, p in named if isinstance(p, DTensor)}
+    for mesh in meshes.values():
+        topology.with_tp(mesh)  # raises naming both meshes when they do not join
 
 
 def local_value(param: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,10 @@
 """What one backward collected of a parameter group's unsharded gradients.
 
 Autograd delivers each parameter's gradient separately, possibly several times (a weight used
-twice, recomputation). A ``GradCollector`` gathers them for the group's reduction in one of
-two ways, chosen once:
-
-* held: it keeps autograd's tensors themselves and hands the reduction ``FlatPieces`` at
-  their layout offsets (the shared-memory transport reads them in place, no copy);
-* copied: it adds each into one flat buffer in the reduce dtype from the allocator, with the
-  pre-scale riding on that copy, and zeroes padding and missing gradients before reducing.
-
-``clear`` (after the reduction landed) drops what was held or gives the buffer back.
+twice, recomputation). A ``GradCollector`` either holds autograd's tensors and hands the
+reduction ``FlatPieces`` (the shared-memory transport reads them in place, no copy), or adds
+each into one flat buffer in the reduce dtype from the allocator, the pre-scale riding on
+that copy. ``clear`` (after the reduction landed) drops what was held or gives the buffer back.
 """
 
 from __future__ import annotations
@@ -32,13 +27,12 @@ class GradCollector:
         device: torch.device,
         allocator: Allocator,
         hold: bool,
-        input_scale: float | None,
     ) -> None:
         self.layout = layout
         self.reduce_dtype = reduce_dtype
         self._device = device
         self._allocator = allocator
-        self.input_scale = input_scale
+        self.input_scale: float | None = None  # the reducer's ``configure`` sets it
         count = len(layout.placements)
         self.expected = count
         self.received = 0
@@ -55,11 +49,8 @@ class GradCollector:
         return self.received >= self.expected
 
     def accumulate(self, index: int, grad: torch.Tensor) -> bool:
-        """Take one parameter's unsharded gradient (kept, or added into the reduce buffer).
-
-        The caller makes sure no reduction of these gradients is in flight (the buffer may
-        be reused). Returns True when every gradient of the group arrived in this backward.
-        """
+        """Take one parameter's unsharded gradient; True once every gradient of the group
+        arrived in this backward. No reduction of them may be in flight (the caller's check)."""
         flat = self.layout.placements[index].flatten(grad)  # storage order
         if self._held is not None:
             self._hold(index, flat)

@@ -1,22 +1,13 @@
 """Which parameters got a gradient on some rank: torch's ``None`` for those that got none.
 
 Under DDP and FSDP2 a parameter no backward reached keeps ``.grad`` None, so torch's
-optimizers skip it: Adam's weight decay and momentum leave it alone. A rank alone cannot
-tell: a parameter its data skipped may have a gradient on another rank (an expert that got
-tokens there), and then every rank must take the reduced gradient (zeros from the ranks that
-skipped it), or the ranks' weights drift apart. So each reducer notes, per parameter, whether
-this rank collected a gradient since the last agreement (``Presence``); where the backward
-waits for its reductions, ``agree_on_presence`` sums those flags over the ranks that reduce
-them, in one small all-reduce per set of groups (one for a dense model), and a parameter no
-rank had a gradient for, that held none before, is left without one.
-
-Cost: the all-reduce carries one float per parameter, issued once per synced backward
-(``finish_grad_sync`` too), not per unit; FSDP2 issues none (it trusts every rank to skip
-the same parameters, and hangs or mixes gradients when they do not). ``CommTracer`` files it
-as ``grad_presence``, apart from the gradient all-reduces; torch's ``CommDebugMode`` sees a
-c10d all-reduce. A rank that collected every gradient, or whose
-parameters without one already held a gradient, waits for it without reading it back (no
-device-to-host copy on the hot path).
+optimizers skip it. A rank alone cannot tell: a parameter its data skipped may have a
+gradient on another rank (an expert that got tokens there), and then every rank must take the
+reduced gradient, or the ranks' weights drift apart. So each reducer notes, per parameter,
+whether this rank collected a gradient since the last agreement (``Presence``), and where the
+backward waits for its reductions ``agree_on_presence`` sums those flags over the ranks in one
+small all-reduce per set of groups (cost: ``docs/differences-from-fsdp2.md``). A rank with
+nothing to drop waits for it without reading it back (no device-to-host copy on the hot path).
 """
 
 from __future__ import annotations

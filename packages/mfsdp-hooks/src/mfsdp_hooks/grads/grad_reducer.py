@@ -2,15 +2,9 @@
 
 A ``GradReducer`` takes each parameter's unsharded gradient as autograd delivers it and,
 once the unit's backward is done, launches one collective that reduces them into the
-group's ``GradShard`` (the ``.grad`` the optimizer reads). Which collective is the group's
-reduce plan (``reduce_plans``: flat, ``no_shard``, HSDP or HFSDP), chosen once from the
-topology and strategy. What is in flight is a ``PendingReduction``, which only the root's
+group's ``GradShard`` (the ``.grad`` the optimizer reads) through the group's reduce plan
+(``reduce_plans``). What is in flight is a ``PendingReduction``, which only the root's
 ``ReductionQueue`` holds and waits on; waiting it also releases what the reduction read.
-
-Where the shared-memory host transport carries the reduce-scatter, the reducer keeps
-autograd's per-parameter gradients and the transport reads them in place (``FlatPieces``);
-elsewhere they are copied on arrival into a temporary unsharded buffer in the reduce dtype,
-and a pre-scale (1/N, ``gradient_scaling_factor``) rides on that copy.
 """
 
 from __future__ import annotations
@@ -41,7 +35,7 @@ from mfsdp_hooks.config.strategy import ShardingStrategy
 from mfsdp_hooks.grads.grad_collector import GradCollector
 from mfsdp_hooks.grads.grad_presence import Presence
 from mfsdp_hooks.grads.grad_shard import GradShard
-from mfsdp_hooks.grads.reduce_plans import NO_HOOKS, ReduceInputs, choose_plan
+from mfsdp_hooks.grads.reduce_plans import ReduceInputs, choose_plan
 
 __all__ = ["GradReducer", "PendingReduction", "named_non_finite"]
 
@@ -62,19 +56,15 @@ class PendingReduction:
         self.done = True
         try:
             self.handle.wait()
-        except NonFiniteError as error:
-            raise self._named(error) from error
+        except NonFiniteError as error:  # an async quantized comm reports it where it lands
+            reducer = self.reducer
+            raise named_non_finite(error, reducer.layout, reducer.names, "gradient") from error
         self.release()
 
     def landed(self) -> bool:
         """Whether it landed (without blocking); ``wait()`` still completes it. A poll never
         raises: a failed reduction raises at ``wait()``, where every rank reaches it."""
         return self.handle.is_completed()
-
-    def _named(self, error: NonFiniteError) -> FloatingPointError:
-        """An async quantized comm reports a non-finite gradient where it lands: name it."""
-        reducer = self.reducer
-        return named_non_finite(error, reducer.layout, reducer.names, "gradient")
 
 
 class GradReducer:
@@ -99,13 +89,13 @@ class GradReducer:
         self.layout = layout
         self.landing = landing
         self.grads = grads
-        self._topology = topology
-        self._strategy = strategy
+        self.topology = topology
+        self.strategy = strategy
         self._dist_params = tuple(dist_params)
         self._allocator = allocator
         self.reduce_dtype = reduce_dtype
         self.names = list(names)
-        self.hooks = NO_HOOKS
+        self.hooks = CommHooks()  # none set: the built-in collectives
         self._reduce_config = reduce_config
         self.presence: Presence | None = None
         """Who had a gradient in the reductions since the last agreement (``grad_presence``)."""
@@ -114,7 +104,7 @@ class GradReducer:
     def _build(self) -> None:
         """The collector and plan for the current hooks (a custom reduce-scatter allocates
         the buffer it reads, unless it ``uses_caller_buffers``)."""
-        topology, strategy, custom = self._topology, self._strategy, self.hooks.reduce_scatter
+        topology, strategy, custom = self.topology, self.strategy, self.hooks.reduce_scatter
         allocator: Allocator = self._allocator
         if custom is not None and not uses_caller_buffers(custom):
             allocator = CommAllocator(custom)
@@ -135,7 +125,6 @@ class GradReducer:
             device=topology.device,
             allocator=allocator,
             hold=in_place,
-            input_scale=None,
         )
         inputs = ReduceInputs(
             self._collector, self.grads, self._dist_params, topology, self.landing
@@ -147,11 +136,7 @@ class GradReducer:
     def use_comm_hooks(self, hooks: CommHooks) -> None:
         """Reduce through the unit's hooks (``config.comm_hooks``) from the next backward on;
         only between steps, like a change of dtype."""
-        if self.has_grads:
-            raise RuntimeError(
-                "communication hooks can change only between steps: gradients are waiting "
-                "to be reduced"
-            )
+        self._refuse_while_collected("communication hooks")
         rebuild = hooks.reduce_scatter is not self.hooks.reduce_scatter
         self.hooks = hooks
         if rebuild:
@@ -162,7 +147,7 @@ class GradReducer:
     def configure(self, reduce_config: GradReduceConfig) -> None:
         """How gradients are scaled and averaged from the next reduction on."""
         self._reduce_config = reduce_config
-        topology = self._topology
+        topology = self.topology
         # HSDP: the mean is over every data-parallel rank, inside and across the replicas.
         average, input_scale = reduce_config.collective_args(
             topology.shard_size * topology.outer_size, self._native_average
@@ -183,19 +168,19 @@ class GradReducer:
         only between steps: gradients collected in one dtype are not re-cast."""
         if dtype == self.reduce_dtype:
             return
-        if self.has_grads:
-            raise RuntimeError(
-                "the gradient reduction's dtype can change only between steps: gradients "
-                "are waiting to be reduced"
-            )
+        self._refuse_while_collected("the gradient reduction's dtype")
         self.reduce_dtype = self._collector.reduce_dtype = dtype
         self._spec = dataclasses.replace(self._spec, reduce_dtype=dtype)
 
+    def _refuse_while_collected(self, what: str) -> None:
+        if self.has_grads:
+            raise RuntimeError(
+                f"{what} can change only between steps: gradients are waiting to be reduced"
+            )
+
     # ----------------------------------------------------------------- collect
     def accumulate(self, index: int, grad: torch.Tensor) -> bool:
-        """Take parameter ``index``'s unsharded gradient of this backward; True once every
-        gradient of the group arrived. No reduction of this group may be in flight (the
-        caller settles it first: the buffer may be reused)."""
+        """``GradCollector.accumulate``: the caller settles this group's reduction first."""
         return self._collector.accumulate(index, grad)
 
     @property
@@ -247,24 +232,18 @@ class GradReducer:
         """Forget the ``no_sync`` parts kept in the shard group (the gradients were zeroed)."""
         self._plan.drop_partial()
 
-    @property
-    def topology(self) -> FSDPTopology:
-        """The groups its gradients are reduced over."""
-        return self._topology
-
     def drop_absent(self, agreed: Sequence[bool]) -> None:
         """``agreed[i]``: some rank had a gradient for parameter ``i`` in this window. The
         others that held none before it get none (torch's ``None``, not a reduced zero)."""
         presence, self.presence = self.presence, None
         if presence is None:
             return
-        params = self._dist_params
         absent = [
             i
             for i, (some, kept) in enumerate(zip(agreed, presence.kept, strict=True))
             if not some and not kept
         ]
-        self.grads.drop(params, absent)
+        self.grads.drop(self._dist_params, absent)
 
 
 def named_non_finite(

@@ -1,21 +1,7 @@
-"""The one owner of a root's gradient synchronisation.
-
-``GradSync`` (one per root) decides, for each unit's backward, whether and how far its
-gradients are reduced, from the unit's own ``SyncFlags`` (FSDP2's per-unit setters) and the
-root's options; it owns the reductions in flight (its ``ReductionQueue``), the count of
-micro-batches since the last sync and the hop across HSDP replicas of what a ``no_sync``
-micro-batch kept inside the shard group. A backward reads straight down:
-unit -> ``GradSync`` -> queue -> reducer -> collectives.
-
-How far one unit's backward reduces (``Reach``), for a reducer of strategy ``s``:
-
-* ``FULL``: the unit syncs (``requires_gradient_sync`` and ``requires_all_reduce``): reduce
-  everywhere, replicas included; this ends the unit's optimisation cycle.
-* ``SHARD_GROUP``: ZeRO-2/3 with ``requires_all_reduce`` False, or under ``no_sync`` when
-  ``reduce_scatter_in_no_sync`` is set: reduce-scatter inside ``dp_shard``, the replica hop
-  waits for a synced backward (or, with ``sync_model_each_microbatch``, happens now).
-* ``SKIP``: ZeRO-0/1 under either flag, or ZeRO-2/3 under ``no_sync`` (FSDP2's behaviour):
-  the unsharded gradients stay local and add up until a synced backward reduces them.
+"""The one owner of a root's gradient synchronisation, ``GradSync``: how far each unit's
+backward reduces (``reach_of``, from the unit's ``SyncFlags`` and the root's options), the
+reductions in flight (its ``ReductionQueue``), the micro-batches since the last sync and the
+hop across HSDP replicas of what a ``no_sync`` micro-batch kept inside the shard group.
 """
 
 from __future__ import annotations
@@ -52,7 +38,16 @@ class SyncFlags:
 
 
 class Reach(enum.Enum):
-    """How far a unit's backward reduces its gradients (see the module docstring)."""
+    """How far a unit's backward reduces its gradients, for a reducer of strategy ``s``.
+
+    * ``FULL``: the unit syncs (``requires_gradient_sync`` and ``requires_all_reduce``):
+      reduce everywhere, replicas included; this ends the unit's optimisation cycle.
+    * ``SHARD_GROUP``: ZeRO-2/3 with ``requires_all_reduce`` False, or under ``no_sync``
+      with ``reduce_scatter_in_no_sync``: reduce-scatter inside ``dp_shard``; the replica
+      hop waits for a synced backward (with ``sync_model_each_microbatch``, happens now).
+    * ``SKIP``: ZeRO-0/1 under either flag, or ZeRO-2/3 under ``no_sync`` (FSDP2's): the
+      unsharded gradients stay local and add up until a synced backward reduces them.
+    """
 
     SKIP = "skip"
     SHARD_GROUP = "shard_group"
@@ -107,28 +102,21 @@ class GradSync:
     # ------------------------------------------------------------ during a backward
     def accumulate(self, reducer: GradReducer, index: int, grad: torch.Tensor) -> bool:
         """Hand one parameter's gradient to its reducer; True once the group has them all.
-
-        Landed reductions are finished first (their gradients freed early), and a reduction
-        of this reducer still in flight is settled (its buffer is about to be reused)."""
+        Landed reductions are finished first, freeing their gradients early."""
         self.reductions.reap_landed()
         self.reductions.settle(reducer)
         return reducer.accumulate(index, grad)
 
     def reduce_after_backward(
-        self,
-        reducer: GradReducer,
-        strategy: ShardingStrategy,
-        flags: SyncFlags,
-        streams: CommStreams | None,
-    ) -> Reach:
+        self, reducer: GradReducer, flags: SyncFlags, streams: CommStreams | None
+    ) -> None:
         """A unit's backward is done: reduce ``reducer``'s gradients as far as its flags say."""
-        reach = reach_of(flags, strategy, self.options)
+        reach = reach_of(flags, reducer.strategy, self.options)
         if reach is Reach.FULL:
             self._queue_reduction(reducer, streams, ends_cycle=True)
         elif reach is Reach.SHARD_GROUP:
             ends = self.options.sync_model_each_microbatch and flags.requires_all_reduce
             self._queue_reduction(reducer, streams, ends_cycle=ends)
-        return reach
 
     def end_backward(
         self, synced: Iterable[GradReducer], *, any_synced: bool, streams: CommStreams | None
@@ -150,8 +138,7 @@ class GradSync:
 
     # ------------------------------------------------------------ outside a backward
     def start(self, reducers: Iterable[GradReducer], streams: CommStreams | None) -> None:
-        """Launch the reductions of whatever is still local (``no_sync`` windows, HSDP's
-        replica hop) without waiting for them."""
+        """Launch the reductions of whatever is still local without waiting for them."""
         reducers = list(reducers)
         for reducer in reducers:
             if reducer.has_grads and not self.reductions.in_flight(reducer):

@@ -1,22 +1,10 @@
 """How one parameter group's gradients travel: one reduce plan per topology, chosen once.
 
 A ``GradReducer`` hands what its collector gathered to its plan, which issues the
-collective and says what to free once it landed (a ``Launched``). The plans:
-
-* ``FlatPlan``: a reduce-scatter in the shard group (plain FSDP; an expert group is the
-  same plan over its expert-data-parallel topology);
-* ``NoShardPlan``: an all-reduce of the whole buffer (``no_shard``; with HSDP across
-  ``dp_outer`` too), whose result is moved into the gradients once it landed;
-* ``HSDPPlan``: a reduce-scatter in the shard group, then the shard all-reduced across
-  the replicas once per optimisation cycle;
-* ``HFSDPPlan``: optimizer state sharded across ``dp_outer`` too: a ``no_sync``
-  micro-batch's reduction stays in the shard group, summed into a ``partial``
-  compute-shard buffer; the reduction that ends the cycle reduce-scatters the partial
-  across ``dp_outer`` into the sub-shard the optimizer reads.
-
-The two plans that cross the replicas keep how far their shard got (``ReplicaSync``). A plan
-checks its groups once, when built (its ``Route``s): the buffers it reduces are laid out for
-them, so its reductions check nothing again.
+collective and says what to free once it landed (a ``Launched``). The two plans that cross
+the replicas keep how far their shard got (``ReplicaSync``). A plan checks its groups once,
+when built (its ``Route``s): the buffers it reduces are laid out for them, so its reductions
+check nothing again.
 """
 
 from __future__ import annotations
@@ -25,7 +13,6 @@ import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -50,41 +37,12 @@ __all__ = [
 ]
 
 
-NO_HOOKS = CommHooks()
-"""A unit's hooks until a setter gives it some: the built-in collectives."""
-
-
 @dataclass(frozen=True)
 class Launched:
     """A reduction a plan issued, and what to do once it landed (free what it read)."""
 
     handle: CommHandle
     release: Callable[[], None]
-
-
-class ReducePlan(Protocol):
-    """One way of reducing a group's collected gradients into its ``GradShard``."""
-
-    @property
-    def needs_outer_sync(self) -> bool:
-        """The shard holds parts not yet reduced across the HSDP replicas."""
-        ...
-
-    def issue_collectives(
-        self,
-        spec: ReduceSpec,
-        streams: CommStreams | None,
-        *,
-        ends_cycle: bool,
-        hooks: CommHooks = NO_HOOKS,
-    ) -> Launched:
-        """Issue the reduction; ``hooks``: the unit's custom reduce-scatter and all-reduce
-        hook (``check_comm_hooks`` let only the flat and HSDP plans have them)."""
-        ...
-
-    def drop_partial(self) -> None:
-        """Forget the parts kept inside the shard group (the gradients were zeroed)."""
-        ...
 
 
 class ReplicaSync(enum.Enum):
@@ -125,7 +83,9 @@ class ReduceInputs:
         return self.landing.stage(target, accumulate)
 
 
-class _Plan:
+class ReducePlan:
+    """One way of reducing a group's collected gradients into its ``GradShard``."""
+
     def __init__(self, inputs: ReduceInputs) -> None:
         self._in = inputs
         self._collector = inputs.collector
@@ -136,22 +96,26 @@ class _Plan:
 
     @property
     def needs_outer_sync(self) -> bool:
+        """The shard holds parts not yet reduced across the HSDP replicas."""
         return False
 
+    def issue_collectives(
+        self, spec: ReduceSpec, streams: CommStreams | None, *, ends_cycle: bool, hooks: CommHooks
+    ) -> Launched:
+        """Issue the reduction; ``hooks``: the unit's custom reduce-scatter and all-reduce
+        hook (``check_comm_hooks`` lets only the flat and HSDP plans have them)."""
+        raise NotImplementedError
+
     def drop_partial(self) -> None:
-        pass
+        """Forget the parts kept inside the shard group (the gradients were zeroed)."""
 
 
-class FlatPlan(_Plan):
-    """A reduce-scatter in the shard group into this rank's shard."""
+class FlatPlan(ReducePlan):
+    """A reduce-scatter in the shard group into this rank's shard (plain FSDP; an expert
+    group is the same plan over its expert-data-parallel topology)."""
 
     def issue_collectives(
-        self,
-        spec: ReduceSpec,
-        streams: CommStreams | None,
-        *,
-        ends_cycle: bool,
-        hooks: CommHooks = NO_HOOKS,
+        self, spec: ReduceSpec, streams: CommStreams | None, *, ends_cycle: bool, hooks: CommHooks
     ) -> Launched:
         target, accumulate = self._in.target()
         handle = self._route.reduce_scatter_into(
@@ -166,19 +130,13 @@ class FlatPlan(_Plan):
         return Launched(handle, self._collector.clear)
 
 
-class NoShardPlan(_Plan):
-    """``no_shard``: an all-reduce of the whole buffer (never held: no transport reads it in
-    place), moved into the gradients once it landed."""
+class NoShardPlan(ReducePlan):
+    """``no_shard``: an all-reduce of the whole buffer (with HSDP across ``dp_outer`` too;
+    never held: no transport reads it in place), moved into the gradients once it landed."""
 
     def issue_collectives(
-        self,
-        spec: ReduceSpec,
-        streams: CommStreams | None,
-        *,
-        ends_cycle: bool,
-        hooks: CommHooks = NO_HOOKS,
+        self, spec: ReduceSpec, streams: CommStreams | None, *, ends_cycle: bool, hooks: CommHooks
     ) -> Launched:
-        _refuse_custom(hooks, "no_shard")
         target, accumulate = self._in.target()
         buffer = self._collector.collected()
         assert isinstance(buffer, torch.Tensor)
@@ -186,7 +144,7 @@ class NoShardPlan(_Plan):
         return Launched(handle, lambda: self._collector.clear(move_into=(target, accumulate)))
 
 
-class _AcrossReplicas(_Plan):
+class _AcrossReplicas(ReducePlan):
     """A plan whose shard crosses the replicas once per cycle (``ReplicaSync``)."""
 
     def __init__(self, inputs: ReduceInputs) -> None:
@@ -210,12 +168,7 @@ class HSDPPlan(_AcrossReplicas):
     replicas, so each replica's accumulated gradient crosses them once per cycle."""
 
     def issue_collectives(
-        self,
-        spec: ReduceSpec,
-        streams: CommStreams | None,
-        *,
-        ends_cycle: bool,
-        hooks: CommHooks = NO_HOOKS,
+        self, spec: ReduceSpec, streams: CommStreams | None, *, ends_cycle: bool, hooks: CommHooks
     ) -> Launched:
         target, accumulate = self._in.target()
         if not accumulate:
@@ -227,7 +180,7 @@ class HSDPPlan(_AcrossReplicas):
                 target, spec=outer_spec, stream=streams, after_reduce=hooks.after_reduce()
             )
             self._state = ReplicaSync.COMPLETE
-            return Launched(handle, _nothing)
+            return Launched(handle, lambda: None)  # it read no collected gradients
         state = self._state
         defer = not ends_cycle and state is not ReplicaSync.COMPLETE
         handle = self._route.hsdp_reduce_scatter_into(
@@ -247,8 +200,9 @@ class HSDPPlan(_AcrossReplicas):
 
 
 class HFSDPPlan(_AcrossReplicas):
-    """Reduce-scatter in the shard group into the partial; the reduction that ends the
-    cycle reduce-scatters the partial across ``dp_outer`` into the sub-shard."""
+    """Optimizer state sharded across ``dp_outer`` too: a ``no_sync`` micro-batch's reduction
+    stays in the shard group, summed into a ``partial`` compute-shard buffer; the reduction
+    that ends the cycle reduce-scatters the partial across ``dp_outer`` into the sub-shard."""
 
     def __init__(self, inputs: ReduceInputs, *, partial_numel: int) -> None:
         super().__init__(inputs)
@@ -271,14 +225,8 @@ class HFSDPPlan(_AcrossReplicas):
         self._collector.clear()
 
     def issue_collectives(
-        self,
-        spec: ReduceSpec,
-        streams: CommStreams | None,
-        *,
-        ends_cycle: bool,
-        hooks: CommHooks = NO_HOOKS,
+        self, spec: ReduceSpec, streams: CommStreams | None, *, ends_cycle: bool, hooks: CommHooks
     ) -> Launched:
-        _refuse_custom(hooks, "HFSDP")
         kept = self._state is ReplicaSync.INNER_ONLY
         if not ends_cycle:
             handle = self._route.reduce_scatter_into(
@@ -312,17 +260,6 @@ class HFSDPPlan(_AcrossReplicas):
             stream=streams,
         )
         return Launched(handle, self._release_all)
-
-
-def _refuse_custom(hooks: CommHooks, layout: str) -> None:
-    """``check_comm_hooks`` refuses these at the setter; a plan never ignores them."""
-    if hooks.reduce_scatter is not None or hooks.all_reduce_hook is not None:
-        raise NotImplementedError(f"custom reduce comms are not supported with {layout}")
-
-
-def _nothing() -> None:
-    """The release of a reduction that read no collected gradients (it reduced the shard
-    in place)."""
 
 
 def choose_plan(

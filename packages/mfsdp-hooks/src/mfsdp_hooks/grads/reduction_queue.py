@@ -2,13 +2,9 @@
 
 Each unit launches its groups' reductions when its backward is done; the queue keeps them
 oldest first and bounds how many are in flight (``max_inflight_reductions``, counted in
-reductions, never in elements), so the gradients of at most that many groups are alive
-beyond the one being computed. Nothing else holds a ``PendingReduction``: a reducer about to
-reuse its buffer asks the queue to ``settle`` it first.
-
-A timeline trace (``runtime.timeline``, a wing above) sees each launch and each wait that
-blocks the caller through the one ``ReductionObserver`` installed by ``observe_reductions``;
-with none installed (no trace) each point costs one read of ``_OBSERVER``.
+reductions, never in elements). Nothing else holds a ``PendingReduction``: a reducer about to
+reuse its buffer asks the queue to ``settle`` it first. A timeline trace sees each launch and
+each blocking wait through the one ``ReductionObserver`` installed by ``observe_reductions``.
 """
 
 from __future__ import annotations
@@ -99,11 +95,8 @@ class ReductionQueue:
         return any(p.reducer is reducer and not p.done for p in self._in_flight)
 
     def reap_landed(self) -> None:
-        """Finish the reductions that already landed, freeing their gradients early.
-
-        Without this a unit's gradients live until the next unit's reduction pushes it out
-        of the in-flight window, i.e. through all of that unit's backward.
-        """
+        """Finish the reductions that already landed, freeing their gradients early (else
+        they would live through all of the next unit's backward)."""
         while self._reap_early and self._in_flight and self._in_flight[0].landed():
             self._finish(self._in_flight.popleft())
 

@@ -52,10 +52,6 @@ ACCELERATOR_CHUNK_NUMEL = 1 << 62
 """On an accelerator a run steps whole: one kernel per pass (launches, not cache, cost)."""
 
 
-def supports_contiguous_step(optimizer: torch.optim.Optimizer) -> bool:
-    return type(optimizer) in CONTIGUOUS_STEP_OPTIMIZERS
-
-
 @dataclass
 class _Run:
     """Parameters whose local weights tile one flat buffer, and the run's optimizer state."""
@@ -279,7 +275,7 @@ class ContiguousStepper:
         eligible: Callable[[torch.Tensor], bool],
         chunk_numel: int | None = None,
     ) -> None:
-        if not supports_contiguous_step(optimizer):
+        if type(optimizer) not in CONTIGUOUS_STEP_OPTIMIZERS:
             names = ", ".join(cls.__name__ for cls in CONTIGUOUS_STEP_OPTIMIZERS)
             raise TypeError(
                 f"contiguous_step: {type(optimizer).__name__} is not one of the elementwise "
@@ -293,7 +289,6 @@ class ContiguousStepper:
         self.eligible = eligible
         self.chunk_numel = chunk_numel
         self._plans: list[_GroupPlan] = []
-        self.active = False
         # Every load, whatever objects it leaves in ``optimizer.state``, makes each run take
         # up the loaded state afresh at its next step.
         optimizer.register_load_state_dict_post_hook(self._after_load)
@@ -363,13 +358,11 @@ class ContiguousStepper:
                 if covered:
                     rest = [p for p in group["params"] if id(p) not in covered]
                     group["params"] = swapped + rest
-            self.active = True
             yield
             for run in stepped:
                 if run.flats is None:
                     run.adopt_created(state)
         finally:
-            self.active = False
             for group, params in zip(optimizer.param_groups, originals, strict=False):
                 group["params"] = params
             for run in stepped:
@@ -383,5 +376,4 @@ __all__ = [
     "CPU_CHUNK_NUMEL",
     "CONTIGUOUS_STEP_OPTIMIZERS",
     "ContiguousStepper",
-    "supports_contiguous_step",
 ]

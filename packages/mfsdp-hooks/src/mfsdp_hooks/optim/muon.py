@@ -1,28 +1,16 @@
 """Muon that is exact on sharded parameters: each whole update matrix orthogonalised once.
 
-``torch.optim.Muon`` orthogonalises each parameter's update with Newton-Schulz iterations,
-which read the whole matrix. On a rank's rows of it (FSDP2, or any ZeRO) that computes
-something else without a word. :class:`Muon` takes torch's arguments and state
-(``momentum_buffer``, laid out as its parameter, so checkpoints reshard it like any other
-state) and splits the step where the math allows:
-
-- element-wise, on each rank's rows: the momentum (``buf.lerp_(grad, 1 - momentum)``, the
-  Nesterov blend), the weight decay, adding the update;
-- whole-matrix, once per matrix on one rank of its shard group, chosen by Newton-Schulz cost:
-  the orthogonalisation (:func:`newton_schulz`), the rows brought there and the result sent
-  back by :func:`~mfsdp_hooks.optim.whole_matrix.map_whole_matrices` in one all-to-all each
-  way per step (the update travels in the parameter's dtype, the result in bfloat16, the
-  dtype the iteration computes in).
-
-Each value equals what ``torch.optim.Muon`` computes for the whole parameter on one process.
-Under HSDP each replica's shard group does the same work on the same (all-reduced) values.
-
-Muon steps hidden matrices only. As Muon users configure it, a param group with
-``use_muon=False`` holds the rest (embeddings, norms, biases, the head) and steps as
-``torch.optim.AdamW`` (its ``lr``, ``betas``, ``eps`` and ``weight_decay``; what the group
-does not give is AdamW's default, ``lr`` Muon's), with AdamW's state, so one
-optimizer goes to the seed API's ``fully_shard(model, optimizer)``. Two optimizers (ours
-for matrices, any element-wise one for the rest) work as well.
+``torch.optim.Muon``'s Newton-Schulz iteration reads the whole matrix: on a rank's rows of it
+(FSDP2, or any ZeRO) it computes something else without a word. :class:`Muon` takes torch's
+arguments and state (``momentum_buffer`` laid out as its parameter, so checkpoints reshard it
+like any other state) and splits the step where the math allows: the momentum, the Nesterov
+blend, the weight decay and adding the update run on each rank's rows; the orthogonalisation
+runs once per matrix on one rank of its shard group
+(:func:`~mfsdp_hooks.optim.whole_matrix.map_whole_matrices`). Each value equals what
+``torch.optim.Muon`` computes on one process. A param group with ``use_muon=False`` (the
+embeddings, norms, biases and head, as Muon users configure it) steps as
+``torch.optim.AdamW``, with AdamW's defaults and state (``lr`` Muon's), so one optimizer
+serves the seed API's ``fully_shard(model, optimizer)``.
 """
 
 from __future__ import annotations

@@ -1,33 +1,22 @@
 """Optimizer integration: step on the sharded main weights, then refresh compute weights.
 
-Any ``torch.optim.Optimizer`` works unmodified, and nothing is registered process-wide: the
-engine cannot see a bare optimizer step (an FSDP2-style loop builds one the engine never
-meets, and an optimizer writing through DTensors bumps no version counter it could read), so
-from a backward that synced the gradients until the next backward each forward re-installs
-the compute weights (``weight_freshness.WeightFreshness``). Under ZeRO-3 that is the gather a
-forward makes anyway; a unit that keeps its weights (ZeRO-0/1/2, or no reshard after
-forward) pays one install per forward in that window.
-
-``attach_optimizer`` gives the optimizer the class ``FSDP<its class>`` (as ``fully_shard``
-does for modules; one class per optimizer class, nothing patched on the instance): its
-``step`` closes the window itself (weights are installed once, right after the step) and
-takes the seed's keyword arguments, and it steps Adam, AdamW and SGD over contiguous runs of
-the sharded buffers (:mod:`mfsdp_hooks.optim.contiguous_step`).
-
-An LR scheduler built before the optimizer is attached (the usual script order) has put a
-wrapper of the class's ``step`` on the instance, which the new class cannot reach; the same
-work then runs as the optimizer's own step hooks (``_StepHooks``).
+The package README's "optimizer integration" says why a bare optimizer's step is unseen
+(``weight_freshness`` keeps the step window) and what ``attach_optimizer`` adds: the class
+``FSDP<its class>``, whose ``step`` closes the window itself and steps over contiguous runs
+(:mod:`.contiguous_step`), or, for an optimizer whose ``step`` an LR scheduler wrapped on the
+instance before attaching, the same work as its own step hooks (``_StepHooks``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mfsdp_hooks.optim.contiguous_step import ContiguousStepper, supports_contiguous_step
+from mfsdp_hooks.optim.contiguous_step import CONTIGUOUS_STEP_OPTIMIZERS, ContiguousStepper
 from mfsdp_hooks.optim.muon import Muon
 from mfsdp_hooks.runtime import timeline
 from mfsdp_hooks.runtime.elementwise_optimizers import (
@@ -58,13 +47,14 @@ def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[ParameterGroup]:
     return groups
 
 
-def _roots(groups: Iterable[ParameterGroup]) -> list[GroupRoot]:
+def _finish_grad_sync(groups: Iterable[ParameterGroup]) -> None:
+    """``finish_grad_sync`` once on each root behind ``groups``."""
     roots: dict[int, GroupRoot] = {}
     for group in groups:
-        root = group.root
-        if root is not None:
-            roots.setdefault(id(root), root)
-    return list(roots.values())
+        if group.root is not None:
+            roots.setdefault(id(group.root), group.root)
+    for root in roots.values():
+        root.finish_grad_sync()
 
 
 def _is_fsdp_param(param: torch.Tensor) -> bool:
@@ -75,7 +65,7 @@ def _stepper_for(
     optimizer: torch.optim.Optimizer, contiguous_step: bool | None, step_chunk_numel: int | None
 ) -> ContiguousStepper | None:
     if contiguous_step is None:
-        contiguous_step = supports_contiguous_step(optimizer)
+        contiguous_step = type(optimizer) in CONTIGUOUS_STEP_OPTIMIZERS
     elif not isinstance(contiguous_step, bool):
         raise TypeError(f"contiguous_step must be a bool or None, got {contiguous_step!r}")
     if not contiguous_step:
@@ -94,15 +84,13 @@ class _StepHooks:
     """``FSDPOptimizer.step``'s work as torch's public per-optimizer step hooks, for an
     optimizer whose ``step`` was wrapped on the instance before it was attached.
 
-    Torch's LR scheduler does that when built: it stores on the instance a wrapper that
-    records the call (``scheduler.step()`` warns without it) and then calls the function the
-    class's ``step`` was at the time, so a class given later is never reached. That function
-    is torch's hook runner around the user class's step, so hooks registered here see every
-    step of the optimizer the scheduler holds, and the scheduler's wrapper stays as it is.
-    The flat contiguous step needs a context restored even when torch's step raises, which
-    a pre/post hook pair cannot give: these steps take torch's per-parameter path (bit for
-    bit the same result). Torch runs hooks in the order registered: a step pre-hook added
-    before attaching runs before the gradients are synced here."""
+    Torch's LR scheduler, when built, stores on the instance a wrapper that records the call
+    and calls the function the class's ``step`` was then (torch's hook runner around the user
+    class's step), so a class given later is never reached but hooks registered here see
+    every step. The contiguous step needs a context restored even when torch's step raises,
+    which a pre/post hook pair cannot give: these steps take torch's per-parameter path (bit
+    for bit the same result). A step pre-hook added before attaching runs before the
+    gradients are synced here (torch runs hooks in the order registered)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._install_after = True
@@ -117,8 +105,7 @@ class _StepHooks:
         self._install_after = kwargs.pop("install_optimized_model_weights", True)
         groups = optimizer_groups(optimizer)
         if sync:
-            for root in _roots(groups):
-                root.finish_grad_sync()
+            _finish_grad_sync(groups)
         # Marked stepped before torch's step, which reads no freshness: a step that raises
         # half-way still leaves the next forward to re-install the weights.
         for group in groups:
@@ -143,14 +130,10 @@ _FSDP_OPTIMIZER_CLASSES: dict[type[torch.optim.Optimizer], type[torch.optim.Opti
 class FSDPOptimizer(torch.optim.Optimizer):
     """What an attached optimizer's class adds: the seed README's keyword arguments."""
 
-    def _mfsdp_stepper(self) -> ContiguousStepper | None:
+    def _attachment(self) -> _Attachment | None:
         # A copy (copy.copy keeps only the optimizer's own state) steps the torch way.
         attachment = self.__dict__.get(_ATTACHMENT)
-        return attachment.stepper if isinstance(attachment, _Attachment) else None
-
-    def _mfsdp_step_hooks(self) -> _StepHooks | None:
-        attachment = self.__dict__.get(_ATTACHMENT)
-        return attachment.step_hooks if isinstance(attachment, _Attachment) else None
+        return attachment if isinstance(attachment, _Attachment) else None
 
     def step(
         self,
@@ -159,47 +142,31 @@ class FSDPOptimizer(torch.optim.Optimizer):
         install_optimized_model_weights: bool = True,
         **kwargs: Any,
     ) -> Any:
-        if self._mfsdp_step_hooks() is not None:  # the class step reached anyway: hooks do it
+        attachment = self._attachment()
+        if attachment is not None and attachment.step_hooks is not None:  # hooks do the work
             kwargs["sync_grad_before_optimizer_step"] = sync_grad_before_optimizer_step
             kwargs["install_optimized_model_weights"] = install_optimized_model_weights
             return super().step(*args, **kwargs)
         recorder = timeline.ACTIVE
-        if recorder is None:
-            return self._fsdp_step(
-                args, kwargs, sync_grad_before_optimizer_step, install_optimized_model_weights
-            )
-        with recorder.attached_step(self):  # a timeline times all of it as the optimizer's
-            return self._fsdp_step(
-                args, kwargs, sync_grad_before_optimizer_step, install_optimized_model_weights
-            )
-
-    def _fsdp_step(
-        self,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        sync_grad_before_optimizer_step: bool,
-        install_optimized_model_weights: bool,
-    ) -> Any:
-        current = optimizer_groups(self)
-        if sync_grad_before_optimizer_step:
-            for root in _roots(current):
-                root.finish_grad_sync()
-        stepper = self._mfsdp_stepper()
-        closure = args[0] if args else kwargs.get("closure")
-        try:
-            if stepper is None or closure is not None:
-                if stepper is not None:
-                    stepper.hand_back()
-                result = super().step(*args, **kwargs)
-            else:
-                with stepper.stepping():
+        # a timeline times all of it as the optimizer's
+        with nullcontext() if recorder is None else recorder.attached_step(self):
+            current = optimizer_groups(self)
+            if sync_grad_before_optimizer_step:
+                _finish_grad_sync(current)
+            stepper = None if attachment is None else attachment.stepper
+            closure = args[0] if args else kwargs.get("closure")
+            try:
+                if stepper is not None and closure is not None:
+                    stepper.hand_back()  # the closure re-creates gradients: torch's loop steps
+                    stepper = None
+                with nullcontext() if stepper is None else stepper.stepping():
                     result = super().step(*args, **kwargs)
-        finally:  # even a step that failed half-way may have changed weights
-            for group in current:
-                group.freshness.close_step_window(stepped=True)
-        if install_optimized_model_weights:
-            _install(current)
-        return result
+            finally:  # even a step that failed half-way may have changed weights
+                for group in current:
+                    group.freshness.close_step_window(stepped=True)
+            if install_optimized_model_weights:
+                _install(current)
+            return result
 
     def zero_grad(self, set_to_none: bool = True, *, zero_grad_buffer: bool = True) -> None:
         super().zero_grad(set_to_none)

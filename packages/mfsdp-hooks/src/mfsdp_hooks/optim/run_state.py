@@ -1,11 +1,6 @@
-"""How per-parameter optimizer state maps onto the contiguous stepper's flat runs.
-
-``optimizer.state[p]`` holds, per parameter, views into a run's flat buffers and the run's
-step counter; these helpers find a flat view over tensors that tile one storage, view a
-flat buffer back as a parameter's piece, sort entries into element-wise and shared-scalar
-ones, collect entries key by key in an order every rank shares, and give each parameter's
-entry a counter of its own in an exported state dict. Pure functions of tensors: the
-stepper (``contiguous_step``) owns when they run.
+"""How per-parameter optimizer state maps onto the contiguous stepper's flat runs: pure
+functions of tensors (``optimizer.state[p]`` holds views into a run's flat buffers and the
+run's shared step counter); the stepper (``contiguous_step``) owns when they run.
 """
 
 from __future__ import annotations

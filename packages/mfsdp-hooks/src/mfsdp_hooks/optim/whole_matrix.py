@@ -1,27 +1,15 @@
 """Whole matrices for an optimizer step that needs them, from parameters sharded by rows.
 
-Muon orthogonalises each parameter's whole update matrix; its other work (momentum, weight
-decay, applying the update) is element-wise and runs on each rank's rows. Between the two,
-:func:`map_whole_matrices` brings each matrix whole to exactly one rank of its shard group
-(its *owner*), runs the caller's function there, and gives every rank its rows of the result.
-
-Data flow, per shard group and dtype (in the order the matrices come, the same on every
-rank):
-
-1. Owners are chosen by cost, not by count (:func:`plan_owners`): the caller's cost of each
-   matrix (Newton-Schulz: ``m * n * min(m, n)``), largest first, each to the rank with the
-   least work so far (ties to the lowest rank). Every rank computes the same plan.
-2. One all-to-all brings each owner the rows the other ranks hold of its matrices; an owner
-   keeps its own rows in place. The bytes are the ideal: each matrix's rows cross the wire
-   once, and no rank sends itself anything.
-3. Each owner runs ``compute`` on its whole matrices.
-4. One all-to-all, in the result dtype, sends each rank its rows of each result.
-
-Where are the rows: a DTensor's layout says (:func:`rows_of`). Our parameters
-(:class:`~mfsdp_hooks.dtensor.row_sharded.RowShardedDTensor`) carry each rank's rows; a plain
-``Shard(d)`` DTensor (torch's FSDP2) has ``torch.chunk``'s; a replicated one, or a plain
-tensor, is whole on every rank and computed there. A matrix also split over a second mesh
-dim (tensor parallelism) is refused by name: its columns lie on other ranks.
+:func:`map_whole_matrices` brings each matrix whole to one rank of its shard group (its
+*owner*), runs the caller's function there, and gives every rank its rows of the result. Per
+shard group and dtype, in the order the matrices come (the same on every rank): owners are
+chosen by cost, largest first, each to the least loaded rank (:func:`plan_owners`); one
+all-to-all brings each owner the others' rows of its matrices (each row crosses the wire
+once, no rank sends itself anything); the owners compute; one all-to-all in the result
+dtype sends each rank its rows back. Where the rows are, a DTensor's layout says
+(:func:`rows_of`): ours carry each rank's rows, a plain ``Shard(d)`` (FSDP2) has
+``torch.chunk``'s, a replicated tensor is computed on every rank; a matrix also split over
+a second mesh dim (tensor parallelism) is refused by name.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """A region of the program with another mixed-precision policy than the one a model was
-wrapped with (``FSDPRootWrapper.mixed_precision_context``).
+wrapped with (``mixed_precision_context``; the megatron-fsdp README says what it changes).
 
-Two of the policy's choices can change for a region, between steps:
-
-* ``reduce_dtype``: the dtype gradients are reduced in (the reference's only switch, its
-  ``grad_comm_dtype``), e.g. a cheaper reduction for some steps. Training in the region works
-  as outside it; the reduced gradients still land in the optimizer's dtype.
-* ``param_dtype`` (with ``cast_forward_inputs`` and ``output_dtype``): the dtype forward runs
-  in, e.g. bf16 evaluation of an fp32-trained model. Each unit gathers its compute weights as
-  usual and installs copies cast to the region's dtype for its forward (bit for bit what
-  gathering in that dtype gives: a cast commutes with a gather; the gather itself still moves
-  the trained compute dtype). Such copies take no gradients, so a forward in a region that
-  changes the compute dtype must run without autograd (``torch.no_grad()``/``inference_mode``):
-  one with autograd on raises instead of training nothing.
-
-What the model stores cannot change for a region: ``main_params_dtype``,
-``main_grads_dtype`` and ``use_decoupled_grad`` must be the model's. The region state lives on
-each unit (``FSDPUnit.region``); ``enter``/``leave`` are its only transitions.
+In a region that changes ``param_dtype``, each unit gathers its compute weights as usual and
+installs copies cast to the region's dtype for its forward (bit for bit what gathering in that
+dtype gives: a cast commutes with a gather). Such copies take no gradients, so a forward there
+must run without autograd: one with autograd on raises instead of training nothing. What the
+model stores (``main_params_dtype``, ``main_grads_dtype``, ``use_decoupled_grad``) cannot
+change for a region. The region state lives on each unit (``FSDPUnit.region``);
+``enter_region``/``leave_region`` are its only transitions.
 """
 
 from __future__ import annotations
@@ -161,6 +152,13 @@ def leave_region(units: Sequence[RegionUnit]) -> None:
         unit.reinstall_params()
 
 
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    return tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+        tree,
+    )
+
+
 def cast_inputs(
     policy: MixedPrecisionPolicy, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -168,19 +166,11 @@ def cast_inputs(
     dtype = policy.param_dtype
     if dtype is None or not policy.cast_forward_inputs:
         return args, kwargs
-    cast: tuple[tuple[Any, ...], dict[str, Any]] = tree_map(
-        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-        (args, kwargs),
-    )
+    cast: tuple[tuple[Any, ...], dict[str, Any]] = _cast_floats((args, kwargs), dtype)
     return cast
 
 
 def cast_outputs(policy: MixedPrecisionPolicy, output: Any) -> Any:
     """Floating-point outputs in the policy's output dtype (the root's), when it has one."""
     dtype = policy.output_dtype
-    if dtype is None:
-        return output
-    return tree_map(
-        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-        output,
-    )
+    return output if dtype is None else _cast_floats(output, dtype)

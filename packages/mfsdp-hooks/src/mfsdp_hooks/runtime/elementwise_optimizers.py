@@ -1,35 +1,12 @@
-"""Which optimizers may step sharded parameters: those whose update is element-wise.
+"""Which optimizers may step sharded parameters: those whose update is element-wise (the
+package README's "optimizers that need whole matrices" says who is refused, and the fixes).
 
-Under ZeRO-1/2/3 an optimizer steps each rank's rows of a parameter, not the parameter. That
-equals the rows of the whole parameter's step only when each element's update reads that
-element's weight, gradient and state alone (and per-parameter scalars such as the step
-count): Adam, SGD, RMSprop... Muon orthogonalises each whole gradient matrix, LBFGS takes
-dot products over all parameters, Adafactor factors its second moments over rows and
-columns: on shards each computes something else and says nothing (torch FSDP2 as well).
-
-Such an optimizer is refused on every rank when the engine first meets it, before any
-collective: ``attach_optimizer`` (the seed API's ``fully_shard`` and
-``fully_shard_optimizer``), or else the first forward's scan for live optimizers
-(``stale_optimizers``), which covers an optimizer built on a sharded model's parameters and
-never handed to us (per-module ``fully_shard``, the wrapper class, Megatron-Core's adapter).
-
-The decision is an allow-list, not a list of known offenders: a refusal names the fix, where
-an optimizer nobody vouched for could train wrong without a word. Exact classes only: a
-subclass may override ``step`` with anything (both of ours in tests do). An optimizer class
-declares what its step needs, once:
-
-- ``declare_elementwise_optimizer(MyOptimizer)``: each element's update reads that element's
-  weight, gradient and state alone, so stepping rows is exact as it is;
-- ``declare_shard_aware_optimizer(MyOptimizer)``: its step reads whole tensors but finds
-  them itself from each parameter's DTensor layout (``mfsdp_hooks.Muon``, which gathers each
-  update matrix once through ``mfsdp_hooks.optim.whole_matrix.map_whole_matrices``, as a
-  custom whole-matrix optimizer can).
-
-``torch.optim.Muon`` handed to the engine (``attach_optimizer``) becomes our exact ``Muon``
-(same arguments, state and result); built on the parameters of a sharded model and never
-handed over, it is refused with that fix. Where nothing the optimizer steps is sharded
-(``no_shard``, or a shard group of one rank) every optimizer sees whole parameters and is
-exact, and none is refused.
+Stepping each rank's rows equals the rows of the whole parameter's step only when each
+element's update reads that element's weight, gradient and state alone (and per-parameter
+scalars such as the step count); otherwise an optimizer on shards computes something else and
+says nothing (torch FSDP2 as well). The decision is an allow-list, not a list of known
+offenders: a refusal names the fix, where an optimizer nobody vouched for could train wrong
+without a word. Exact classes only: a subclass may override ``step`` with anything.
 """
 
 from __future__ import annotations
@@ -98,11 +75,7 @@ def declare_elementwise_optimizer(cls: _OptimizerClass) -> _OptimizerClass:
     then accepts it. Returns ``cls`` (usable as a class decorator). Declaring an optimizer
     that reads whole tensors (norms, matrix products) makes sharded training silently wrong.
     """
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise TypeError(
-            f"declare_elementwise_optimizer takes a torch.optim.Optimizer subclass, got {cls!r}"
-        )
-    _declared[cls] = None
+    _declared[_optimizer_class(cls, "declare_elementwise_optimizer")] = None
     return cls
 
 
@@ -111,11 +84,13 @@ def declare_shard_aware_optimizer(cls: _OptimizerClass) -> _OptimizerClass:
     reads each parameter's DTensor layout and gathers whatever whole tensors it needs (as
     :class:`mfsdp_hooks.Muon` does with ``map_whole_matrices``). Sharded training then
     accepts it. Returns ``cls`` (usable as a class decorator)."""
+    _shard_aware[_optimizer_class(cls, "declare_shard_aware_optimizer")] = None
+    return cls
+
+
+def _optimizer_class(cls: _OptimizerClass, declare: str) -> _OptimizerClass:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise TypeError(
-            f"declare_shard_aware_optimizer takes a torch.optim.Optimizer subclass, got {cls!r}"
-        )
-    _shard_aware[cls] = None
+        raise TypeError(f"{declare} takes a torch.optim.Optimizer subclass, got {cls!r}")
     return cls
 
 
@@ -202,20 +177,21 @@ def _why_refused(cls: type[torch.optim.Optimizer]) -> str:
         "Megatron-Core)"
     )
     elementwise = ", ".join(c.__name__ for c in TORCH_ELEMENTWISE)
+    not_elementwise = (
+        f"its update is not element-wise ({why}): on shards it computes something else than "
+        "on whole parameters, and training would silently diverge."
+    )
     if cls is torch.optim.Muon:
         return (
-            f"its update is not element-wise ({why}): on shards it computes something else "
-            "than on whole parameters, and training would silently diverge. Fix: use "
-            "megatron_fsdp.Muon (mfsdp_hooks has it too): torch's arguments and state, exact "
-            "on shards; handed to fully_shard(model, optimizer), fully_shard_optimizer or "
-            f"attach_optimizer, a torch.optim.Muon becomes it. Or {unshard}"
+            f"{not_elementwise} Fix: use megatron_fsdp.Muon (mfsdp_hooks has it too): torch's "
+            "arguments and state, exact on shards; handed to fully_shard(model, optimizer), "
+            "fully_shard_optimizer or attach_optimizer, a torch.optim.Muon becomes it. "
+            f"Or {unshard}"
         )
     if why is not None:
         return (
-            f"its update is not element-wise ({why}): on shards it computes something else "
-            "than on whole parameters, and training would silently diverge. An exact sharded "
-            f"{cls.__name__} is not supported yet: {unshard}, or use an element-wise optimizer "
-            f"(torch's {elementwise})"
+            f"{not_elementwise} An exact sharded {cls.__name__} is not supported yet: "
+            f"{unshard}, or use an element-wise optimizer (torch's {elementwise})"
         )
     return (
         "nothing says its update is element-wise; one that reads whole tensors (as Muon, "

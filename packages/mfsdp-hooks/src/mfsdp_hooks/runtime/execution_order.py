@@ -21,16 +21,11 @@ U = TypeVar("U")
 
 
 class ExecutionOrder(Generic[U]):
-    """Records the first iteration's forward order; afterwards answers prefetch targets.
-
-    ``U`` is the unit type (kept generic so this module does not import the unit)."""
+    """Records the first iteration's forward order; afterwards answers prefetch targets
+    (``U``, the unit type, is generic so this module does not import the unit)."""
 
     def __init__(
-        self,
-        root_unit: U,
-        root_options: Callable[[], RootOptions],
-        *,
-        numel_of: Callable[[U], int] = lambda _: 0,
+        self, root_unit: U, root_options: Callable[[], RootOptions], *, numel_of: Callable[[U], int]
     ) -> None:
         """``root_options`` reads the root's options where they live: ``prefetch_depth``
         units ahead, or with ``prefetch_numel`` the next (previous) units while their

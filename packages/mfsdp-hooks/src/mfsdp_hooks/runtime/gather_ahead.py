@@ -1,13 +1,10 @@
 """How a unit gathers the units that run after it: one at a time, or coalesced.
 
-The prefetch window (``ExecutionOrder``: ``prefetch_depth`` units, or units up to
-``prefetch_numel`` elements) names the units to have gathered ahead. Without coalescing each
-one not yet gathered is issued on its own: a sliding window, one unit's all-gathers per step
-once it is full. With coalescing (the reference's merging of small units up to
-``suggested_communication_unit_size``) nothing is issued while the next unit is already on
-its way; once it is not, the whole window goes out together, one all-gather per group and
-dtype (``mfsdp_collectives.coalesced_gathers``). Either way at most the window is gathered
-ahead of the running unit; coalescing trades its steady refill for one collective per window.
+Without coalescing each unit of the prefetch window (``ExecutionOrder``) not yet gathered is
+issued on its own: a sliding window. With coalescing (the reference's merging of small units
+up to ``suggested_communication_unit_size``) nothing is issued while the next unit is on its
+way; once it is not, the whole window goes out together (``coalesced_gathers``). Either way
+at most the window is gathered ahead; coalescing trades its steady refill for one collective.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""What a user can see of the units: their repr, a wrap-time summary and per-unit events.
-
-* ``describe_unit`` is ``FSDPUnit.__repr__``: name, parameters, bytes per rank, state.
-* ``log_units`` (logger ``mfsdp_hooks.observe``, INFO, on the first rank of the root's mesh
-  only) writes one line per unit when the root is built, as NVIDIA megatron-fsdp's
-  ``_log_parameter_groups`` does: its groups, their dtypes and sizes, the sharding strategy
-  and the bytes each rank holds. Enough to see at a glance that ``fsdp_unit_modules``
-  matched what was meant.
-* ``unit_label`` names a unit in the DEBUG events the unit logs through ``log_event`` (same
-  logger) at pre/post forward and backward, as FSDP2's ``TORCH_LOGS=+fsdp``.
-* ``held_bytes`` and ``format_bytes`` are the one count and the one spelling of bytes that
-  ``describe`` and the plans (``megatron_fsdp.plan``) share.
-
-The units' paths under their root are known once the root is built; before, a unit is
-named by its class.
+"""What a user can see of the units: their repr (``describe_unit``), a wrap-time summary
+(``log_units``: INFO, first rank of the root's mesh, one line per unit, as NVIDIA
+megatron-fsdp's ``_log_parameter_groups``), DEBUG events per unit (``log_event``, as FSDP2's
+``TORCH_LOGS=+fsdp``) and the one count and spelling of bytes (``held_bytes``,
+``format_bytes``) that ``describe`` and ``megatron_fsdp.plan`` share. A unit is named by its
+class until the root is built and knows its path.
 """
 
 from __future__ import annotations
@@ -67,12 +58,8 @@ def held_bytes(buffer: DataParallelBuffer | None) -> int:
 
 
 def group_bytes_per_rank(group: ParameterGroup) -> tuple[int, int]:
-    """(weights, gradients): the bytes this rank holds for ``group`` between iterations.
-
-    Weights are the compute weights that persist plus the main weights; gradients are the
-    reduced gradient shard (allocated at the first backward). The unsharded weights and
-    gradients a unit needs while it runs come on top, for that unit only.
-    """
+    """(weights, gradients): the bytes this rank holds for ``group`` between iterations:
+    persistent compute and main weights, the reduced gradient shard (from the first backward)."""
     weights = held_bytes(group.model) + held_bytes(group.main)
     grads = 0 if group.grads is None else group.grads.numel * group.grads.dtype.itemsize
     return weights, grads
@@ -159,8 +146,6 @@ def _first_of_mesh(units: Sequence[FSDPUnit]) -> bool:
     """Whether this rank is the first of the root's mesh (``units[0]`` is the root: rank 0
     of its shard, outer and TP groups). Not global rank 0: a model sharded over part of the
     world is logged by one of its own ranks, and global rank 0 may hold another model."""
-    if not units:
-        return True
     topology = units[0].options.topology
     tp = topology.tp_group
     tp_rank = 0 if tp is None else dist.get_rank(tp)

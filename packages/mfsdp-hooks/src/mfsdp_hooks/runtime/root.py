@@ -11,7 +11,7 @@ from torch import nn
 
 from mfsdp_collectives import CommStreams, naming_dead_peers
 from mfsdp_hooks.config.grad_allocator import end_iteration, pools_memory
-from mfsdp_hooks.config.unit_options import RootOptions, UnitOptions
+from mfsdp_hooks.config.unit_options import RootOptions
 from mfsdp_hooks.grads.grad_reducer import GradReducer
 from mfsdp_hooks.grads.grad_sync import GradSync
 from mfsdp_hooks.runtime.execution_order import ExecutionOrder
@@ -38,14 +38,10 @@ def unit_paths(module: nn.Module) -> list[tuple[str, FSDPUnit]]:
 
 
 class FSDPRoot:
-    """Coordinates the units of one model: created lazily by the first forward.
-
-    It keeps discovery (its units, their paths), the streams, the final callback of each
-    backward and the step windows; the forward order and prefetch targets live in its
-    ``order`` (``ExecutionOrder``), the gradient side in its ``grad_sync`` (``GradSync``).
-    Every decision that issues a collective iterates ``self.units`` (module order) or the
-    recorded execution order, both identical on every rank.
-    """
+    """Coordinates the units of one model: created lazily by the first forward; the forward
+    order lives in its ``order``, the gradient side in its ``grad_sync``. Every decision that
+    issues a collective iterates ``self.units`` (module order) or the recorded execution
+    order, both identical on every rank."""
 
     def __init__(self, root_unit: FSDPUnit) -> None:
         self.root_unit = root_unit
@@ -61,7 +57,7 @@ class FSDPRoot:
         self._refuse_ignored_root_options()
         paths = [self._unit_path[id(unit)] for unit in self.units]
         log_units(root_unit.name, self.units, paths)  # INFO on mesh rank 0; names DEBUG events
-        self.streams = CommStreams(self.options.topology.device)
+        self.streams = CommStreams(root_unit.options.topology.device)
         self.order = ExecutionOrder(
             root_unit,
             lambda: self.root_options,
@@ -88,11 +84,6 @@ class FSDPRoot:
                     f"root-level option and the root fully_shard({self.root_unit.name}) has "
                     f"{name}={roots!r}: pass it to the root call (or the same value to both)"
                 )
-
-    @property
-    def options(self) -> UnitOptions:
-        """The root unit's options."""
-        return self.root_unit.options
 
     @property
     def root_options(self) -> RootOptions:
@@ -155,10 +146,7 @@ class FSDPRoot:
             for unit in self.units:
                 if not unit.post_backward_done:
                     unit.post_backward()
-            # A backward in which a unit synced ends an optimisation cycle: an optimizer the
-            # engine never sees may read the gradients next, so they must be final. Only
-            # ``no_sync`` micro-batches leave reductions in flight (unless every micro-batch
-            # syncs), overlapping them with the next micro-batch.
+            # Only ``no_sync`` micro-batches leave reductions in flight (``end_backward``).
             synced_units = [u for u in self.units if u.sync_flags.syncs_fully]
             waited = self.grad_sync.end_backward(
                 self._reducers(synced_units), any_synced=bool(synced_units), streams=self.streams
@@ -228,12 +216,10 @@ class FSDPRoot:
     def check_grads_finite(self) -> None:
         """Raise on every rank, naming each parameter whose reduced gradient is not finite.
 
-        One all-reduce of the flags over the ranks that hold the gradient shards (the shard
-        group; under HFSDP both DP levels): the rank holding a bad shard tells all.
+        One all-reduce of the flags per group of ranks holding the gradient shards (units may
+        shard over different groups), in unit order, which every rank shares.
         """
         checked = [(u, g) for u in self.units for g in u.groups if g.requires_grad]
-        # One all-reduce per group (units may shard over different groups), in unit order,
-        # which every rank shares.
         by_group: dict[int, list[tuple[FSDPUnit, ParameterGroup]]] = {}
         for unit, group in checked:
             by_group.setdefault(id(group.topology.optim_group), []).append((unit, group))

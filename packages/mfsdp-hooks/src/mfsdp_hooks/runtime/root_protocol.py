@@ -1,10 +1,5 @@
 """What a unit asks of its root: a leaf module, so that ``unit`` and ``root`` do not import
-each other in a circle.
-
-The root (``root.FSDPRoot``) is built lazily by the first unit to run forward; the unit gets
-the function that builds it (``make_root``) from ``fully_shard``, which is the one module
-that knows both sides. Beyond the few members here a unit talks to the root's
-``ExecutionOrder`` and ``GradSync`` directly: concrete classes an IDE follows.
+each other in a circle (``fully_shard`` hands a unit the ``make_root`` that builds it).
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """Which parameters a unit owns, where they sit in the module tree, and which it can take.
 
-A unit owns the parameters of its module that no already-wrapped sub-module owns. Each
-may sit in several (module, attribute) slots (tied weights), all of which the unit swaps
-between the sharded and the unsharded tensor.
-
-Only plain parameters and tensor-parallel ``DTensor`` ones (``tensor_parallel``: their
-TP-local tensor is flattened, the TP placement kept beside it) can be flattened into a
-buffer and handed back as views: another tensor subclass (torchao's float8 weight wrapper,
-Transformer Engine's ``Float8Tensor``) carries state outside its storage that a flat copy
-drops, so the optimizer and the weight install would silently lose it. Such parameters
-are refused at wrap time, before any collective, on every rank (every rank holds the same
-model, so every rank reaches the same verdict).
+A unit owns the parameters of its module that no already-wrapped sub-module owns, each in
+one or more (module, attribute) slots (tied weights), all of which it swaps between the
+sharded and the unsharded tensor. Only plain parameters and tensor-parallel ``DTensor``s can
+be flattened into a buffer and handed back as views: another tensor subclass carries state
+outside its storage that a flat copy drops, so such parameters are refused at wrap time, on
+every rank alike (every rank holds the same model).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -54,11 +49,7 @@ def collect_slots(module: nn.Module, ignored: frozenset[int] = frozenset()) -> S
     Insertion order is the module traversal order, identical on every rank.
     """
     found: SlotMap = {}
-    # A loop, not a recursive closure: a closure calling itself is a reference cycle that
-    # would keep ``found``, hence the original parameters, alive until a garbage collection.
-    stack: list[tuple[nn.Module, str]] = [(module, "")]
-    while stack:
-        mod, prefix = stack.pop()
+    for mod, prefix in _walk(module, "", lambda child: not is_wrapped(child)):
         for attr, param in mod._parameters.items():
             if param is None or id(param) in ignored:
                 continue
@@ -67,12 +58,6 @@ def collect_slots(module: nn.Module, ignored: frozenset[int] = frozenset()) -> S
                 found[id(param)] = (param, prefix + attr, [(mod, attr)])
             else:
                 entry[2].append((mod, attr))
-        children = [
-            (child, f"{prefix}{name}.")
-            for name, child in mod._modules.items()
-            if child is not None and not is_wrapped(child)
-        ]
-        stack.extend(reversed(children))  # pre-order: the first child is visited next
     return found
 
 
@@ -81,18 +66,29 @@ def unit_named_parameters(member: nn.Module, prefix: str) -> list[tuple[str, nn.
     member) that its unit owns, tied ones in each slot: the sub-trees of other units are
     skipped, as ``collect_slots`` skipped them when the unit was built."""
     unit = member.__dict__.get(UNIT_ATTR)
-    found: list[tuple[str, nn.Parameter]] = []
-    stack: list[tuple[nn.Module, str]] = [(member, prefix)]  # a loop: see collect_slots
+    return [
+        (path + attr, p)
+        for mod, path in _walk(member, prefix, lambda c: c.__dict__.get(UNIT_ATTR, unit) is unit)
+        for attr, p in mod._parameters.items()
+        if p is not None
+    ]
+
+
+def _walk(
+    module: nn.Module, prefix: str, descend: Callable[[nn.Module], bool]
+) -> Iterator[tuple[nn.Module, str]]:
+    """``(module, its path prefix)`` in pre-order, into the children ``descend`` accepts: a
+    loop, as a recursive closure is a reference cycle keeping the original parameters alive."""
+    stack = [(module, prefix)]
     while stack:
         mod, path = stack.pop()
-        found.extend((path + attr, p) for attr, p in mod._parameters.items() if p is not None)
+        yield mod, path
         children = [
             (child, f"{path}{name}.")
             for name, child in mod._modules.items()
-            if child is not None and child.__dict__.get(UNIT_ATTR, unit) is unit
+            if child is not None and descend(child)
         ]
-        stack.extend(reversed(children))
-    return found
+        stack.extend(reversed(children))  # pre-order: the first child is visited next
 
 
 def _is_plain(param: torch.Tensor) -> bool:

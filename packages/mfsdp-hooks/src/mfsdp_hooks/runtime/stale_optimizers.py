@@ -1,28 +1,21 @@
 """Optimizers still holding the parameters ``fully_shard`` replaced: refused at their step.
 
-An optimizer built on a model before sharding holds the user's original parameters. The
-model computes with new ones from then on (``group_storage.adopt_params``), so such an
-optimizer would step stale tensors that nothing reads and training would silently stop.
-Optimizers handed to us (``megatron_fsdp.fully_shard(model, optimizer)``,
-``fully_shard_optimizer``) are re-pointed at the replacements; any other is found once,
-when the root starts its first forward, and gets a step pre-hook (torch's public, per-
-optimizer hook: nothing process-wide) that raises naming the parameters if it still holds
-replaced ones when stepped. It removes itself after the first step that passes.
+An optimizer built before sharding holds the user's original parameters, while the model
+computes with new ones (``group_storage.adopt_params``): it would step stale tensors and
+training would silently stop. Optimizers handed to us are re-pointed at the replacements;
+any other is found once, when the root starts its first forward, and gets a step pre-hook
+(torch's public, per-optimizer hook: nothing process-wide) that raises naming the parameters,
+and removes itself after the first step that passes.
 
-The same scan refuses, at once and on every rank, an optimizer that would step shards of the
-starting root's parameters without an element-wise update (``elementwise_optimizers``), and
-lays out as its parameters the state a load gave an optimizer of them (torch's
-``set_optimizer_state_dict(full_state_dict=True)`` without ``broadcast_from_rank0`` leaves
-``torch.chunk`` pieces: ``load_rows.own_optimizer_rows``), now and after each later
-``load_state_dict`` of it (torch's public per-optimizer post-hook). This is collective: the
-optimizers are taken in the order of their parameters in the root (the same on every rank),
-not in the collector's order.
+The same scan refuses, on every rank, an optimizer that would step shards of the starting
+root's parameters without an element-wise update (``elementwise_optimizers``), and lays out
+as its parameters the state a load gave it (``load_rows.own_optimizer_rows``), now and after
+each later ``load_state_dict``. This is collective: the optimizers are taken in the order of
+their parameters in the root (the same on every rank), not in the collector's order.
 
-A unit that keeps its gathered weights after a forward with autograd on (the root, as FSDP2's)
-shows them in its modules until its backward, so an optimizer built on ``model.parameters()``
-after a forward whose backward has not run (a shape probe) holds those compute weights. The
-root's first backward looks once for such optimizers (``guard_optimizers_on_compute_params``)
-and guards their step the same way.
+The root's first backward looks once more (``guard_optimizers_on_compute_params``) for
+optimizers built on ``model.parameters()`` after a forward whose backward had not run: they
+hold the gathered compute weights a unit shows until its backward.
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
-"""An opt-in host timeline of one model's units: where each training step's time went.
+"""An opt-in host timeline of one model's units: where each training step's time went
+(``docs/timeline.md`` says what a step, a span and each share are).
 
-Overlap is the point of FSDP, and a slow step alone does not say which unit's gathers or
-reductions the compute thread waited for. While ``record_timeline`` runs, the units' forward
-and backward, each all-gather and gradient reduction (issued, then waited for) and the
-optimizer step are timestamped on the host (``time.perf_counter_ns``); each span is also a
-``torch.profiler`` range (``mfsdp:forward blocks.0 (Block)``), so it shows in a profile.
-
-Two kinds of records (``TimelineEvent``):
-
-* spans of the compute thread, nested: a unit's forward, backward or recompute, the issue
-  of and the wait for a unit's all-gathers or reductions, the optimizer step. Each instant
-  of a step belongs to the innermost span open then (its ``self_ns``: a unit's forward
-  excludes its child units' forwards and its own waits) or to none (the step's ``other_ns``:
-  data, loss, autograd outside any unit), so the categories partition the step exactly.
-* in-flight intervals: an all-gather from its issue until the compute thread found it ready,
-  a reduction from its issue until the wait that completed it returned. They overlap spans;
-  that overlap is what FSDP is for.
-
-A step starts at the traced root's forward (not a recompute) and ends where the optimizer's
-step ends, or without an optimizer at the next root forward; the trace's end closes the
-last one. Nothing is recorded outside a step.
-
-Off, each instrumentation point reads ``ACTIVE`` (and the reduction queue its observer)
-and goes on. A trace is process-wide and one at a time: autograd may run hooks on another
-thread, but the compute thread's time is one line. The only hooks it installs are torch's
-public optimizer step hooks, removed when it ends. On CUDA the collectives' device time is
-added from stream events (``timeline_device``).
+Spans of the compute thread nest, and each instant of a step belongs to the innermost span
+open then (its ``self_ns``) or to none (the step's ``other_ns``), so the shares partition
+the step exactly; in-flight intervals (issue until found done) overlap them. Off, each
+instrumentation point reads ``ACTIVE`` (and the reduction queue its observer) and goes on.
+A trace is process-wide and one at a time: autograd may run hooks on another thread, but the
+compute thread's time is one line.
 """
 
 from __future__ import annotations
@@ -58,7 +39,11 @@ ACTIVE: TimelineRecorder | None = None
 
 _now = time.perf_counter_ns
 _FLIGHT = {EventKind.ALL_GATHER_WAIT: EventKind.ALL_GATHER, EventKind.REDUCE_WAIT: EventKind.REDUCE}
-_ISSUE_ROLE = {EventKind.ALL_GATHER_ISSUE: "all_gather", EventKind.REDUCE_ISSUE: "reduce_scatter"}
+# An issue span's side stream (a ``CommStreams`` field) and the device interval it issued.
+_ISSUED = {
+    EventKind.ALL_GATHER_ISSUE: ("all_gather", EventKind.ALL_GATHER_DEVICE),
+    EventKind.REDUCE_ISSUE: ("reduce_scatter", EventKind.REDUCE_DEVICE),
+}
 _COMPUTE = (EventKind.FORWARD, EventKind.BACKWARD, EventKind.RECOMPUTE, EventKind.OPTIMIZER)
 OUTSIDE_UNITS = "outside the units"
 """The segment of a step in no unit's forward or backward (the loss, autograd's own work)."""
@@ -158,36 +143,24 @@ class TimelineRecorder:
         now = _now()
         if root and not recompute:
             self._root_forward(now)
-        kind = EventKind.RECOMPUTE if recompute else EventKind.FORWARD
-        self._open(kind, unit, now)
+        self._open(EventKind.RECOMPUTE if recompute else EventKind.FORWARD, unit, now)
 
     def forward_ends(self, unit: ShownUnit) -> None:
         self._close_unit(unit, (EventKind.FORWARD, EventKind.RECOMPUTE))
 
     def backward_begins(self, unit: ShownUnit) -> None:
-        if id(unit) in self._traced:
-            self._open(EventKind.BACKWARD, unit, _now())
+        self._open(EventKind.BACKWARD, unit, _now())
 
     def backward_ends(self, unit: ShownUnit) -> None:
         self._close_unit(unit, (EventKind.BACKWARD,))
 
     def gather_issue(self, unit: ShownUnit, streams: CommStreams | None) -> _Span | None:
         """Around an unshard; end it with ``keep=False`` when it issued no gather."""
-        if id(unit) not in self._traced:
-            return None
-        span = self._open(EventKind.ALL_GATHER_ISSUE, unit, _now())
-        if span is not None:
-            span.device = self._device.begin(streams)
-        return span
+        return self._open(EventKind.ALL_GATHER_ISSUE, unit, _now(), streams=streams)
 
     def gather_wait(self, unit: ShownUnit) -> _Span | None:
-        if id(unit) not in self._traced:
-            return None
         issued = self._gathers.pop(id(unit), None)
-        span = self._open(EventKind.ALL_GATHER_WAIT, unit, _now())
-        if span is not None:
-            span.issued_ns = issued
-        return span
+        return self._open(EventKind.ALL_GATHER_WAIT, unit, _now(), issued_ns=issued)
 
     # ----------------------------------------------------------------- the reduction queue
     def reduction_span(
@@ -199,11 +172,7 @@ class TimelineRecorder:
             return None
         kind = EventKind.REDUCE_WAIT if waiting else EventKind.REDUCE_ISSUE
         issued = self._reductions.pop(id(reducer), None) if waiting else None
-        span = self._open(kind, unit, _now(), owner=id(reducer))
-        if span is not None:
-            span.issued_ns = issued
-            span.device = None if waiting else self._device.begin(streams)
-        return span
+        return self._open(kind, unit, _now(), owner=id(reducer), issued_ns=issued, streams=streams)
 
     # ----------------------------------------------------------------- the optimizer
     def optimizer_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -268,11 +237,23 @@ class TimelineRecorder:
         return label
 
     def _open(
-        self, kind: EventKind, unit: ShownUnit, now: int, owner: int | None = None
+        self,
+        kind: EventKind,
+        unit: ShownUnit,
+        now: int,
+        *,
+        owner: int | None = None,
+        issued_ns: int | None = None,
+        streams: CommStreams | None = None,
     ) -> _Span | None:
-        if self._step is None:
+        """A span of a traced unit in a step (an issue's marks its streams' device time)."""
+        if self._step is None or id(unit) not in self._traced:
             return None
-        return self._push(kind, id(unit) if owner is None else owner, self._label(unit), now)
+        span = self._push(kind, id(unit) if owner is None else owner, self._label(unit), now)
+        span.issued_ns = issued_ns
+        if kind in _ISSUED:
+            span.device = self._device.begin(streams)
+        return span
 
     def _push(self, kind: EventKind, owner: int, unit: str | None, now: int) -> _Span:
         self._advance(now)
@@ -345,10 +326,10 @@ class TimelineRecorder:
             self._gathers.setdefault(span.owner, span.start_ns)
         elif span.kind is EventKind.REDUCE_ISSUE:
             self._reductions[span.owner] = span.start_ns
-        role = _ISSUE_ROLE.get(span.kind)
-        if span.device is not None and role is not None:
-            kind = EventKind.device_of(span.kind).value
-            self._device.end(span.device, kind, span.unit or "", step.index, role)
+        issued = _ISSUED.get(span.kind)
+        if span.device is not None and issued is not None:
+            role, device = issued
+            self._device.end(span.device, device.value, span.unit or "", step.index, role)
 
     def finish(self) -> None:
         """The trace ends: close the open step and place the device intervals."""

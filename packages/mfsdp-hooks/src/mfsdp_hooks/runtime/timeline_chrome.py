@@ -1,13 +1,7 @@
 """A timeline as Chrome Trace Event Format JSON: what Perfetto (ui.perfetto.dev) and
-chrome://tracing open.
-
-One process per rank (``pid`` = rank), one thread per lane (``tid``): the steps, the compute
-thread (forward, backward, and the issues and waits that block it, nested as they ran), the
-optimizer, and the collectives in flight. Every record is a complete event (``ph: "X"``,
-``ts``/``dur`` in microseconds from the trace's start on this rank); metadata events
-(``ph: "M"``) name the process and the lanes. Collectives in flight may overlap one another
-(a prefetch, a window of reductions), and a track draws only nested slices, so each such
-lane is split into as many numbered sub-lanes as the overlap needs (``all-gather #2``).
+chrome://tracing open (lanes and fields: ``docs/timeline.md``). A track draws only nested
+slices, so a lane of collectives in flight, which may overlap one another, is split into as
+many numbered sub-lanes as the overlap needs (``all-gather #2``).
 """
 
 from __future__ import annotations

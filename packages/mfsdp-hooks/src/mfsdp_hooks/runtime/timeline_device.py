@@ -1,15 +1,10 @@
 """CUDA only: when a timeline's collectives ran on their side streams, not just when the host
-issued them.
+issued them (an accelerator's issue returns at once and its wait only orders streams).
 
-On an accelerator a collective's issue returns at once and its wait only orders streams, so
-the host timeline (``timeline``) shows little of it; events on the streams show when it
-really ran. For each issue of an all-gather or a reduction on active CUDA streams, one event
-is recorded on the compute stream before it (the collective cannot start earlier) and one on
-its side stream after it (it is done there). They are read once, when the trace ends, and
-placed on the host clock through one reference event synchronised at the first mark.
-
-Kept apart and small: nothing here runs on CPU (``begin`` returns None unless the streams
-are active CUDA streams), so nothing here is exercised by the CPU test suite.
+Per issue, one event on the compute stream before it (the collective cannot start earlier)
+and one on its side stream after it (it is done there); they are read when the trace ends
+and placed on the host clock through one reference event synchronised at the first mark.
+Nothing here runs on CPU, so the CPU test suite exercises none of it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""What a timeline records (``timeline``): event kinds, events and steps, plain data.
-
-Kept apart from the recorder so that readers (reports, trace files) depend on the data
-alone, and the rule that makes reports add up is stated once: every span of the compute
-thread has a ``category`` and its ``self_ns`` counts there, the step's ``other_ns`` is the
-time inside no span, and together they are the step's wall time on the host.
+"""What a timeline records (``timeline``): event kinds, events and steps, plain data, so
+that readers depend on the data alone. Every span of the compute thread has a ``category``
+where its ``self_ns`` counts; with the step's ``other_ns`` they add up to its host time.
 """
 
 from __future__ import annotations
@@ -51,13 +48,6 @@ class EventKind(enum.Enum):
     def lane(self) -> str:
         """Where it is drawn: compute thread, optimizer, or the collective's own lane."""
         return _LANE.get(self, "compute")
-
-    @staticmethod
-    def device_of(issue: EventKind) -> EventKind:
-        """The device interval of what ``issue`` (an ``_ISSUE`` span) issued."""
-        if issue is EventKind.ALL_GATHER_ISSUE:
-            return EventKind.ALL_GATHER_DEVICE
-        return EventKind.REDUCE_DEVICE
 
 
 _CATEGORY = {

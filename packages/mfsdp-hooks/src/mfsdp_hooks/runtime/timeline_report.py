@@ -1,21 +1,11 @@
-"""The overlap report of a recorded timeline (``megatron_fsdp``'s ``Timeline.overlap_report()``):
-per unit and per step, where the host's time went. It reads the timeline's data alone
-(``timeline_events``).
-
-Two kinds of numbers, kept apart because they answer different questions:
-
-* **host time** (``compute_ns``, ``all_gather_exposed_ns``, ``reduce_exposed_ns``,
-  ``optimizer_ns``, ``other_ns``): a partition of the steps' wall time on the host. Each
-  instant belongs to the innermost thing running then, so these add up to ``step_ns``
-  exactly. "Exposed" communication is the time the compute thread spent issuing collectives
-  or blocked waiting for them: what overlap failed to hide.
-* **in flight** (``all_gather_ns``, ``reduce_ns`` per unit): how long each unit's
-  collectives took from issue to the moment the compute thread saw them done. They run
-  beside compute, so they are not part of the partition.
+"""The overlap report of a recorded timeline (``megatron_fsdp``'s ``Timeline.overlap_report()``,
+``docs/timeline.md``): per unit and per step, where the host's time went. Host time shares
+partition the steps' wall time; in-flight times run beside compute, outside the partition.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,21 +29,16 @@ _UNIT_FIELD: dict[EventKind, tuple[str, bool]] = {
 
 @dataclass(frozen=True)
 class UnitTimes:
-    """One unit's nanoseconds, summed over the reported steps."""
+    """One unit's nanoseconds, summed over the reported steps: the report's columns, in
+    their order (``docs/timeline.md`` says what each counts)."""
 
     unit: str
     forward_ns: int = 0
-    """Its forward on the host, without its child units' forwards or its waits."""
     backward_ns: int = 0
-    """Its backward (and recompute), the same way."""
     all_gather_ns: int = 0
-    """Its all-gathers in flight: issue until found ready."""
     all_gather_exposed_ns: int = 0
-    """Time the compute thread spent issuing its all-gathers or blocked waiting for them."""
     reduce_ns: int = 0
-    """Its gradient reductions in flight: issue until the wait that completed them."""
     reduce_exposed_ns: int = 0
-    """Time the compute thread spent issuing its reductions or blocked waiting for them."""
 
     @property
     def exposed_ns(self) -> int:
@@ -73,10 +58,7 @@ class OverlapReport:
     all_gather_exposed_ns: int
     reduce_exposed_ns: int
     optimizer_ns: int
-    """The optimizer's step (an attached optimizer's whole ``step()``, weight install
-    included), less the reduction waits it finishes first (counted as exposed)."""
     other_ns: int
-    """Host time outside every unit and the optimizer: data, loss, autograd glue, hooks."""
 
     @property
     def exposed_communication_ns(self) -> int:
@@ -89,10 +71,8 @@ class OverlapReport:
 
     @property
     def overlap_efficiency(self) -> float | None:
-        """The share of communication hidden behind other work:
-        ``1 - exposed_communication_ns / communication_ns``, i.e. of the time collectives
-        were in flight, the part in which the compute thread was neither issuing nor
-        waiting for them. 1.0 is perfect overlap; None when nothing was communicated."""
+        """The share of communication hidden behind other work,
+        ``1 - exposed_communication_ns / communication_ns``; None when nothing was communicated."""
         if self.communication_ns == 0:
             return None
         return 1.0 - self.exposed_communication_ns / self.communication_ns
@@ -118,14 +98,7 @@ class OverlapReport:
             f"{'unit':<{width}}  " + "  ".join(f"{h:>10}" for h in head),
         ]
         for u in self.units:
-            cells = (
-                u.forward_ns,
-                u.backward_ns,
-                u.all_gather_ns,
-                u.all_gather_exposed_ns,
-                u.reduce_ns,
-                u.reduce_exposed_ns,
-            )
+            cells = [getattr(u, field.name) for field in dataclasses.fields(u)[1:]]
             lines.append(f"{u.unit:<{width}}  " + "  ".join(f"{self._ms(c):>10}" for c in cells))
         return lines
 

@@ -42,9 +42,6 @@ from mfsdp_hooks.weights.lookup import (
 )
 from mfsdp_hooks.weights.param_group import ParameterGroup, Waitable
 
-# Per-unit pre/post forward and backward events at DEBUG (as FSDP2's TORCH_LOGS=+fsdp); with
-# a timeline recording (``timeline.ACTIVE``), the spans of forward, backward, gathers.
-
 
 def unit_of(module: nn.Module) -> FSDPUnit | None:
     unit = module.__dict__.get(UNIT_ATTR)
@@ -75,9 +72,8 @@ def untraced(hook: _Hook) -> _Hook:
     return disabled
 
 
-def _hook_members(unit: FSDPUnit) -> list[Any]:
+def _hook_members(unit: FSDPUnit) -> None:
     """The unit's forward hooks on each member module, and the marks others read."""
-    handles = []
     for member in unit.forwards.members:
         member.__dict__[UNIT_ATTR] = unit
         # What torch's fully_shard sets on the modules it manages: Hugging Face's generate()
@@ -88,18 +84,13 @@ def _hook_members(unit: FSDPUnit) -> list[Any]:
         for managed in member.modules():
             managed.__dict__["_is_fsdp_managed_module"] = True
             managed.__dict__["_fsdp_use_orig_params"] = True
-        handles += [
-            member.register_forward_pre_hook(
-                untraced(unit.pre_forward), prepend=True, with_kwargs=True
-            ),
-            member.register_forward_hook(untraced(unit.post_forward), always_call=False),
-            # Full tensors and torch-sharded DTensors (set_model_state_dict) become our rows.
-            member.register_load_state_dict_pre_hook(_take_own_rows),  # type: ignore[no-untyped-call]
-            member.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
-                functools.partial(_after_load, unit)
-            ),
-        ]
-    return handles
+        member.register_forward_pre_hook(untraced(unit.pre_forward), prepend=True, with_kwargs=True)
+        member.register_forward_hook(untraced(unit.post_forward), always_call=False)
+        # Full tensors and torch-sharded DTensors (set_model_state_dict) become our rows.
+        member.register_load_state_dict_pre_hook(_take_own_rows)  # type: ignore[no-untyped-call]
+        member.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
+            functools.partial(_after_load, unit)
+        )
 
 
 def _take_own_rows(member: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
@@ -156,8 +147,7 @@ def _await_gathers(unit: FSDPUnit) -> None:
 
 def _refuse_params_of_other_units(unit: str, slots: SlotMap) -> None:
     for param, name, _ in slots.values():
-        owner = replaced_by_unit(param)
-        if owner is not None:
+        if (owner := replaced_by_unit(param)) is not None:
             raise tied_to_other_unit(name, unit, owner)
 
 
@@ -233,7 +223,7 @@ class FSDPUnit:
         _register_grad_hooks(self.groups, self._on_grad_ready)
         self._swap(use_unsharded=False)
         module.__dict__[UNIT_ATTR] = self
-        self._handles = _hook_members(self)
+        _hook_members(self)
 
     def __repr__(self) -> str:
         return describe_unit(self)
@@ -344,7 +334,6 @@ class FSDPUnit:
             for unit in self.root.units:  # units some member of which did not run
                 if unit.forwards.abandon():
                     unit._end_forward(is_root=False)
-        if is_root:
             output = cast_outputs(forward_policy(self.options, self.region), output)
         if (recorder := timeline.ACTIVE) is not None:
             recorder.forward_ends(self)
@@ -423,7 +412,7 @@ class FSDPUnit:
             reducer = group.reducer
             # No forward, no gradient: grads stay None (as torch's), not zeros Adam steps.
             if reducer is not None and (self._took_part or reducer.has_grads):
-                sync.reduce_after_backward(reducer, group.strategy, self.sync_flags, streams)
+                sync.reduce_after_backward(reducer, self.sync_flags, streams)
         if (recorder := timeline.ACTIVE) is not None:
             recorder.backward_ends(self)
 

@@ -1,10 +1,5 @@
-"""A unit's parameter groups: which of its parameters share flat buffers and collectives.
-
-Parameters are bucketed, in module order, by dtype, ``requires_grad``, the group they are
-sharded over (the shard group, or with expert parallelism the expert-data-parallel group
-for the parameters ``UnitOptions.experts`` names) and the codec that claims them, if any
-(float8 weights travel in a buffer of their own). Each bucket becomes one
-``ParameterGroup``.
+"""A unit's parameter groups: which of its parameters share flat buffers and collectives
+(``build_groups``; float8 weights a codec claims travel in a buffer of their own).
 """
 
 from __future__ import annotations

@@ -3,11 +3,6 @@
 On a GPU a step of many small layers is bound by the host: the ops it dispatches and the
 Python it runs between them. Times vary by machine; these counts do not, so tests can hold
 them against FSDP2's and benchmarks can print them beside the times.
-
-* :class:`AtenOpCount`: aten ops that reach a backend kernel (below autograd and DTensor's
-  own dispatch, so one DTensor op is the local op it runs).
-* :func:`engine_entries`: calls into an engine's code from outside it (module hooks,
-  autograd hooks and functions, backward callbacks, optimizer hooks, API calls), by name.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""Host offload under test: the copies it made, on CPU with the copies forced.
-
-``forced_host_copies()`` (``config.offload``) makes a ``CPUOffloadPolicy`` given inside it run
-the offload path on CPU with every copy made; :func:`offload_counts` sums what the model's
-units copied (each ``fully_shard`` call has its own ``HostOffload``), and
-:func:`reset_offload_counts` starts counting afresh (before a step to count).
-"""
+"""Host offload under test: the copies it made, on CPU with the copies forced
+(``forced_host_copies()``, ``config.offload``), summed over the model's units."""
 
 from __future__ import annotations
 

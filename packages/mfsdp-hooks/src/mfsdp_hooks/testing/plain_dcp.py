@@ -24,6 +24,9 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
+from mfsdp_hooks.testing import assert_close_rel
+from mfsdp_hooks.testing.tp import full_value
+
 __all__ = ["DCPBlock", "DCPModel", "Wrap", "check_plain_dcp_resume"]
 
 WIDTH, OUT, BATCH, STEPS, SAVE_AT = 32, 3, 8, 10, 5
@@ -80,19 +83,12 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any
     return losses
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def _full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: _full(p.detach()).clone() for name, p in model.named_parameters()}
+    return {name: full_value(p.detach()).clone() for name, p in model.named_parameters()}
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
-    scale = expected.abs().max().clamp_min(1e-6)
-    err = ((actual - expected).abs().max() / scale).item()
-    assert err <= 1e-6, f"{what}: relative error {err:.3e} > 1e-6"
+    assert_close_rel(actual, expected, 1e-6, what)
 
 
 def _model(seed: int) -> DCPModel:
@@ -150,7 +146,7 @@ def check_plain_dcp_resume(
         if isinstance(value, DTensor) and value.to_local().numel() == 0
     )
     saved_state = {  # the optimizer state's full tensors (collective)
-        (key, field): _full(value).clone()
+        (key, field): full_value(value).clone()
         for key, entry in state["optim"]["state"].items()
         for field, value in entry.items()
         if isinstance(value, torch.Tensor)

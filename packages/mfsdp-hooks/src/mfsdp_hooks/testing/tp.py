@@ -1,12 +1,6 @@
-"""Tensor-parallel toy models for the FSDP x TP tests of this layer and the layers above.
-
-``TPModel``: two residual MLP blocks (colwise ``up``, rowwise ``down``) and a plain head,
-which TP leaves replicated. ``SPModel``: Megatron's layout, a sequence-parallel LayerNorm
-before each colwise/rowwise pair. ``tp_model(kind, tp_mesh)`` builds either with a fixed seed
-and parallelises it with torch's DTensor TP, or leaves it whole without a mesh (the
-one-process reference, and plain FSDP). ``megatron_tp_model(tp_mesh)``: the same model with
-Megatron-Core-style TP layers (plain local tensors carrying ``tensor_model_parallel``,
-``partition_dim``, ``partition_stride``; their own all-reduces).
+"""Tensor-parallel toy models for the FSDP x TP tests of this layer and the layers above:
+``tp_model`` (torch's DTensor TP, or whole: the one-process reference) and
+``megatron_tp_model`` (Megatron-Core-style TP layers: plain local tensors with its attributes).
 """
 
 from __future__ import annotations

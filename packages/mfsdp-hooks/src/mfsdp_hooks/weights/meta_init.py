@@ -1,34 +1,20 @@
 """Meta-device initialisation: materialise, initialise and shard one unit at a time.
 
-A model built under ``torch.device("meta")`` holds no memory. Each module with parameters or
-buffers on meta is given real storage on the target device and initialised by its own
-``reset_parameters()`` (or ``_reset_parameters()``), in module order; as soon as every
-module of an FSDP unit is done, the unit is sharded, which frees the full tensors. No rank
-ever holds more than its shards plus about one unit.
+Each module with parameters or buffers on meta gets real storage and runs its own
+``reset_parameters()`` (or ``_reset_parameters()``), in module order; as soon as every module
+of an FSDP unit is done, the unit is sharded, which frees the full tensors: no rank ever holds
+more than its shards plus about one unit. Module order is construction order, so with the
+same seed the result equals the model built on the device, ties included: a module whose
+parameter is tied to one initialised earlier (a head tied to the embedding) initialises a
+scratch copy that is dropped, as construction initialised the head's own weight before the
+tie replaced it. A TP parameter (a DTensor) is initialised whole, drawing the numbers one
+process draws, and each TP rank keeps its slice (``distribute_tensor`` with no source rank:
+no communication), whatever RNG state TP ranks would otherwise diverge on.
 
-Module order is construction order for ordinary models, so with the same
-``torch.manual_seed`` the result equals the model built directly on the device, tied weights
-included: a module whose parameter was tied to one initialised earlier (a head tied to the
-embedding) runs its ``reset_parameters`` on a scratch copy that is then dropped, exactly as
-construction initialised the head's own weight before the tie replaced it. A tie to a weight
-whose unit is sharded already is refused, as it is for a model built on the device; nothing
-here keeps a materialised weight once its unit has replaced it.
-
-Tensor-parallel parameters (DTensors on a TP mesh, e.g. from ``parallelize_module`` on a
-meta model) are initialised whole: ``reset_parameters()`` runs on a plain tensor of the
-global shape, drawing exactly the random numbers one-process construction draws, and each
-TP rank then keeps its own slice (``distribute_tensor`` with no source rank, so no
-communication). TP-replicated parameters come out identical on every TP rank and TP-sharded
-ones equal the slices of the one-process model, whatever RNG state TP ranks would otherwise
-diverge on; the cost is one unit's full TP weights for a moment, as without TP.
-
-The per-module ``fully_shard`` keeps FSDP2's contract instead (``initialise=False``): it
-initialises nothing (FSDP2 never calls ``reset_parameters``; torchtitan's models have modules
-without one), it gives each meta *parameter* zeroed storage so the unit can be sharded (the
-shards hold zeros, the same on every rank, so the wrap's replica check agrees), and leaves
-buffers on meta for the user's ``model.to_empty(device=...)``; the user's own initialisation
-(``init_weights()``) then writes into the shards. ``api/module_conversion`` owns what happens
-between the wrap and ``to_empty``.
+The per-module ``fully_shard`` keeps FSDP2's contract instead (``initialise=False``): nothing
+is initialised (FSDP2 never calls ``reset_parameters``; torchtitan's models have modules
+without one); each meta *parameter* gets zeroed storage (the same on every rank, so the wrap's
+replica check agrees) and buffers stay on meta for the user's ``model.to_empty(device=...)``.
 """
 
 from __future__ import annotations

@@ -1,30 +1,20 @@
 """One FSDP unit's parameters of one dtype: their flat buffers and the parameters users see.
 
-A ``ParameterGroup`` owns, laid out by one ``FlatLayout``:
-
-* model weights in the compute dtype: sharded for ZeRO-3 (nothing persists when fp32 main
-  weights exist: the main shard is cast in before each gather), whole otherwise;
-* main weights in the optimizer dtype, only when that differs from the compute dtype;
-* reduced gradients in the optimizer dtype (a ``GradShard``): sharded for ZeRO-1/2/3, whole
-  for ``no_shard``, owned by the distributed parameters' ``.grad``.
-
-Under HFSDP (``topology.shards_optimizer_across_outer``) two layouts cut the same packing:
-``layout`` into the ``dp_shard`` compute shards, which persist and are all-gathered for
-forward and backward, and ``optim_layout`` into ``dp_shard x dp_outer`` sub-shards for the
-main weights, the gradients and the optimizer state. After a step, the sub-shards are
-all-gathered across ``dp_outer`` into the compute shard once (``_refresh_compute_shard``).
-
-It also owns two sets of ``nn.Parameter`` objects created once: the unsharded parameters
-(zero-copy views into the unsharded model-weight buffer, used by forward and backward) and
-the distributed parameters (DTensors of the original shapes over the optimizer-facing shard,
-seen by the optimizer and by ``state_dict``). The group is the weight side: sharded <->
-unsharded, and installing optimizer-updated weights. Its gradients are collected and
-reduced by its ``GradReducer`` (``grad_reducer``), into the ``GradShard`` it owns.
+Laid out by one ``FlatLayout``: compute weights (sharded for ZeRO-3, where nothing of them
+persists when main weights exist apart: the main shard is cast in before each gather; whole
+otherwise), main weights in the optimizer's dtype where it differs, and the reduced gradients
+(a ``GradShard`` the distributed parameters' ``.grad`` views, reduced by ``reducer``). Under
+HFSDP ``layout`` cuts the persistent ``dp_shard`` compute shards and ``optim_layout`` the
+``dp_shard x dp_outer`` sub-shards of all the optimizer sees (``shard_cuts``); after a step
+the sub-shards are all-gathered across ``dp_outer`` once (``_refresh_compute_shard``). The
+unsharded parameters (views of the unsharded buffer) and the distributed ones (DTensors over
+the optimizer-facing shard) are made once, at wrap time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -79,9 +69,9 @@ class _AfterLanding:
     """A gather followed, once it has landed, by one step on this rank (the codec rebuilding
     the compute weights, or this rank's weights put back where a custom comm wrote)."""
 
-    def __init__(self, handle: Waitable, then: Callable[[], None]) -> None:
+    def __init__(self, handle: Waitable, then: Callable[[], object]) -> None:
         self._handle = handle
-        self._then: Callable[[], None] | None = then
+        self._then: Callable[[], object] | None = then
 
     def wait(self) -> None:
         self._handle.wait()
@@ -283,11 +273,8 @@ class ParameterGroup:
         self, streams: CommStreams | None, post_forward: PostForwardShard | None = None
     ) -> Waitable:
         """All-gather ZeRO-3 weights straight into the unsharded buffer: over the smaller
-        group from the slices kept after forward (``post_forward``), else over the shard group.
-
-        With separate main weights (and no HFSDP) nothing of the compute dtype persists: this
-        rank's slot of the unsharded buffer is filled by encoding the main shard, then
-        gathered in place.
+        group from the slices kept after forward (``post_forward``), else over the shard group
+        (this rank's slot encoded from the main shard first where no compute shard persists).
         """
         unsharded = self.model.materialize()
         if post_forward is not None:
@@ -440,11 +427,6 @@ def _install_whole(
     landed = group._decoded(handle, full, senders=group.topology.shard_size)
     if kept is None:
         return landed
-    saved = kept
-
-    def put_back() -> None:
-        # what a custom comm wrote back into this rank's slot (a lossy one: its version of
-        # the weights) must not replace the weights the optimizer steps
-        slot.copy_(saved)
-
-    return _AfterLanding(landed, put_back)
+    # What a custom comm wrote back into this rank's slot (a lossy one: its version of the
+    # weights) must not replace the weights the optimizer steps.
+    return _AfterLanding(landed, partial(slot.copy_, kept))

@@ -1,15 +1,13 @@
 """A unit's gathered weights resharded onto a smaller group between forward and backward.
 
-FSDP2's ``reshard_after_forward=<int>``: when a unit's forward ends, this rank copies its
-``1/size`` slice of the gathered (compute-dtype, or a codec's wire) buffer and the buffer is
-released. The backward unshard puts the slice back into its place of a fresh buffer and
-all-gathers over the ``size`` ranks of ``PostForwardGroup``, so no byte crosses the rest of
-the shard group; a custom all-gather comm (FSDP2's ``set_custom_all_gather``) runs it, as
-FSDP2 runs it over its post-forward mesh, unless the comm cannot regather its own output
-exactly (``regathers_exactly``: block quantization): the slices are already what it
-delivered in forward, and backward must compute with the same weights. The slice is dropped
-as soon as the buffer is rebuilt from it, or when the weights change before that (an
-optimizer step, a load): then the next unshard gathers the whole shard group as usual.
+FSDP2's ``reshard_after_forward=<int>``: after forward this rank keeps its ``1/size`` slice of
+the gathered (compute-dtype, or a codec's wire) buffer; the backward unshard puts it back and
+all-gathers over the ``size`` ranks of ``PostForwardGroup`` only. A custom all-gather comm runs
+that gather, as FSDP2's does, unless it cannot regather its own output exactly
+(``regathers_exactly``: block quantization): the slices are what it delivered in forward,
+and backward must compute with the same weights. The slice is dropped once the buffer is
+rebuilt from it, or when the weights change first (a step, a load): then the next unshard
+gathers over the whole shard group.
 """
 
 from __future__ import annotations

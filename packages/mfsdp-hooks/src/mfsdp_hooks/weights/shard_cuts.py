@@ -1,17 +1,14 @@
 """How one parameter group's flat buffer is cut into shards, and this rank's views of them.
 
-Two cuts of one packing: ``layout`` into the compute shards the shard group all-gathers for
-forward and backward, and ``optim_layout`` into the optimizer-facing shards (main weights,
-gradients, optimizer state). Without HFSDP they are the same cut. Under HFSDP the second
-has ``shard x outer`` sub-shards and the first is it merged across ``dp_outer``, so a
-rank's sub-shard is a slice of its own compute shard (``sub_shard``). The distributed
-parameters the optimizer and ``state_dict`` see are DTensors over this rank's rows of the
-optimizer-facing shard (``dist_params``, :class:`RowShardedDTensor` so that ``full_tensor()``
-gathers the true rows), on the topology's optimizer mesh; a
-tensor-parallel parameter's (its shape here is the TP-local one) on the 2-D ``(dp, tp)``
-mesh, with its TP placement on the second dim (``dtensor``). A parameter cut along another dim
-than 0 (FSDP2's ``Shard(d)``, ``shard_dims``) is stored with that dim first; its views and
-its DTensor (``Shard(d)`` over the ranges along ``d``) are in the user's dim order.
+Two cuts of one packing: ``layout`` into the compute shards the shard group all-gathers, and
+``optim_layout`` into the optimizer-facing shards (main weights, gradients, optimizer state).
+Without HFSDP they are the same cut; under HFSDP the second has ``shard x outer`` sub-shards
+and the first is it merged across ``dp_outer``, so a rank's sub-shard is a slice of its own
+compute shard (``sub_shard``). The distributed parameters are row-sharded DTensors over
+this rank's rows of the optimizer-facing shard, on the optimizer mesh, or for a TP parameter
+(whose shape here is the TP-local one) on the ``(dp, tp)`` mesh. A parameter cut along
+another dim than 0 (``shard_dims``) is stored with that dim first; its views and its DTensor
+are in the user's dim order.
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ The optimizer steps the optimizer-facing weights (main weights, or the model sha
 forward and backward read the compute weights. Two flags say when the second must be
 rebuilt from the first:
 
-* ``dirty``: once, at the next unshard. Set after a load, after an attached optimizer's step
-  and by ``mark_dirty``; cleared by the install (or gather) that rebuilds the weights.
+* ``dirty``: rebuild once, at the next unshard (after a load or an attached optimizer's step).
 * ``step_window_open``: from a backward that synced the gradients until the next backward
   begins. A bare optimizer (one the engine never sees: nothing is registered process-wide,
   and a step through DTensors bumps no version counter) may step at any moment in it, so
@@ -16,18 +15,7 @@ rebuilt from the first:
   install is an all-gather across ``dp_outer``). A bare optimizer stepping a group that an
   attached one also steps must be followed by ``install_optimized_model_weights()``.
 
-Transitions, all here (the flags are read-only outside), as ``method (when): effect``:
-
-* ``mark_dirty`` (a load, ``mark_weights_dirty``): dirty;
-* ``installed`` (an install, or a gather that encodes the main shard, rebuilt the compute
-  weights): clean;
-* ``open_step_window`` (a synced backward ends, or ``finish_grad_sync``): the window opens
-  for a steppable group no attached optimizer steps;
-* ``recheck_step_window`` (a forward, or an unshard a user asks for): dirty if open;
-* ``close_step_window(stepped=False)`` (a backward begins): the window closes;
-* ``close_step_window(stepped=True)`` (an attached step, or an explicit install): the
-  window closes, dirty;
-* ``attach_stepper`` (an attached optimizer takes the group): no window opens from then on.
+All transitions are the methods below; the flags are read-only outside.
 """
 
 from __future__ import annotations
@@ -61,6 +49,7 @@ class WeightFreshness:
         self._attached = True
 
     def mark_dirty(self) -> None:
+        """A load, or ``mark_weights_dirty``: rebuild the compute weights once."""
         self._dirty = True
 
     def installed(self) -> None:
@@ -69,7 +58,8 @@ class WeightFreshness:
         self._dirty = False
 
     def open_step_window(self) -> None:
-        """Its gradients are synced: an optimizer the engine does not see may step next."""
+        """A synced backward ended (or ``finish_grad_sync``): an optimizer the engine does not
+        see may step next."""
         self._window_open = self._steppable and not self._attached
 
     def close_step_window(self, *, stepped: bool) -> None:
