@@ -1,23 +1,8 @@
 """mfsdp_checkpoint: distributed checkpoints of sharded models (layer 4 of megatron-fsdp).
 
-* ``enable_dcp(model, optimizer)``: ``state_dict()`` of the sharded model and optimizer hold
-  DTensors of the original shapes with their true (uneven) row ranges (the optimizer's in
-  torch's positional format, which torch's ``get_optimizer_state_dict`` keys by name), so
-  ``torch.distributed.checkpoint.save/load`` work directly, across world sizes and sharding
-  strategies, and with torch FSDP2 checkpoints.
-* ``save``/``load`` (any DCP state dict) and ``save_checkpoint``/``load_checkpoint`` (model +
-  optimizer): atomic directories with a completion marker and checksums; clear errors raised on
-  every rank. ``async_save``/``async_save_checkpoint``: the same checkpoints written in the
-  background while training goes on.
-* ``gather_full_state_dict``/``save_full_state_dict``: the unsharded model on rank 0, streamed
-  group by group; ``load_full_state_dict``: a single-process state dict into a sharded model
-  without any rank holding it whole.
-* ``convert``/``describe`` and the ``mfsdp-checkpoint`` command line: DCP <-> torch <->
-  safetensors, with prefix stripping for Hugging Face.
-* Megatron's checkpoint names, for the Megatron-Core adapter above: ``WRAPPER_PREFIX`` and
-  ``split_wrappers`` (the ``module.`` levels before a model's own path), ``is_swiglu_key``,
-  ``swiglu_halves`` and ``split_rows`` (a SwiGLU ``linear_fc1`` saved as its two halves),
-  ``has_row_chunk`` and ``to_megatron_optimizer_state`` (the ``fsdp_dtensor`` optimizer section).
+What each function does, and how data flows through the modules: the package README. The
+Megatron names (``WRAPPER_PREFIX`` ... ``to_megatron_optimizer_state``) serve the Megatron-Core
+adapter above.
 """
 
 from mfsdp_checkpoint.async_checkpoint import CheckpointStager, async_save, async_save_checkpoint

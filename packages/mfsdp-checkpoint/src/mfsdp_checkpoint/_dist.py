@@ -58,11 +58,6 @@ def agree(problem: Problem, group: dist.ProcessGroup | None = None) -> None:
     raise ERROR_TYPES.get(kind, CheckpointError)(message)
 
 
-def barrier(group: dist.ProcessGroup | None = None) -> None:
-    if is_distributed():
-        dist.barrier(group=group)
-
-
 def global_rank_of(group_rank: int, group: dist.ProcessGroup | None) -> int:
     """The global rank of ``group_rank`` in ``group`` (collectives take global ranks)."""
     return group_rank if group is None else dist.get_global_rank(group, group_rank)

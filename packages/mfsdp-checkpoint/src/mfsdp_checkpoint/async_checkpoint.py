@@ -1,19 +1,6 @@
-"""Atomic checkpoints written in the background while training goes on.
-
-``async_save`` copies the state dict to host memory (so training may change the weights the
-moment it returns), then runs the ordinary atomic ``save`` on a background thread: the files,
-the completion marker and the final rename are exactly those of a synchronous save, and
-``load``/``load_checkpoint`` resume from them the same way.
-
-Two things keep this from going wrong where ``torch.distributed.checkpoint.async_save`` with its
-default stager does not:
-
-* The copy keeps each DTensor's row metadata (``chunks.annotate``). A plain copy loses it, and
-  DCP would then place the engine's uneven row ranges at ``torch.chunk`` offsets.
-* The background save talks over a process group of its own (gloo, created once, collectively,
-  at the first asynchronous save). gloo requires every rank to issue the collectives of a group
-  in one order; sharing the training group with a background thread would interleave them
-  differently on each rank.
+"""Atomic checkpoints written in the background while training goes on: ``async_save`` copies
+the state dict to host memory, then runs the ordinary atomic ``save`` on a background thread,
+over a gloo group of its own (why each matters: the package README, "Asynchronous saves").
 """
 
 from __future__ import annotations
@@ -59,26 +46,19 @@ def _default_group() -> dist.ProcessGroup | None:
 def _new_group(parent: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     if not _dist.is_distributed():
         return None
-    # made at the first async save, mid-run: a member that died before it is named within
-    # seconds instead of holding the rendezvous to the store's timeout
-    if parent is None:
-        ranks = list(range(dist.get_world_size()))
-        group = call_watching_peers(
-            lambda: dist.new_group(backend="gloo"),  # collective over every rank, like the caller
-            ranks,
-            "creating the group of asynchronous checkpoints",
-        )
-    else:
+    # Without a parent, collective over every rank, like the caller; with one, only its members
+    # call async_save. Made at the first async save, mid-run: a member that died before it is
+    # named within seconds instead of holding the rendezvous to the store's timeout.
+    ranks = list(range(dist.get_world_size()))
+    options: dict[str, Any] = {}
+    if parent is not None:
         ranks = dist.get_process_group_ranks(parent)
-        group = call_watching_peers(
-            lambda: dist.new_group(
-                ranks=ranks,
-                backend="gloo",
-                use_local_synchronization=True,  # only the members call async_save
-            ),
-            ranks,
-            "creating the group of asynchronous checkpoints",
-        )
+        options = {"ranks": ranks, "use_local_synchronization": True}
+    group = call_watching_peers(
+        lambda: dist.new_group(backend="gloo", **options),
+        ranks,
+        "creating the group of asynchronous checkpoints",
+    )
     return cast(dist.ProcessGroup, group)
 
 
@@ -88,8 +68,7 @@ def _channel(process_group: dist.ProcessGroup | None) -> _Channel:
     if found is not None and found.parent is process_group and found.world is _default_group():
         return found
     if found is not None:
-        concurrent.futures.wait([found.pending] if found.pending else [])
-        found.executor.shutdown(wait=True)
+        found.executor.shutdown(wait=True)  # after its pending save
     channel = _Channel(
         parent=process_group,
         world=_default_group(),
@@ -144,8 +123,7 @@ class CheckpointStager:
         return False  # staging is a synchronous host copy: nothing left to wait for
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        staged: dict[str, Any] = stage_state_dict(state_dict)
-        return staged
+        return cast(dict[str, Any], stage_state_dict(state_dict))
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for (see ``should_synchronize_after_execute``)."""
@@ -164,12 +142,10 @@ def async_save(
 ) -> Future[Path]:
     """Start an atomic save of ``state_dict`` to ``path``; return once it is copied. Collective.
 
-    The returned future's ``result()`` waits until the checkpoint is committed (marker written
-    and directory renamed into place) and returns ``path``, or raises the save's
-    ``CheckpointError``. One save per group of ranks is in flight at a time: a call made while
-    the previous one is still writing first waits for it (its outcome stays in its own
-    future), so at most one staged copy of the state lives in memory. Wait for ``result()``
-    before saving synchronously to, or loading from, the same path.
+    The future's ``result()`` waits until the checkpoint is committed and returns ``path``, or
+    raises the save's ``CheckpointError``. A call made while the previous save of the group is
+    still writing first waits for it (its outcome stays in its own future), so at most one
+    staged copy of the state lives in memory.
     """
     target = check_target(path)
     channel = _channel(process_group)
@@ -196,13 +172,7 @@ def async_save_checkpoint(
     process_group: dist.ProcessGroup | None = None,
     overwrite: bool = True,
 ) -> Future[Path]:
-    """``save_checkpoint`` in the background: same files, read back by ``load_checkpoint``.
-
-    Returns as soon as the model, optimizer and ``extra`` are copied; training may step
-    immediately. See ``async_save`` for the returned future and for saves that overlap.
-    """
+    """``save_checkpoint`` in the background (``async_save``): same files, read back by
+    ``load_checkpoint``; returns as soon as the state is copied."""
     state = checkpoint_state(model, optimizer, extra)
     return async_save(state, path, process_group=process_group, overwrite=overwrite)
-
-
-__all__ = ["CheckpointStager", "async_save", "async_save_checkpoint", "stage_state_dict"]

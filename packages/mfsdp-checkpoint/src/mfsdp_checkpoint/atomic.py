@@ -1,15 +1,7 @@
-"""Atomic DCP saves and checked loads.
-
-``save`` never leaves a directory that loads as complete unless every rank finished writing:
-it writes into ``<path>.partial`` (with an in-progress sentinel), records each file's size and
-CRC32 in a completion marker, then renames the directory into place. A process killed at any
-point before the rename leaves the previous checkpoint at ``path`` untouched (or, if killed in
-the middle of replacing it, complete at ``<path>.old``, where ``load`` finds it).
-
-``load`` refuses partial directories, verifies the marker's sizes (and checksums, spread over
-the ranks), compares the state dict with the checkpoint's metadata, and only then calls
-``torch.distributed.checkpoint.load``. Every check ends in an agreement step, so a failure is
-raised on every rank with the same message instead of leaving ranks waiting in a collective.
+"""Atomic DCP saves and checked loads (what is promised, and the kill-point tests: the package
+README, "Atomic saves, checked loads" and "Reliability"). Every check ends in an agreement step,
+so a failure is raised on every rank with the same message instead of leaving ranks waiting in
+a collective.
 """
 
 from __future__ import annotations
@@ -30,11 +22,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from mfsdp_checkpoint import _dist
-from mfsdp_checkpoint.errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    StateDictMismatchError,
-)
+from mfsdp_checkpoint.errors import CheckpointError, CorruptCheckpointError, StateDictMismatchError
 from mfsdp_checkpoint.key_map import KeyPlan, plan_key_map
 from mfsdp_checkpoint.marker import (
     IN_PROGRESS,
@@ -117,14 +105,30 @@ def _prepare_staging(path: Path, staging: Path, overwrite: bool) -> None:
     write_in_progress(staging)
 
 
-def _file_records(staging: Path, names: list[str], checksum: bool) -> dict[str, dict[str, int]]:
-    return {
+def _file_records(
+    staging: Path, checksum: bool, process_group: dist.ProcessGroup | None
+) -> dict[str, dict[str, int]]:
+    """Every file's size and CRC32, on every rank; each rank hashes a share of the files."""
+    me, world = _dist.rank(process_group), _dist.world_size(process_group)
+    names = sorted(n for n in os.listdir(staging) if n != IN_PROGRESS) if me == 0 else []
+    if _dist.is_distributed():
+        box = [names]
+        dist.broadcast_object_list(
+            box, src=_dist.global_rank_of(0, process_group), group=process_group
+        )
+        names = box[0]
+    records = {
         name: {
             "bytes": (staging / name).stat().st_size,
             "crc32": crc32_of(staging / name) if checksum else -1,
         }
-        for name in names
+        for name in names[me::world]
     }
+    gathered = [records]
+    if _dist.is_distributed():
+        gathered = [{}] * world
+        dist.all_gather_object(gathered, records, group=process_group)
+    return {name: record for part in gathered for name, record in part.items()}
 
 
 def _publish(path: Path, staging: Path) -> None:
@@ -162,57 +166,31 @@ def save(
     the save makes the others raise ``PeerDiedError`` naming it.
     """
     with naming_dead_peers(f"saving the checkpoint {path}", process_group):
-        return _save(state_dict, path, process_group, overwrite, checksum, planner)
-
-
-def _save(
-    state_dict: dict[str, Any],
-    path: PathLike,
-    process_group: dist.ProcessGroup | None,
-    overwrite: bool,
-    checksum: bool,
-    planner: SavePlanner | None,
-) -> Path:
-    target = check_target(path)
-    staging = partial_path(target)
-    me, world = _dist.rank(process_group), _dist.world_size(process_group)
-    problem = (
-        _run_locally(lambda: _prepare_staging(target, staging, overwrite)) if me == 0 else None
-    )
-    _dist.agree(problem, process_group)
-    try:
-        with _dist.quiet_single_process(), naming_dead_peers(f"saving {target}", process_group):
-            dcp_save(
-                state_dict,
-                storage_writer=FileSystemWriter(staging, sync_files=True),
-                planner=planner,
-                process_group=process_group,
-            )
-    except CheckpointException as error:
-        raise CheckpointError(f"saving {target} failed on some rank: {error}") from None
-    names = sorted(n for n in os.listdir(staging) if n != IN_PROGRESS) if me == 0 else []
-    if _dist.is_distributed():
-        box = [names]
-        dist.broadcast_object_list(
-            box, src=_dist.global_rank_of(0, process_group), group=process_group
+        target = check_target(path)
+        staging = partial_path(target)
+        first = _dist.rank(process_group) == 0
+        problem = (
+            _run_locally(lambda: _prepare_staging(target, staging, overwrite)) if first else None
         )
-        names = box[0]
-    records = _file_records(staging, names[me::world], checksum)
-    gathered = [records]
-    if _dist.is_distributed():
-        gathered = [{}] * world
-        dist.all_gather_object(gathered, records, group=process_group)
-    problem = None
-    if me == 0:
-        files = {name: rec for part in gathered for name, rec in part.items()}
+        _dist.agree(problem, process_group)
+        try:
+            with _dist.quiet_single_process(), naming_dead_peers(f"saving {target}", process_group):
+                dcp_save(
+                    state_dict,
+                    storage_writer=FileSystemWriter(staging, sync_files=True),
+                    planner=planner,
+                    process_group=process_group,
+                )
+        except CheckpointException as error:
+            raise CheckpointError(f"saving {target} failed on some rank: {error}") from None
+        files = _file_records(staging, checksum, process_group)
 
         def finish() -> None:
-            write_marker(staging, world, files)
+            write_marker(staging, _dist.world_size(process_group), files)
             _publish(target, staging)
 
-        problem = _run_locally(finish)
-    _dist.agree(problem, process_group)
-    return target
+        _dist.agree(_run_locally(finish) if first else None, process_group)
+        return target
 
 
 def load(
@@ -236,21 +214,20 @@ def load(
     key is unexpected only when no rank's ``state_dict`` has it.
     """
     with naming_dead_peers(f"loading the checkpoint {path}", process_group):
-        return _load(state_dict, path, process_group, strict, verify, planner, partitioned)
+        return _load(state_dict, Path(path), process_group, strict, verify, planner, partitioned)
 
 
 def _load(
     state_dict: dict[str, Any],
-    path: PathLike,
+    requested: Path,
     process_group: dist.ProcessGroup | None,
     strict: bool,
     verify: bool,
     planner: LoadPlanner | None,
-    partitioned: bool = False,
+    partitioned: bool,
 ) -> DirectoryInfo:
-    requested = Path(path)
     me, world = _dist.rank(process_group), _dist.world_size(process_group)
-    found: list[Any] = []
+    found: list[tuple[DirectoryInfo, KeyPlan, Comparison, str]] = []
 
     def local_checks() -> None:
         source = resolve_interrupted_swap(requested)
@@ -263,18 +240,16 @@ def _load(
         comparison = check(plan.flat, metadata, where, every_key_here, sections=plan.sections)
         if strict and partitioned and comparison.missing:
             raise StateDictMismatchError(Comparison(missing=comparison.missing).message(where))
-        found.extend([info, plan, comparison, where])
+        found.append((info, plan, comparison, where))
 
     _dist.agree(_run_locally(local_checks), process_group)
+    info, plan, comparison, where = found[0]
     if strict and partitioned:
-        _refuse_keys_no_rank_loads(found[2].unexpected, found[3], process_group)
-    info: DirectoryInfo = found[0]
-    plan: KeyPlan = found[1]
+        _refuse_keys_no_rank_loads(comparison.unexpected, where, process_group)
     source = info.path
     if plan.renames and me == 0:
         how = f"; {plan.derivation}" if plan.derivation else ""
         log.info("loading %s, named as by %s%s", source, plan.naming.describe(), how)
-    comparison = found[2]
     prune(state_dict, plan.our_paths(comparison.prunable))
     if plan.renames:
         prune(plan.flat, comparison.prunable)
@@ -290,6 +265,3 @@ def _load(
         raise CorruptCheckpointError(f"loading {source} failed on some rank: {error}") from None
     plan.copy_back(state_dict)
     return info
-
-
-__all__ = ["MARKER", "load", "read_metadata", "save"]

@@ -1,10 +1,6 @@
-"""One call to save or resume a sharded model and its optimizer.
-
-``save_checkpoint``/``load_checkpoint`` are the seed README's snippet with the safety added:
-hooks installed, atomic directory, integrity checks, full mismatch reports, errors on every
-rank. The layout on disk is a plain DCP checkpoint with sections ``"model"``, ``"optimizer"``
-and (optionally) ``"extra"``, so torch's own tools read it too.
-"""
+"""One call to save or resume a sharded model and its optimizer: the seed README's snippet with
+the safety added. On disk, a plain DCP checkpoint with sections ``"model"``, ``"optimizer"`` and
+(optionally) ``"extra"``, so torch's own tools read it too."""
 
 from __future__ import annotations
 
@@ -50,11 +46,8 @@ def save_checkpoint(
 ) -> Path:
     """Save ``model`` (and ``optimizer``, and picklable ``extra`` values) atomically.
 
-    ``naming`` names the keys for the job that will load the checkpoint: ``"native"`` (ours;
-    ``load_checkpoint`` reads every naming anyway), ``"fsdp2"`` (no ``module.`` prefix,
-    optimizer state by name: torch FSDP2's ``get_state_dict``/``set_state_dict`` load it) or
-    ``"nvidia"`` (``module.*``, optimizer state by position: NVIDIA megatron-fsdp's
-    ``optimizer.state_dict()`` loads it). See ``naming.named_for``.
+    ``naming`` names the keys for the job that will load the checkpoint (``naming.named_for``;
+    ``load_checkpoint`` reads every naming anyway).
     """
     state = named_for(checkpoint_state(model, optimizer, extra), naming)
     return save(state, path, process_group=process_group, overwrite=overwrite)

@@ -1,13 +1,7 @@
-"""Where each rank's piece of a sharded parameter sits in the full tensor, for DCP.
-
-The engine's flat layout gives every rank a contiguous *row range* of each parameter, which
-may be uneven or empty and does not follow ``torch.chunk``. DCP, left to itself, derives a
-DTensor's offsets from ``torch.chunk`` semantics and would write rows to the wrong place. So
-each state-dict tensor gets the two DCP protocol methods, ``__create_write_items__`` (save)
-and ``__create_chunk_list__`` (load), answering from the layout's true row range.
-
-The row ranges are pure arithmetic on the layout (no communication) and are computed once per
-parameter group, then cached for the life of the group.
+"""Where each rank's piece of a sharded parameter sits in the full tensor, for DCP: the two DCP
+protocol methods every state-dict tensor gets, answering from the layout's true row range
+(why DCP needs them: the package README, "Why the layer is needed"). The ranges are pure
+arithmetic on the layout, computed once per parameter group and cached for its life.
 """
 
 from __future__ import annotations
@@ -117,18 +111,15 @@ def group_chunks(group: ParameterGroup) -> tuple[RowChunk, ...]:
             whole, base, local = spec.global_shape, spec.local_offset, size
         stride = spec.partition_stride if spec is not None else 1
         dim = group.optim_layout.placements[index].shard_dim
-        rows = size[dim]
         if group.strategy == ShardingStrategy.NO_SHARD:
-            chunks.append(RowChunk(whole, 0, rows, True, base, local, stride, dim))
-            continue
-        piece = group.optim_layout.local_piece(index, rank)
-        if size.numel() == 0:
+            start, end, writes = 0, size[dim], True
+        elif size.numel() == 0:
             # Nothing to write anywhere; one rank still records the tensor so it has metadata.
-            chunks.append(RowChunk(whole, 0, rows, rank == 0, base, local, stride, dim))
-            continue
-        writes = not piece.is_empty
-        row_start, row_end = piece.row_start, piece.row_end
-        chunks.append(RowChunk(whole, row_start, row_end, writes, base, local, stride, dim))
+            start, end, writes = 0, size[dim], rank == 0
+        else:
+            piece = group.optim_layout.local_piece(index, rank)
+            start, end, writes = piece.row_start, piece.row_end, not piece.is_empty
+        chunks.append(RowChunk(whole, start, end, writes, base, local, stride, dim))
     result = tuple(chunks)
     _CACHE[group] = result
     return result
@@ -224,12 +215,8 @@ def annotate(
             f"rows [{own.row_start}, {own.row_end}) of the layout; the engine's sharding changed "
             "under the checkpoint layer"
         )
-
-    def mark_dirty() -> None:
-        group.mark_weights_dirty()
-
     setattr(tensor, _WRITE_ATTR, _WriteItems(own))
-    setattr(tensor, _CHUNKS_ATTR, _ChunkList(own, mark_dirty))
+    setattr(tensor, _CHUNKS_ATTR, _ChunkList(own, group.mark_weights_dirty))
     if own.stride > 1:
         setattr(tensor, _SHARD_ATTR, _TensorShard(own, tensor))
     return tensor

@@ -1,13 +1,5 @@
-"""``mfsdp-checkpoint``: convert and inspect checkpoints from the shell.
-
-    mfsdp-checkpoint convert SRC DST --to {torch,safetensors,dcp} [--select model]
-                     [--strip-prefix module.] [--allow-pickle]
-    mfsdp-checkpoint inspect SRC [--json] [--verify]   (alias: describe)
-
-SRC may be a DCP directory, a torch file or a safetensors file (detected from what is there).
-Exit status 0 on success, 1 when the checkpoint is missing, partial, corrupted or does not
-convert, 2 for bad usage.
-"""
+"""``mfsdp-checkpoint``: convert and inspect checkpoints from the shell (usage and exit status:
+the package README, "Command line")."""
 
 from __future__ import annotations
 
@@ -47,11 +39,6 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PREFIX",
         help="remove PREFIX from names (repeatable), e.g. 'module.' for Hugging Face",
     )
-    conv.add_argument(
-        "--allow-pickle",
-        action="store_true",
-        help="read torch files with arbitrary pickled objects (only for files you trust)",
-    )
     insp = commands.add_parser(
         "inspect",
         aliases=["describe"],
@@ -60,11 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     insp.add_argument("src")
     insp.add_argument("--json", action="store_true", help="print the report as JSON")
     insp.add_argument("--verify", action="store_true", help="also check the recorded CRC32s")
-    insp.add_argument(
-        "--allow-pickle",
-        action="store_true",
-        help="read torch files with arbitrary pickled objects (only for files you trust)",
-    )
+    for command in (conv, insp):
+        command.add_argument(
+            "--allow-pickle",
+            action="store_true",
+            help="read torch files with arbitrary pickled objects (only for files you trust)",
+        )
     return parser
 
 

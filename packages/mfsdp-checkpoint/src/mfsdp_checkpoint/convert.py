@@ -1,14 +1,9 @@
 """Convert between a DCP directory, one torch file and one safetensors file; describe them.
 
 Conversions run in one process and keep DCP's flattened key scheme, the nesting of the
-original state dict and its non-tensor values (``param_groups``, step counters stored as
-objects), so DCP -> safetensors -> DCP gives back every tensor bit for bit. ``select`` keeps
-one top-level section (``"model"``) and ``strip_prefixes`` drops wrapper prefixes
-(``"module."``) so a Hugging Face ``from_pretrained`` or a plain ``load_state_dict`` reads the
-result; both flatten the nesting, as those consumers expect flat names.
-
-Memory: safetensors output is streamed tensor by tensor; torch and DCP sources are mapped or
-read in batches, but a torch file output (``torch.save``) needs every tensor in memory.
+original state dict and its non-tensor values, so DCP -> safetensors -> DCP gives back every
+tensor bit for bit. ``select`` and ``strip_prefixes`` flatten the nesting, as the consumers
+they serve (Hugging Face, a plain ``load_state_dict``) expect flat names.
 """
 
 from __future__ import annotations
@@ -25,6 +20,7 @@ from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 
 from mfsdp_checkpoint.atomic import save
 from mfsdp_checkpoint.errors import CheckpointError
+from mfsdp_checkpoint.marker import verify_files
 from mfsdp_checkpoint.naming import detect_naming
 from mfsdp_checkpoint.safetensors_io import TensorSpec, write_safetensors
 from mfsdp_checkpoint.sources import (
@@ -188,8 +184,6 @@ def describe(
             report["world_size"] = f">= {max(ranks) + 1} (no completion marker)" if ranks else None
             report["complete"] = "unknown (plain DCP directory, no completion marker)"
         if verify:
-            from mfsdp_checkpoint.marker import verify_files
-
             verify_files(reader.info, (0, 1), checksums=True)
             report["verified"] = marker is not None
     return report

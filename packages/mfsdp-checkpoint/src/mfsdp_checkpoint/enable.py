@@ -1,19 +1,8 @@
-"""``enable_dcp``: make a sharded model's (and optimizer's) state dicts DCP-ready.
-
-This is what ``preproc_state_dict_for_dcp_ckpt=True`` turns on. Afterwards the seed README's
-snippet works as written, across world sizes and sharding strategies::
-
-    dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
-             checkpoint_id=path)
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    dcp.load(state, checkpoint_id=path)
-    model.load_state_dict(state["model"], strict=False)
-    optimizer.load_state_dict(state["optimizer"])
-
-The same snippet is exact without it too (``mfsdp_hooks``' row-sharded DTensors give DCP their
-row ranges themselves); ``enable_dcp`` adds optimizer state keyed by name for
-``save_checkpoint`` (``OptimizerCheckpointHooks.named_state_dict``), placeholders for an
-optimizer that never stepped, and Megatron-Core strided TP partitions, which it alone can save.
+"""``enable_dcp``: make a sharded model's (and optimizer's) state dicts DCP-ready (what
+``preproc_state_dict_for_dcp_ckpt=True`` turns on). The seed README's plain ``dcp.save``/
+``dcp.load`` snippet is exact without it too (``mfsdp_hooks``' row-sharded DTensors answer DCP
+themselves); it adds name-keyed optimizer state, placeholders for an optimizer that never
+stepped, and Megatron-Core strided TP partitions, which it alone can save.
 """
 
 from __future__ import annotations
@@ -49,13 +38,8 @@ def enable_dcp(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
 
     Idempotent for the model; calling it again with an optimizer adds (or refreshes) the
     optimizer's hooks. The per-parameter DCP metadata is computed here, once, from the engine's
-    layout (no communication), and reused by every later ``state_dict()``.
-
-    ``optimizer.state_dict()`` keeps torch's positional keys (torch's
-    ``get_optimizer_state_dict`` names them); ``optimizer_hooks.named_state_dict()`` of the
-    returned handle keys the state by parameter names relative to ``model`` (pass the
-    ``MegatronFSDP`` wrapper and names start with ``module.``; pass ``wrapper.module`` for the
-    names of the unwrapped model, e.g. to exchange checkpoints with torch FSDP2).
+    layout (no communication). Optimizer state names are relative to ``model`` (pass
+    ``wrapper.module`` for the unwrapped model's names, e.g. to exchange checkpoints with FSDP2).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")

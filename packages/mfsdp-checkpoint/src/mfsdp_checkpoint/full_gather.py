@@ -1,10 +1,7 @@
-"""Gather the full (unsharded) state dict to rank 0 on CPU, one parameter group at a time.
-
-For export: a plain ``{name: tensor}`` dict any single-process tool can use. Each group's
-shards travel in one ``gather`` to rank 0, which cuts them into parameters, moves them to CPU
-and frees the gathered shards before the next group, so no rank ever holds more than one
-group's worth of gathered data on the device. ``DTensor.full_tensor()`` cannot do this: it
-assumes ``torch.chunk`` shards, and the engine's row shards are uneven.
+"""Gather the full (unsharded) state dict to rank 0 on CPU, one parameter group at a time, so no
+rank ever holds more than one group's worth of gathered data on the device.
+``DTensor.full_tensor()`` cannot do this: it assumes ``torch.chunk`` shards, and the engine's
+row shards are uneven.
 """
 
 from __future__ import annotations
@@ -39,25 +36,28 @@ class ExportPlan:
         return ordered + self.others
 
 
+def _out_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
+    """``cast`` for floating-point tensors when given; other tensors keep their dtype."""
+    return cast if cast is not None and dtype.is_floating_point else dtype
+
+
 def export_plan(model: nn.Module) -> ExportPlan:
     """Names, shapes and dtypes of every full tensor, from local metadata only."""
     index = ParamIndex(model)
     state = model.state_dict()
     by_group: dict[int, list[tuple[ParamRef, list[str]]]] = {}
-    groups: dict[int, ParameterGroup] = {}
+    specs: dict[str, TensorSpec] = {}
     for ref in index.refs():
         names = [n for n in index.aliases[ref.fqn] if n in state]
-        groups.setdefault(id(ref.group), ref.group)
         by_group.setdefault(id(ref.group), []).append((ref, names))
-    specs: dict[str, TensorSpec] = {}
-    for refs in by_group.values():
-        for ref, names in refs:
-            for name in names:
-                specs[name] = TensorSpec(name, tuple(ref.param.shape), ref.param.dtype)
+        for name in names:
+            specs[name] = TensorSpec(name, tuple(ref.param.shape), ref.param.dtype)
     others = [k for k, v in state.items() if k not in specs and isinstance(v, torch.Tensor)]
     for key in others:
         specs[key] = TensorSpec(key, tuple(state[key].shape), state[key].dtype)
-    plan = [(groups[g], sorted(refs, key=lambda r: r[0].index)) for g, refs in by_group.items()]
+    plan = [
+        (refs[0][0].group, sorted(refs, key=lambda r: r[0].index)) for refs in by_group.values()
+    ]
     return ExportPlan(plan, others, specs)
 
 
@@ -159,9 +159,7 @@ def gather_full_state_dict(
     received: dict[str, torch.Tensor] = {}
     for name, tensor in iter_full_tensors(model, plan, to_all=not rank0_only):
         if tensor is not None:
-            received[name] = (
-                tensor if dtype is None or not tensor.is_floating_point() else (tensor.to(dtype))
-            )
+            received[name] = tensor.to(_out_dtype(tensor.dtype, dtype))
     order = list(model.state_dict().keys())
     return {k: received[k] for k in order if k in received}
 
@@ -187,7 +185,7 @@ def save_full_state_dict(
         return rename_model(key, strip_prefix, "")
 
     def cast(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+        return tensor.to(_out_dtype(tensor.dtype, dtype))
 
     stream = iter_full_tensors(model, plan)
     problem: _dist.Problem = None
@@ -195,15 +193,10 @@ def save_full_state_dict(
         try:
             target.parent.mkdir(parents=True, exist_ok=True)  # as save_pretrained does
             if target.suffix == ".safetensors":
-                specs = []
-                for key in plan.keys:
-                    spec = plan.specs[key]
-                    out_dtype = (
-                        dtype
-                        if dtype is not None and spec.dtype.is_floating_point
-                        else (spec.dtype)
-                    )
-                    specs.append(TensorSpec(rename(key), spec.shape, out_dtype))
+                specs = [
+                    TensorSpec(rename(s.name), s.shape, _out_dtype(s.dtype, dtype))
+                    for s in (plan.specs[k] for k in plan.keys)
+                ]
                 tensors = (cast(t) for _, t in stream if t is not None)
                 write_safetensors(target, specs, tensors, {"format": "pt"})
             else:

@@ -1,12 +1,6 @@
-"""Load a full, non-distributed state dict into a sharded model, one parameter at a time.
-
-The source is a torch file, a safetensors file or an in-memory dict, e.g. the weights of a
-single-process model. No rank ever materialises the whole model:
-
-* ``mode="mmap"`` (default; a filesystem every rank can read): each rank maps the file and
-  copies only its own rows of each parameter, so only those pages are ever read;
-* ``mode="broadcast"`` (only rank 0 can read the file): rank 0 reads one parameter at a time
-  and broadcasts it; every rank keeps its rows and drops the rest before the next one.
+"""Load a full, non-distributed state dict (a torch file, a safetensors file or an in-memory
+dict) into a sharded model, one parameter at a time, without any rank materialising the whole
+model (the two modes: the package README, "Full state dicts in and out").
 
 Keys are matched after ``strip_prefix`` is removed from the model's names and ``source_prefix``
 is added (``strip_prefix="module."`` loads a plain model's file into ``MegatronFSDP``).
@@ -25,15 +19,15 @@ import torch.distributed as dist
 from torch import nn
 
 from mfsdp_checkpoint import _dist
-from mfsdp_checkpoint.errors import CheckpointError, StateDictMismatchError
+from mfsdp_checkpoint.errors import CheckpointError
 from mfsdp_checkpoint.model_hooks import mark_dirty
-from mfsdp_checkpoint.param_index import ParamIndex, ParamRef
+from mfsdp_checkpoint.param_index import ParamIndex
 from mfsdp_checkpoint.sources import NestedReader, Reader, open_reader
+from mfsdp_checkpoint.validate import summarize
 from mfsdp_checkpoint.wrapper_prefix import WRAPPER_PREFIX, rename_model
 from mfsdp_hooks import ParameterGroup, local_tensor
 
 Source = str | os.PathLike[str] | Mapping[str, Any]
-_SHOWN = 20
 
 
 class FullLoadResult(NamedTuple):
@@ -57,18 +51,16 @@ class _Plan:
     hint: str = ""
 
     def problem(self, strict: bool) -> str | None:
-        parts = []
-        for label, keys in (
-            ("missing from the source", self.missing if strict else []),
-            ("unexpected in the source", self.unexpected if strict else []),
-            ("shape mismatches", self.mismatched),
-        ):
-            if keys:
-                shown = ", ".join(keys[:_SHOWN]) + (" ..." if len(keys) > _SHOWN else "")
-                parts.append(f"{len(keys)} {label}: {shown}")
-        if not parts:
-            return None
-        return "the full state dict does not match the model: " + "; ".join(parts) + self.hint
+        listed = summarize(
+            [
+                ("missing from the source", self.missing if strict else []),
+                ("unexpected in the source", self.unexpected if strict else []),
+                ("shape mismatches", self.mismatched),
+            ]
+        )
+        return (
+            f"the full state dict does not match the model: {listed}{self.hint}" if listed else None
+        )
 
 
 def _plan(model: nn.Module, reader: Reader, strip_prefix: str, source_prefix: str) -> _Plan:
@@ -118,24 +110,6 @@ def _plan(model: nn.Module, reader: Reader, strip_prefix: str, source_prefix: st
     return plan
 
 
-def _open(source: Source, allow_pickle: bool) -> Reader:
-    if isinstance(source, Mapping):
-        return NestedReader(source)
-    return open_reader(Path(source), allow_pickle=allow_pickle)
-
-
-def _copy_rows(ref: ParamRef, full: torch.Tensor) -> None:
-    chunk = ref.chunk
-    local = local_tensor(ref.param)
-    with torch.no_grad():
-        local.copy_(chunk.rows_of(full))
-
-
-def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    state = model.state_dict(keep_vars=True)
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
 def load_full_state_dict(
     model: nn.Module,
     source: Source,
@@ -158,7 +132,10 @@ def load_full_state_dict(
     problem: _dist.Problem = None
     if reads:
         try:
-            reader = _open(source, allow_pickle)
+            if isinstance(source, Mapping):
+                reader = NestedReader(source)
+            else:
+                reader = open_reader(Path(source), allow_pickle=allow_pickle)
             plan = _plan(model, reader, strip_prefix, source_prefix)
             message = plan.problem(strict)
             if message:
@@ -171,13 +148,15 @@ def load_full_state_dict(
         dist.broadcast_object_list(box, src=0)
         plan = box[0]
     assert plan is not None
-    buffers = _buffers(model)
+    buffers = model.state_dict(keep_vars=True)
     index = ParamIndex(model)
     touched: dict[int, ParameterGroup] = {}
     for name, src in plan.params:
         ref = index.by_name[name]
-        full = _fetch(reader, src, plan, local_tensor(ref.param).device, mode)
-        _copy_rows(ref, full)
+        local = local_tensor(ref.param)
+        full = _fetch(reader, src, plan, local.device, mode)
+        with torch.no_grad():
+            local.copy_(ref.chunk.rows_of(full))
         touched.setdefault(id(ref.group), ref.group)
         del full
     for key, src in plan.others:
@@ -203,6 +182,3 @@ def _fetch(
         full = torch.empty(shape, dtype=dtype, device=device)
     dist.broadcast(full, src=0)
     return full
-
-
-__all__ = ["FullLoadResult", "StateDictMismatchError", "load_full_state_dict"]

@@ -4,21 +4,8 @@
 of the checkpoint (``naming.detect_naming``) and, where they differ, gives a ``KeyPlan``: a
 flat state dict under the checkpoint's keys whose values are our tensors, so DCP loads (and
 reshards) straight into our storage; objects it loads are copied back to our nesting after.
-
-What is mapped:
-
-* the ``module.`` wrapper prefix of model names (and of name-keyed optimizer state), added
-  or removed;
-* optimizer state keyed by position (torch's ``optimizer.state_dict()``, NVIDIA
-  megatron-fsdp's checkpoints) onto our name-keyed state. Positions follow the writer's
-  ``param_groups``; which parameter each position held is derived, never guessed: see
-  ``derive_positions``;
-* Megatron's ``fsdp_dtensor`` optimizer section (state under the chunk's deeper ``module.``
-  names, group fields per parameter in ``param_to_group_meta``): see ``megatron_optim``.
-
-The parameter lists of ``param_groups`` are checked against ours, never loaded: the
-optimizer keeps its own parameters and takes the hyperparameters (``lr``, ``betas``...)
-from the checkpoint.
+What is mapped, and why ``param_groups``' parameter lists are checked but never loaded: the
+package README ("Checkpoints from other writers").
 """
 
 from __future__ import annotations
@@ -44,7 +31,7 @@ from mfsdp_checkpoint.naming import (
     is_position,
     paths_of,
 )
-from mfsdp_checkpoint.positions import PositionEvidence, derive_positions
+from mfsdp_checkpoint.positions import PositionEvidence, Shape, derive_positions
 from mfsdp_checkpoint.wrapper_prefix import prefix_of, rename_model
 
 
@@ -107,10 +94,6 @@ def read_objects(path: Path, keys: list[str]) -> dict[str, Any]:
     return box
 
 
-def _identity(state_dict: dict[str, Any], naming: CheckpointNaming) -> KeyPlan:
-    return KeyPlan(naming, state_dict, {str(k) for k in state_dict})
-
-
 def plan_key_map(
     state_dict: dict[str, Any], metadata: Metadata, source: Path, has_marker: bool
 ) -> KeyPlan:
@@ -122,6 +105,11 @@ def plan_key_map(
     paths = {key: tuple(mapping[key]) for key in flat}
     model_names = [str(p[1]) for p in paths.values() if len(p) == 2 and p[0] == "model"]
     our_groups = _our_groups(state_dict.get("optimizer"))
+    ours = prefix_of(model_names or [n for group in our_groups or [] for n in group])
+
+    def theirs(name: str) -> str:
+        return rename_model(name, ours, naming.model_prefix)
+
     if "optimizer" in state_dict and naming.optimizer_keys == "megatron-distributed":
         if our_groups is None:
             raise StateDictMismatchError(
@@ -129,25 +117,25 @@ def plan_key_map(
                 "parameter name; this optimizer's state dict is positional: call "
                 "mfsdp_checkpoint.enable_dcp(model, optimizer) first (load_checkpoint does)"
             )
-        return _plan_group_meta(state_dict, flat, paths, metadata, source, naming)
-    ours = prefix_of(model_names or [n for group in our_groups or [] for n in group])
+        return _plan_group_meta(state_dict, flat, paths, metadata, source, naming, theirs)
     positional = naming.optimizer_keys == "by-position" and our_groups is not None
     if ours == naming.model_prefix and not positional:
-        return _identity(state_dict, naming)
-
-    def theirs(name: str) -> str:
-        return rename_model(name, ours, naming.model_prefix)
-
+        return KeyPlan(naming, state_dict, {str(k) for k in state_dict})
     position: dict[str, int] = {}
     derivation = ""
     if our_groups is not None and naming.optimizer_keys != "absent":
         writer_groups = _writer_groups(metadata, source)
         if positional:
+            saved_model_shapes, state_shapes = _saved_shapes(metadata)
+
+            def ours_name(name: str) -> str:
+                return rename_model(name, naming.model_prefix, ours)
+
             evidence = PositionEvidence(
                 our_groups=our_groups,
                 writer_groups=writer_groups,
-                model_order=[_ours_from(n, naming, ours) for n in naming.model_names],
-                state_shapes=_positional_state_shapes(metadata),
+                model_order=[ours_name(n) for n in naming.model_names],
+                state_shapes=state_shapes,
                 param_shapes={
                     str(p[1]): tuple(flat[k].shape)
                     for k, p in paths.items()
@@ -155,7 +143,7 @@ def plan_key_map(
                 }
                 # Loading the optimizer alone (weights=False): the checkpoint's model section
                 # tells the shapes that tell two parameter orders apart.
-                or _saved_param_shapes(metadata, naming, ours),
+                or {ours_name(n): shape for n, shape in saved_model_shapes.items()},
             )
             position, derivation = derive_positions(evidence)
         else:
@@ -178,6 +166,7 @@ def _plan_group_meta(
     metadata: Metadata,
     source: Path,
     naming: CheckpointNaming,
+    theirs: Callable[[str], str],
 ) -> KeyPlan:
     """Ours (torch's layout keyed by name) from a Megatron ``fsdp_dtensor`` checkpoint."""
     theirs_paths = paths_of(metadata)
@@ -193,8 +182,6 @@ def _plan_group_meta(
     for key, path in meta_keys.items():
         meta.setdefault(str(path[2]), {})[str(path[3])] = values[key]
     plan = plan_group_meta_load(state_dict["optimizer"], fields, meta)
-    model_names = [str(p[1]) for p in paths.values() if len(p) == 2 and p[0] == "model"]
-    ours = prefix_of(model_names)
     renamed: dict[str, Any] = {key: values[key] for key in meta_keys}
     back: dict[str, ObjPath] = {}
     for key, value in flat.items():
@@ -203,7 +190,7 @@ def _plan_group_meta(
             continue  # Megatron keeps none: finish() sets the fields from param_to_group_meta
         target = path
         if len(path) == 2 and path[0] == "model":
-            target = ("model", rename_model(str(path[1]), ours, naming.model_prefix))
+            target = ("model", theirs(str(path[1])))
         elif len(path) >= 4 and path[:2] == ("optimizer", "state"):
             name = str(path[2])
             if path[3] == "step" and name in plan.steps_from_meta:
@@ -230,10 +217,6 @@ def _translate(path: ObjPath, theirs: Callable[[str], str], position: Mapping[st
     return path
 
 
-def _ours_from(name: str, naming: CheckpointNaming, ours: str) -> str:
-    return rename_model(name, naming.model_prefix, ours)
-
-
 def _our_groups(optimizer: Any) -> list[list[str]] | None:
     """The parameter names of each of our optimizer's groups; None unless our optimizer state
     is keyed by name (``enable_dcp``'s hooks)."""
@@ -258,26 +241,21 @@ def _writer_groups(metadata: Metadata, source: Path) -> list[list[Any]]:
     return [list(values[keys[g]]) for g in sorted(keys)]
 
 
-def _saved_param_shapes(
-    metadata: Metadata, naming: CheckpointNaming, ours: str
-) -> dict[str, tuple[int, ...]]:
-    """The shape of each model tensor the checkpoint holds, by our name."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for key, path in paths_of(metadata).items():
-        entry = metadata.state_dict_metadata[key]
-        if len(path) == 2 and path[0] == "model" and isinstance(entry, TensorStorageMetadata):
-            shapes[_ours_from(str(path[1]), naming, ours)] = tuple(entry.size)
-    return shapes
-
-
-def _positional_state_shapes(metadata: Metadata) -> dict[int, list[tuple[int, ...]]]:
-    shapes: dict[int, list[tuple[int, ...]]] = {}
+def _saved_shapes(metadata: Metadata) -> tuple[dict[str, Shape], dict[int, list[Shape]]]:
+    """The shape of each model tensor the checkpoint holds (by its name), and those of each
+    position's non-scalar state tensors."""
+    model: dict[str, Shape] = {}
+    states: dict[int, list[Shape]] = {}
     for key, path in paths_of(metadata).items():
         entry = metadata.state_dict_metadata[key]
         positional = len(path) >= 4 and path[:2] == ("optimizer", "state") and is_position(path[2])
-        if positional and isinstance(entry, TensorStorageMetadata) and len(entry.size) > 0:
-            shapes.setdefault(int(path[2]), []).append(tuple(entry.size))
-    return shapes
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        if len(path) == 2 and path[0] == "model":
+            model[str(path[1])] = tuple(entry.size)
+        elif positional and len(entry.size) > 0:
+            states.setdefault(int(path[2]), []).append(tuple(entry.size))
+    return model, states
 
 
 def _check_named_groups(

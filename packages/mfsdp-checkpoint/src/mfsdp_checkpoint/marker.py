@@ -1,11 +1,10 @@
-"""The completion marker of a checkpoint directory, and telling complete from partial.
+"""The completion marker of a checkpoint directory, and telling complete from partial (how a
+save writes them: the package README, "Atomic saves, checked loads").
 
-A save writes into ``<path>.partial`` with an in-progress sentinel, records every file's size
-and CRC32 in ``mfsdp_checkpoint.json`` once all ranks are done, then renames the directory into
-place. So a directory is *complete* when it has the marker, *partial* when it has the sentinel,
-is named ``*.partial`` (a save is committed by its rename, so a staging directory never loads,
-marker or not), or has neither marker nor DCP metadata, and *foreign* when it is a plain DCP
-checkpoint written by someone else (accepted, but without integrity checks).
+A directory is *complete* when it has the marker, *partial* when it has the in-progress
+sentinel, is named ``*.partial`` (a save is committed by its rename, so a staging directory
+never loads, marker or not), or has neither marker nor DCP metadata, and *foreign* when it is
+a plain DCP checkpoint written by someone else (accepted, but without integrity checks).
 """
 
 from __future__ import annotations
@@ -42,12 +41,6 @@ def partial_path(path: Path) -> Path:
 def previous_path(path: Path) -> Path:
     """Where the replaced checkpoint sits for the instant an overwrite swaps directories."""
     return path.with_name(path.name + ".old")
-
-
-def is_staging_name(path: Path) -> bool:
-    """True for a name only a save's staging directory has: such a directory never loads,
-    even with a marker, because a save is committed by the rename, not by the marker."""
-    return path.name.endswith(".partial")
 
 
 def reserved_suffix(path: Path) -> str | None:
@@ -157,7 +150,7 @@ def inspect_directory(path: Path) -> DirectoryInfo:
             f"{path} is an incomplete checkpoint: its save never finished (it has no completion "
             f"marker {MARKER}); refusing to load it. Load the previous checkpoint instead"
         )
-    if is_staging_name(path):
+    if path.name.endswith(".partial"):  # committed by the rename, not by the marker
         raise IncompleteCheckpointError(
             f"{path} is an incomplete checkpoint: it is the staging directory of a save that "
             "never finished (the save was killed before its final rename, even if every file "

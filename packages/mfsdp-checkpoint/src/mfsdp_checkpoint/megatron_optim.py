@@ -11,13 +11,8 @@ per-parameter tensor in ``state`` (torch's Adam) or a group field in ``param_to_
 (TE/Apex ``FusedAdam``). Its names are the model chunk's ``named_parameters()``: two or three
 ``module.`` levels (adapter, ``MegatronFSDP``, ``Float16Module`` under bf16/fp16) before the
 model's own path, where the model section has one.
-
-Ours is torch's layout keyed by name (``enable_dcp``'s ``named_state_dict``).
-:func:`to_megatron_optimizer_state` turns ours into Megatron's (writing ``step`` in both
-places, so either kind of optimizer resumes from it);
-:func:`plan_group_meta_load` says how ours loads from Megatron's: state matched by the name
-without its leading ``module.`` levels (``wrapper_prefix.bare``), group fields taken from
-``param_to_group_meta`` after the load, ``step`` from there when ``state`` has none.
+Ours is torch's layout keyed by name; ``to_megatron_optimizer_state`` writes ``step`` in both
+places, so either kind of optimizer resumes from it.
 """
 
 from __future__ import annotations

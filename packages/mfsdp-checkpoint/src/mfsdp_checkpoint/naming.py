@@ -1,23 +1,5 @@
-"""Which writer made a DCP checkpoint, told from its metadata alone.
-
-Checkpoints of sharded models reach us from several writers that agree on DCP and on the two
-sections ``"model"`` and ``"optimizer"``, but not on the names inside them:
-
-============================================  ==============  ==============================
-writer                                        model names     optimizer state keyed by
-============================================  ==============  ==============================
-megatron-fsdp, seed API (``fully_shard``)     ``module.*``    parameter name (``module.*``)
-megatron-fsdp, per-module API; torch FSDP2    no prefix       parameter name
-with ``get_state_dict``
-NVIDIA megatron-fsdp (its README's snippet)   ``module.*``    position (``state.0...``)
-torch ``optimizer.state_dict()`` under FSDP2  no prefix       position
-Megatron-LM / Megatron-Bridge                 ``module.*``    name (deeper ``module.``
-``--ckpt-format fsdp_dtensor``                                prefix), ``param_to_group_meta``
-============================================  ==============  ==============================
-
-``fsdp_dtensor`` checkpoints are told by ``optimizer.param_to_group_meta`` or, model-only, by
-their ``checkpoint_version`` and ``iteration`` sections; both sections load (the optimizer's
-through ``megatron_optim``), and ``named_for(state, "megatron")`` writes that layout.
+"""Which writer made a DCP checkpoint, told from its metadata alone (the writers and their
+namings: the package README's table), and our state renamed for another writer's loader.
 
 DCP records, for every flattened key, the nested path it came from (``planner_data``):
 ``("optimizer", "state", "module.fc.weight", "exp_avg")`` or ``("optimizer", "state", 0,
@@ -39,10 +21,6 @@ from mfsdp_checkpoint.wrapper_prefix import WRAPPER_PREFIX, prefix_of, rename_mo
 ObjPath = tuple[str | int, ...]
 
 OptimizerKeys = Literal["by-name", "by-position", "megatron-distributed", "absent"]
-MEGATRON_GROUP_META = GROUP_META
-"""Megatron's distributed optimizer saves each parameter's group fields (``lr``, its ``step``)
-under ``optimizer.param_to_group_meta.<name>`` instead of torch's ``param_groups``; only
-``fsdp_dtensor`` checkpoints (Megatron-LM, Megatron-Bridge) have it."""
 FSDP_DTENSOR = "Megatron-LM / Megatron-Bridge fsdp_dtensor"
 
 
@@ -77,10 +55,9 @@ def paths_of(metadata: Metadata) -> dict[str, ObjPath]:
     return paths
 
 
-def _optimizer_keys(paths: Mapping[str, ObjPath]) -> OptimizerKeys:
-    if any(len(p) > 2 and p[:2] == ("optimizer", MEGATRON_GROUP_META) for p in paths.values()):
+def _optimizer_keys(paths: Mapping[str, ObjPath], state_keys: list[str | int]) -> OptimizerKeys:
+    if any(len(p) > 2 and p[:2] == ("optimizer", GROUP_META) for p in paths.values()):
         return "megatron-distributed"
-    state_keys = [p[2] for p in paths.values() if len(p) > 3 and p[:2] == ("optimizer", "state")]
     if not state_keys:
         return "absent"
     # DCP records dict keys as strings: torch's positions 0, 1, ... come back as "0", "1".
@@ -114,17 +91,12 @@ def detect_naming(metadata: Metadata, has_marker: bool = False) -> CheckpointNam
     ``mfsdp_checkpoint.save``), which tells our checkpoints from others named the same way.
     """
     paths = paths_of(metadata)
-    model_names = tuple(
-        str(path[1]) for path in paths.values() if len(path) == 2 and path[0] == "model"
-    )
-    state_names = tuple(  # what names an optimizer-only checkpoint
-        str(p[2]) for p in paths.values() if len(p) > 3 and p[:2] == ("optimizer", "state")
-    )
-    named = model_names or state_names
-    prefix = prefix_of(list(named))
-    optimizer = _optimizer_keys(paths)
-    sections = {str(p[0]) for p in paths.values()}
-    writer = _writer(prefix, optimizer, sections, has_marker)
+    model_names = tuple(str(p[1]) for p in paths.values() if len(p) == 2 and p[0] == "model")
+    state_keys = [p[2] for p in paths.values() if len(p) > 3 and p[:2] == ("optimizer", "state")]
+    # the state's names are what names an optimizer-only checkpoint
+    prefix = prefix_of(list(model_names) or [str(k) for k in state_keys])
+    optimizer = _optimizer_keys(paths, state_keys)
+    writer = _writer(prefix, optimizer, {str(p[0]) for p in paths.values()}, has_marker)
     return CheckpointNaming(writer, prefix, optimizer, model_names)
 
 
@@ -134,21 +106,11 @@ SAVE_NAMINGS: tuple[SaveNaming, ...] = ("native", "fsdp2", "nvidia", "megatron")
 
 def named_for(state: dict[str, Any], naming: SaveNaming) -> dict[str, Any]:
     """``state`` (sections ``model``/``optimizer`` as ``enable_dcp`` makes them) renamed for
-    the job that will load it. The values are not copied.
+    the job that will load it (the README's "ours for them"). The values are not copied.
 
-    * ``"native"``: unchanged (``module.*`` under the seed API, optimizer state by name).
-    * ``"fsdp2"``: no wrapper prefix, optimizer state by name: what torch's
-      ``get_state_dict(model, optimizer)`` gives an FSDP2 job, so its ``dcp.load`` +
-      ``set_state_dict`` resume from it unchanged.
-    * ``"nvidia"``: ``module.*`` names, optimizer state by position in this optimizer's
-      order: what NVIDIA megatron-fsdp's README snippet (``model.state_dict()`` +
-      ``optimizer.state_dict()``) loads, as does any job that loads a wrapped model's
-      positional ``optimizer.state_dict()``.
-    * ``"megatron"``: Megatron-LM's ``--ckpt-format fsdp_dtensor`` sections: ``module.*``
-      model names, optimizer state by ``module.*`` name with each parameter's group fields
-      under ``param_to_group_meta`` (``to_megatron_optimizer_state``). Megatron-LM's own
-      files also carry ``checkpoint_version``/``iteration``/``args``: pass those as
-      ``extra``-like sections of ``state`` (``megatron_fsdp.mcore_checkpoint`` does).
+    ``"nvidia"`` keys optimizer state by position in this optimizer's order. Megatron-LM's own
+    files also carry ``checkpoint_version``/``iteration``/``args``: pass those as ``extra``-like
+    sections of ``state`` (``megatron_fsdp.mcore_checkpoint`` does).
     """
     if naming == "native":
         return state
@@ -160,22 +122,14 @@ def named_for(state: dict[str, Any], naming: SaveNaming) -> dict[str, Any]:
     ours = prefix_of(list(model) or group_names)
     target = "" if naming == "fsdp2" else WRAPPER_PREFIX
     out = dict(state)
-    if naming == "megatron":
-        if "model" in state:
-            out["model"] = {rename_model(k, ours, target): v for k, v in model.items()}
-        if optimizer is not None:
-            out["optimizer"] = to_megatron_optimizer_state(
-                _renamed_optimizer(optimizer, ours, target)
-            )
-        return out
     if "model" in state:
         out["model"] = {rename_model(k, ours, target): v for k, v in model.items()}
     if optimizer is not None:
-        if naming == "fsdp2":
-            key_of: dict[str, str | int] = {n: rename_model(n, ours, target) for n in group_names}
+        if naming == "nvidia":
+            key_of: dict[str, str | int] = {n: position for position, n in enumerate(group_names)}
         else:
-            key_of = {name: position for position, name in enumerate(group_names)}
-        out["optimizer"] = {
+            key_of = {n: rename_model(n, ours, target) for n in group_names}
+        renamed = {
             **optimizer,
             "state": {key_of[str(n)]: entry for n, entry in optimizer["state"].items()},
             "param_groups": [
@@ -183,16 +137,6 @@ def named_for(state: dict[str, Any], naming: SaveNaming) -> dict[str, Any]:
                 for g in optimizer["param_groups"]
             ],
         }
+        megatron = naming == "megatron"
+        out["optimizer"] = to_megatron_optimizer_state(renamed) if megatron else renamed
     return out
-
-
-def _renamed_optimizer(optimizer: dict[str, Any], source: str, target: str) -> dict[str, Any]:
-    def name(n: Any) -> str:
-        return rename_model(str(n), source, target)
-
-    return {
-        "state": {name(n): entry for n, entry in optimizer["state"].items()},
-        "param_groups": [
-            {**g, "params": [name(n) for n in g["params"]]} for g in optimizer["param_groups"]
-        ],
-    }

@@ -1,20 +1,11 @@
 """``optimizer.state_dict()`` with DCP-ready sharded state, and its by-name form.
 
-``optimizer.state_dict()`` keeps torch's format (state keyed by position), as NVIDIA
-Megatron-FSDP's and FSDP2's do: torch's ``get_optimizer_state_dict`` relies on it to key the
-state by fully qualified name. What the hooks add: sharded state tensors carry the same DCP row
-metadata as their parameter, and an optimizer that never stepped offers placeholders for
-``dcp.load`` to fill. ``OptimizerCheckpointHooks.named_state_dict()`` is the same state keyed by
-parameter name, the format ``save_checkpoint`` writes (torch's ``get_optimizer_state_dict``
-format too)::
-
-    {"state": {"blocks.0.fc1.weight": {"step": t, "exp_avg": DTensor, ...}, ...},
-     "param_groups": [{"lr": ..., ..., "params": ["blocks.0.fc1.weight", ...]}, ...]}
-
-Positions silently pair state with the wrong parameter as soon as the parameter list differs
-(another wrapper, a frozen layer, a reordered group); names move between world sizes, sharding
-strategies and torch FSDP2. ``load_state_dict`` accepts both formats (names translated back to
-positions, each checked against the optimizer's groups).
+``optimizer.state_dict()`` keeps torch's positional format (torch's ``get_optimizer_state_dict``
+relies on it to key the state by name); its sharded state tensors carry their parameter's DCP
+row metadata, and an optimizer that never stepped offers placeholders for ``dcp.load`` to fill.
+``named_state_dict()`` is the same state keyed by parameter name, what ``save_checkpoint``
+writes (why names: the package README, "What the state dicts hold"). ``load_state_dict``
+accepts both formats.
 """
 
 from __future__ import annotations
@@ -27,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from mfsdp_checkpoint.chunks import annotate
+from mfsdp_checkpoint.model_hooks import torch_sharded
 from mfsdp_checkpoint.optim_placeholders import PlaceholderLedger, make_placeholders
 from mfsdp_checkpoint.param_index import ParamIndex, ParamRef
 from mfsdp_hooks import RowShardedDTensor, dist_param_of, dtensor_like, local_tensor, own_rows
@@ -59,16 +51,11 @@ def _laid_out_as(value: torch.Tensor, ref: ParamRef) -> torch.Tensor:
     return value
 
 
-def _torch_sharded(value: DTensor) -> bool:
-    """A plain DTensor cut as its placements say (``torch.chunk``), not a replica."""
-    return type(value) is DTensor and not all(p.is_replicate() for p in value.placements)
-
-
 def _full_or_torch_sharded(value: Any) -> bool:
     """A full tensor (torch's set_optimizer_state_dict passes the full one where this rank's
     state had no such key), or a DTensor in torch's layout: neither is this rank's rows."""
     if isinstance(value, DTensor):
-        return _torch_sharded(value)
+        return torch_sharded(value)
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
 

@@ -1,11 +1,8 @@
 """Optimizer state for parameters that have none yet, made without touching the optimizer.
 
-A fresh optimizer has no state, so ``optimizer.state_dict()`` offers DCP nothing to load the
-checkpoint's moments into, and the seed README's load snippet would silently drop them. Taking
-a real step to create state (what the reference and ``torch.distributed.checkpoint.state_dict``
-do) moves step counters and can move weights. Instead, a *scratch* copy of the optimizer steps
-on zero-filled stand-ins of the missing parameters; the state it creates (zeroed, ``step`` = 0)
-only gives the state dict the right keys, shapes and dtypes. The live optimizer is untouched.
+A fresh optimizer has no state for ``dcp.load`` to fill. Taking a real step to create it (what
+the reference and ``torch.distributed.checkpoint.state_dict`` do) moves step counters and can
+move weights, so a *scratch* copy of the optimizer steps on zero-filled stand-ins instead.
 
 Each placeholder tensor remembers its version counter. DCP writes into tensors in place, so a
 placeholder whose counter moved was loaded from the checkpoint; one that did not is dropped at
@@ -99,12 +96,10 @@ class PlaceholderLedger:
     def never_loaded(self, name: str, entry: Mapping[str, Any]) -> bool:
         """True when ``entry`` is exactly a placeholder of ours that nothing wrote into."""
         recorded = self._entries.get(name)
-        if recorded is None:
-            return False
         tensors = [v for v in entry.values() if isinstance(v, torch.Tensor)]
-        if len(tensors) != len(recorded):
+        if recorded is None or len(tensors) != len(recorded):
             return False
-        for tensor, (ref, version) in zip(tensors, recorded, strict=True):
-            if ref() is not tensor or version_of(tensor) != version:
-                return False
-        return True
+        return all(
+            ref() is tensor and version_of(tensor) == version
+            for tensor, (ref, version) in zip(tensors, recorded, strict=True)
+        )

@@ -63,10 +63,3 @@ class ParamIndex:
     def refs(self) -> Iterator[ParamRef]:
         """Each distributed parameter once, in ``named_parameters`` order."""
         return iter(self._by_param.values())
-
-    def groups(self) -> list[ParameterGroup]:
-        """The parameter groups touched, in first-use order (identical on every rank)."""
-        seen: dict[int, ParameterGroup] = {}
-        for ref in self._by_param.values():
-            seen.setdefault(id(ref.group), ref.group)
-        return list(seen.values())

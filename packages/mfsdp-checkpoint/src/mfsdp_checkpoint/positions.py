@@ -1,21 +1,11 @@
 """Which parameter each position of positional optimizer state belongs to.
 
-torch's ``optimizer.state_dict()`` keys state by position: the writer's parameters numbered
-across its ``param_groups`` in order. The checkpoint records the numbers of each group, not
-the parameters behind them, so the order has to be derived. Two orders can be the writer's:
-
-1. **this optimizer's order**: the writer built its optimizer as this job builds its own
-   (the same code resuming), or
-2. **the model's order**: the writer built it from ``model.parameters()``, as NVIDIA
-   megatron-fsdp's README does; the checkpoint's ``"model"`` section lists the model's
-   names in that order (tied aliases dropped).
-
-Each candidate must fit the evidence: as many positions as parameters, group by group, the
-writer's groups holding the same parameters as ours, and every saved state tensor with the
-shape of the parameter it is assigned to. When exactly one distinct order fits, it is used
-and the returned sentence says which and why; when none fits, or two different orders both
-fit, loading is refused with a ``StateDictMismatchError`` that names the difference. A
-wrong pairing would resume silently with one parameter's momentum on another.
+torch numbers a writer's parameters across its ``param_groups``; the checkpoint keeps the
+numbers, not the parameters, so the order is derived from the evidence: the two orders that
+can be the writer's (this optimizer's, the model's) and the rules an order must fit are in the
+package README ("Positional optimizer state"). Exactly one distinct order must fit, or the load
+is refused naming the difference: a wrong pairing would resume silently with one parameter's
+momentum on another.
 """
 
 from __future__ import annotations

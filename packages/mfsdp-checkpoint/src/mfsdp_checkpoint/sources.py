@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from mfsdp_checkpoint import _dist
+from mfsdp_checkpoint.atomic import read_metadata
 from mfsdp_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
 from mfsdp_checkpoint.marker import DCP_METADATA, inspect_directory
 from mfsdp_checkpoint.safetensors_io import SafetensorsFile
@@ -73,9 +74,6 @@ class Reader:
         """``(key, tensor)`` in ``keys`` order; formats that read in batches override this."""
         for key in keys:
             yield key, self.tensor(key)
-
-    def by_key(self) -> dict[str, Entry]:
-        return {e.key: e for e in self.entries}
 
 
 def encode_object(value: Any) -> str:
@@ -175,10 +173,10 @@ class SafetensorsDirectoryReader(Reader):
             names = sorted(set(weight_map.values()))
         else:
             names = sorted(p.name for p in path.glob("*.safetensors"))
-        self._files = {name: SafetensorsReader(path / name) for name in names}
         self._file_of: dict[str, SafetensorsReader] = {}
         self.entries = []
-        for reader in self._files.values():
+        for name in names:
+            reader = SafetensorsReader(path / name)
             for entry in reader.entries:
                 self._file_of[entry.key] = reader
                 self.entries.append(entry)
@@ -196,8 +194,6 @@ class DCPReader(Reader):
     format = "dcp"
 
     def __init__(self, path: Path) -> None:
-        from mfsdp_checkpoint.atomic import read_metadata
-
         self.path = path
         self.info = inspect_directory(path)
         self.metadata = read_metadata(path)
@@ -228,7 +224,7 @@ class DCPReader(Reader):
         return next(self.tensors([key]))[1]
 
     def tensors(self, keys: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        entries = self.by_key()
+        entries = {e.key: e for e in self.entries}
         batch: list[str] = []
         size = 0
         for key in [*keys, None]:
@@ -250,32 +246,19 @@ class DCPReader(Reader):
         return self._load({key: None})[key]
 
 
-def detect_format(path: Path) -> str:
-    """``"dcp"``, ``"safetensors"``, ``"safetensors_dir"`` (a Hugging Face model directory)
-    or ``"torch"`` from what is at ``path``."""
+def open_reader(path: Path, allow_pickle: bool = False) -> Reader:
+    """The reader of what is at ``path``: a DCP directory, a Hugging Face model directory of
+    ``*.safetensors`` files, a safetensors file or a torch file."""
     if not path.exists():
         raise CheckpointNotFoundError(f"no checkpoint at {path}")
     if path.is_dir():
         if not (path / DCP_METADATA).exists() and (
             (path / HF_INDEX).exists() or any(path.glob("*.safetensors"))
         ):
-            return "safetensors_dir"
-        return "dcp"
+            return SafetensorsDirectoryReader(path)
+        return DCPReader(path)
     with path.open("rb") as handle:
         head = handle.read(16)
     if path.suffix == ".safetensors" or (len(head) >= 9 and head[8:9] == b"{"):
-        return "safetensors"
-    return "torch"
-
-
-def open_reader(path: Path, allow_pickle: bool = False) -> Reader:
-    kind = detect_format(path)
-    if kind == "dcp":
-        if not (path / DCP_METADATA).exists():
-            inspect_directory(path)  # raises the precise error (partial, not a checkpoint)
-        return DCPReader(path)
-    if kind == "safetensors":
         return SafetensorsReader(path)
-    if kind == "safetensors_dir":
-        return SafetensorsDirectoryReader(path)
     return TorchFileReader(path, allow_pickle=allow_pickle)

@@ -37,18 +37,23 @@ class Comparison:
     """Optimizer placeholders the checkpoint has no value for: dropped, the state stays fresh."""
 
     def message(self, where: str) -> str:
-        parts = []
-        for label, keys in (
-            ("missing from the checkpoint", self.missing),
-            ("unexpected (in the checkpoint, not in the state dict)", self.unexpected),
-            ("shape mismatches", self.mismatched),
-        ):
-            if keys:
-                shown = ", ".join(keys[:_SHOWN]) + (" ..." if len(keys) > _SHOWN else "")
-                parts.append(f"{len(keys)} {label}: {shown}")
-        return f"checkpoint {where} does not match the state dict (a different model?): " + (
-            "; ".join(parts)
+        listed = summarize(
+            [
+                ("missing from the checkpoint", self.missing),
+                ("unexpected (in the checkpoint, not in the state dict)", self.unexpected),
+                ("shape mismatches", self.mismatched),
+            ]
         )
+        return f"checkpoint {where} does not match the state dict (a different model?): {listed}"
+
+
+def summarize(labelled: list[tuple[str, list[str]]]) -> str:
+    """``"<count> <label>: <the first keys> ..."`` of each non-empty list, joined by ``"; "``."""
+    return "; ".join(
+        f"{len(keys)} {label}: " + ", ".join(keys[:_SHOWN]) + (" ..." if len(keys) > _SHOWN else "")
+        for label, keys in labelled
+        if keys
+    )
 
 
 def _section(key: str, metadata: Metadata) -> str:
@@ -59,14 +64,12 @@ def _section(key: str, metadata: Metadata) -> str:
     return key.split(".", 1)[0]
 
 
-def compare(
-    state_dict: Mapping[str, Any], metadata: Metadata, sections: set[str] | None = None
+def check(
+    state_dict: Mapping[str, Any], metadata: Metadata, where: str, strict: bool, sections: set[str]
 ) -> Comparison:
-    """Everything that keeps ``state_dict`` from loading from a checkpoint with ``metadata``.
-
-    ``sections``: the top-level sections being loaded (default: ``state_dict``'s keys; pass
-    them when ``state_dict`` is flat).
-    """
+    """Everything that keeps ``state_dict`` from loading from a checkpoint with ``metadata``;
+    raises ``StateDictMismatchError`` unless it can load (``strict``: fully). ``sections``: the
+    top-level sections being loaded (a flat ``state_dict``'s keys no longer tell them)."""
     flat, mappings = flatten_state_dict(dict(state_dict))
     saved = metadata.state_dict_metadata
     result = Comparison()
@@ -88,23 +91,9 @@ def compare(
                 )
         elif isinstance(entry, BytesStorageMetadata) and is_tensor:
             result.mismatched.append(f"{key} (checkpoint object, state dict tensor)")
-    if sections is None:
-        sections = {str(k) for k in state_dict}
     result.unexpected = sorted(
         key for key in saved if key not in flat and _section(key, metadata) in sections
     )
-    return result
-
-
-def check(
-    state_dict: Mapping[str, Any],
-    metadata: Metadata,
-    where: str,
-    strict: bool,
-    sections: set[str] | None = None,
-) -> Comparison:
-    """Raise ``StateDictMismatchError`` unless the state dict can load (``strict``: fully)."""
-    result = compare(state_dict, metadata, sections)
     if result.mismatched or (strict and (result.missing or result.unexpected)):
         raise StateDictMismatchError(result.message(where))
     return result
