@@ -1,9 +1,10 @@
 """mypy --strict reports a misspelt option wherever it is passed on the way to the engine.
 
-The options travel as explicit, typed arguments from the public functions to one frozen
-record (``mfsdp_hooks.ShardingOptions``) and from it to the root wrapper: no ``**kwargs`` and
-no ``dict[str, Any]`` on the way, so a typo is a type error, not a silent default. Runs
-mypy on snippets (the nox test sessions install mypy; skipped where it is not installed).
+The public functions take every option as an explicit, typed parameter (no ``**kwargs``),
+and the options reach the engine as one frozen record (``mfsdp_hooks.ShardingOptions``), so a
+typo is a type error, not a silent default. Between the entry points, the signatures repeat
+each other exactly (``test_megatron_fsdp_signatures.py``). Runs mypy on snippets (the nox test
+sessions install mypy; skipped where it is not installed).
 """
 
 from __future__ import annotations

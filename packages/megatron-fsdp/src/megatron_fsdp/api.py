@@ -1,13 +1,13 @@
 """The seed README's entry points: fully_shard, fully_shard_model, fully_shard_optimizer.
 
-Every documented argument is accepted by name. Arguments whose layer is not built yet raise
-``NotImplementedError`` naming the argument when set to anything but their default, so no
-option is silently ignored.
+An argument whose feature is not built yet raises ``NotImplementedError`` naming it when set
+to anything but its default, so no option is silently ignored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,20 +69,16 @@ def fully_shard_model(
     """Shard ``module`` (every ``fsdp_unit_modules`` match, then the root) and wrap it.
 
     Returns a ``MegatronFSDP``; the original module is its ``.module``. The arguments are
-    checked by ``engine_options.sharding_options``, whose signature this one repeats, into
-    one ``mfsdp_hooks.ShardingOptions`` record (the seed's names) that the engine takes. Those
-    whose feature is not built yet raise ``NotImplementedError`` naming the argument when
-    set to anything but their default.
+    checked by ``engine_options.sharding_options``, whose signature this one repeats.
 
     Args:
         module: the model to shard, in place.
         fsdp_unit_modules: classes (or ``"import.path.Class"`` strings) of the submodules
-            that become FSDP units, gathered and freed one at a time (the seed README
-            requires them for strategies 1-3).
-        device_mesh: the ``DeviceMesh`` to shard over. None: a 1-D mesh over all ranks of
-            the default process group.
-        dp_shard_dim: name of ``device_mesh``'s sub-mesh FSDP shards over (often the
-            flattened DP x CP dim). Required when ``device_mesh`` has more than one dim.
+            that become FSDP units, gathered and freed one at a time (required for
+            strategies 1-3).
+        device_mesh: the ``DeviceMesh`` to shard over. None: a 1-D mesh over all ranks.
+        dp_shard_dim: name of the sub-mesh FSDP shards over (often the flattened DP x CP
+            dim). Required when ``device_mesh`` has more than one dim.
         dp_outer_dim: name of the "outer" DP sub-mesh; giving it turns on HSDP (needs
             ``hybrid_fsdp_group`` too).
         tp_dim: name of the tensor-parallel sub-mesh, for (FSDP, TP)-strided sharding of
@@ -109,11 +105,9 @@ def fully_shard_model(
         preserve_fp32_weights: keep float32 main weights for the optimizer to step on.
         overlap_grad_reduce: overlap gradient reduce-scatter (all-reduce for no_shard) with
             backward compute.
-        overlap_param_gather: prefetch parameter all-gathers to overlap forward and backward
-            compute.
-        sync_model_each_microbatch: finish every gradient reduction after each backward, so
-            gradients are ready between steps; False leaves ``no_sync`` micro-batches'
-            reductions in flight until the optimizer step.
+        overlap_param_gather: prefetch parameter all-gathers to overlap compute.
+        sync_model_each_microbatch: finish every gradient reduction after each backward;
+            False leaves ``no_sync`` micro-batches' reductions in flight until the step.
         preproc_state_dict_for_dcp_ckpt: make ``model.state_dict()`` ready for
             ``torch.distributed.checkpoint`` save and load (DTensor shards, resharding).
         average_in_collective: average gradients inside the reduction collective (else
@@ -123,90 +117,49 @@ def fully_shard_model(
             by the global token count).
         report_nan_in_param_grad: check every reduced gradient for NaN/Inf and raise naming
             the parameter (slow).
-        enable_fine_grained_param_gather: all-gather per submodule instead of per unit: each
-            parameter-holding leaf module of a unit (Linear, norm...) is gathered just before
-            it runs, prefetched one ahead, so a unit's forward holds about one leaf's
-            unsharded weights (ZeRO-3 only; tied leaves stay in their unit).
+        enable_fine_grained_param_gather: gather each parameter-holding leaf module of a
+            unit (Linear, norm...) just before it runs, prefetched one ahead, so a unit's
+            forward holds about one leaf's unsharded weights (ZeRO-3 only; tied leaves stay
+            in their unit).
         keep_fp8_transpose_cache: keep Transformer Engine's FP8 transpose cache. Not
             supported yet.
         nccl_ub: allocate and register NCCL user buffers. Not supported yet.
-        fsdp_manual_registration: register NCCL user buffers manually (with ``nccl_ub``).
-            Not supported yet.
+        fsdp_manual_registration: register NCCL user buffers manually. Not supported yet.
         disable_symmetric_registration: no NCCL window (symmetric) registration for
             ``nccl_ub``. Not supported yet.
-        fsdp_double_buffer: persistent double buffers for the gradient reduce-scatter
-            inputs instead of per-reduction allocations (slots per buffer size; a request
-            they cannot serve is allocated afresh).
+        fsdp_double_buffer: persistent double buffers (slots per buffer size) for the
+            gradient reduce-scatter inputs; a request they cannot serve is allocated afresh.
         fsdp_db_use_persist_buf_on_alloc_fail: with ``fsdp_double_buffer``, a request the
-            double buffer cannot serve gets a buffer kept for its unit instead of a fresh
-            allocation (registrable memory, at the cost of keeping it).
+            slots cannot serve gets a buffer kept for its unit instead (registrable memory,
+            at the cost of keeping it).
         use_decoupled_grad: hand the reduced gradients to the optimizer in each parameter's
-            ``decoupled_grad`` instead of ``.grad`` (for optimizers that read it, e.g.
-            Transformer Engine's ``FusedAdam(use_decoupled_grad=True)``; torch's built-in
-            optimizers are refused by ``fully_shard_optimizer``). The same as
-            ``MixedPrecisionPolicy(use_decoupled_grad=True)``.
+            ``decoupled_grad`` instead of ``.grad`` (e.g. for Transformer Engine's
+            ``FusedAdam(use_decoupled_grad=True)``; ``fully_shard_optimizer`` refuses torch's
+            built-in optimizers). As ``MixedPrecisionPolicy(use_decoupled_grad=True)``.
         host_transport: how CPU collectives travel: "auto" (shared memory when every rank
             of the shard group is on this host, else gloo), "shm" or "gloo".
         backward_prefetch_grad_fraction: in backward, a unit prefetches the next unit's
             weights once this fraction of its gradient elements arrived (0.0: at its
             pre-backward, as FSDP2).
         reshard_after_forward_group_size: after a unit's forward, keep its weights sharded
-            over this many consecutive ranks of ``dp_shard_dim`` (e.g. one node's) instead of
-            the whole group, so its backward all-gather stays among them, for ``P / size``
-            elements more per rank between forward and backward (FSDP2's
-            ``reshard_after_forward=<int>``, DeepSpeed's hpZ). A divisor of the shard group's
-            size; ZeRO-3 only. None: reshard over the whole group.
-        check_replicas: compare, at each unit's wrap, the values of its weights across the
-            ranks, and raise on every rank naming the first weight that differs when the
-            ranks built the model with different values (different seeds): sharded, each
-            rank would train its slice of its own weights. False when you load the weights
-            into the sharded model after wrapping.
-        optimizer_cpu_offload: Megatron-LM's ``--optimizer-cpu-offload``, for the whole
-            optimizer: the sharded fp32 main weights, their gradients and the optimizer
-            state live on the host (pinned) and the optimizer steps there, while the
-            accelerator computes; each unit's shard is copied to the device for its
-            all-gather and its reduced gradient shard copied back (FSDP2's
-            ``CPUOffloadPolicy(pin_memory=True)``). ZeRO-1/2/3 and HSDP; refused with
-            ``zero_dp_strategy=0`` and with ``outer_dp_sharding_strategy="optim"``. On CPU the
-            state is on the host already: nothing moves.
+            over this many consecutive ranks of ``dp_shard_dim`` (e.g. one node's), so its
+            backward all-gather stays among them, for ``P / size`` more elements per rank
+            until backward (FSDP2's ``reshard_after_forward=<int>``, DeepSpeed's hpZ). A
+            divisor of the shard group's size; ZeRO-3 only. None: the whole group.
+        check_replicas: at each unit's wrap, compare its weights' values across the ranks
+            and raise on every rank naming the first that differs (ranks that built the
+            model with different seeds would each train a slice of their own weights).
+            False when you load the weights into the sharded model after wrapping.
+        optimizer_cpu_offload: Megatron-LM's ``--optimizer-cpu-offload`` for the whole
+            optimizer (FSDP2's ``CPUOffloadPolicy(pin_memory=True)``): the fp32 main weight
+            shards, their gradients and the optimizer state live pinned on the host, where
+            the optimizer steps; each unit's shard is copied to the device for its gather
+            and its reduced gradient shard back. ZeRO-1/2/3 and HSDP; refused with
+            ``zero_dp_strategy=0`` and ``outer_dp_sharding_strategy="optim"``. On CPU
+            nothing moves.
     """
-    options = sharding_options(
-        module,
-        fsdp_unit_modules,
-        device_mesh=device_mesh,
-        dp_shard_dim=dp_shard_dim,
-        dp_outer_dim=dp_outer_dim,
-        tp_dim=tp_dim,
-        hybrid_fsdp_group=hybrid_fsdp_group,
-        expt_device_mesh=expt_device_mesh,
-        device=device,
-        mixed_precision_policy=mixed_precision_policy,
-        zero_dp_strategy=zero_dp_strategy,
-        outer_dp_sharding_strategy=outer_dp_sharding_strategy,
-        init_model_with_meta_device=init_model_with_meta_device,
-        grad_reduce_in_fp32=grad_reduce_in_fp32,
-        preserve_fp32_weights=preserve_fp32_weights,
-        overlap_grad_reduce=overlap_grad_reduce,
-        overlap_param_gather=overlap_param_gather,
-        sync_model_each_microbatch=sync_model_each_microbatch,
-        average_in_collective=average_in_collective,
-        gradient_scaling_factor=gradient_scaling_factor,
-        calculate_per_token_loss=calculate_per_token_loss,
-        report_nan_in_param_grad=report_nan_in_param_grad,
-        enable_fine_grained_param_gather=enable_fine_grained_param_gather,
-        keep_fp8_transpose_cache=keep_fp8_transpose_cache,
-        nccl_ub=nccl_ub,
-        fsdp_manual_registration=fsdp_manual_registration,
-        disable_symmetric_registration=disable_symmetric_registration,
-        fsdp_double_buffer=fsdp_double_buffer,
-        fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
-        use_decoupled_grad=use_decoupled_grad,
-        host_transport=host_transport,
-        backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
-        reshard_after_forward_group_size=reshard_after_forward_group_size,
-        check_replicas=check_replicas,
-        optimizer_cpu_offload=optimizer_cpu_offload,
-    )
+    passed = _passed_on(locals(), "module", "fsdp_unit_modules", "preproc_state_dict_for_dcp_ckpt")
+    options = sharding_options(module, fsdp_unit_modules, **passed)
     wrapped = MegatronFSDP(module, fsdp_unit_modules=fsdp_unit_modules, options=options)
     if preproc_state_dict_for_dcp_ckpt:
         enable_dcp(wrapped)
@@ -238,9 +191,11 @@ def fully_shard_optimizer(
     return optimizer
 
 
-def _dist_or_self(param: torch.Tensor) -> torch.Tensor:
-    found = dist_param_of(param)
-    return param if found is None else found
+def _passed_on(arguments: dict[str, Any], *own: str) -> dict[str, Any]:
+    """An entry point's ``locals()``, taken before it assigns any name (its parameters), less
+    ``own``: the keyword arguments it passes on unchanged. Its signature repeats the callee's,
+    name for name (``tests/test_megatron_fsdp_signatures.py``)."""
+    return {name: value for name, value in arguments.items() if name not in own}
 
 
 def _rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -248,7 +203,7 @@ def _rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
     (a no-op for one built on the sharded model)."""
     rebound = False
     for group in optimizer.param_groups:
-        params = [_dist_or_self(p) for p in group["params"]]
+        params = [p if (d := dist_param_of(p)) is None else d for p in group["params"]]
         rebound |= any(new is not old for new, old in zip(params, group["params"], strict=True))
         group["params"] = params
     if rebound:  # state keyed by the replaced parameters would never be read again
@@ -297,65 +252,18 @@ def fully_shard(
 ) -> tuple[MegatronFSDP, torch.optim.Optimizer]:
     """One-line change for an initialised model and optimizer: shard both, keep param groups.
 
-    ``fully_shard_model(module, fsdp_unit_modules, ...)`` with every other argument, then
-    ``optimizer`` pointed at the sharded parameters (its state cleared) and given
-    ``fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt)``. Returns
-    ``(model, optimizer)``.
-
-    Args:
-        module: the model to shard, in place.
-        optimizer: a ``torch.optim.Optimizer`` already built on ``module``'s parameters;
-            its param groups and hyperparameters are kept.
-        fsdp_unit_modules: classes (or import paths) of the submodules that become FSDP
-            units.
-
-    Every keyword argument (``device_mesh`` ... ``optimizer_cpu_offload``) has
-    the name, default and meaning it has in :func:`fully_shard_model`, whose docstring
-    describes each; ``preproc_state_dict_for_dcp_ckpt`` applies to the optimizer too.
+    ``fully_shard_model(module, fsdp_unit_modules, ...)`` with every other argument (each as
+    :func:`fully_shard_model` describes it), then ``fully_shard_optimizer(optimizer,
+    preproc_state_dict_for_dcp_ckpt)``, which points ``optimizer`` (built on ``module``'s
+    parameters) at the sharded ones, clearing its state but keeping its param groups.
+    Returns ``(model, optimizer)``.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    model = fully_shard_model(
-        module,
-        fsdp_unit_modules,
-        device_mesh=device_mesh,
-        dp_shard_dim=dp_shard_dim,
-        dp_outer_dim=dp_outer_dim,
-        tp_dim=tp_dim,
-        hybrid_fsdp_group=hybrid_fsdp_group,
-        expt_device_mesh=expt_device_mesh,
-        device=device,
-        mixed_precision_policy=mixed_precision_policy,
-        zero_dp_strategy=zero_dp_strategy,
-        outer_dp_sharding_strategy=outer_dp_sharding_strategy,
-        init_model_with_meta_device=init_model_with_meta_device,
-        grad_reduce_in_fp32=grad_reduce_in_fp32,
-        preserve_fp32_weights=preserve_fp32_weights,
-        overlap_grad_reduce=overlap_grad_reduce,
-        overlap_param_gather=overlap_param_gather,
-        sync_model_each_microbatch=sync_model_each_microbatch,
-        preproc_state_dict_for_dcp_ckpt=preproc_state_dict_for_dcp_ckpt,
-        average_in_collective=average_in_collective,
-        gradient_scaling_factor=gradient_scaling_factor,
-        calculate_per_token_loss=calculate_per_token_loss,
-        report_nan_in_param_grad=report_nan_in_param_grad,
-        enable_fine_grained_param_gather=enable_fine_grained_param_gather,
-        keep_fp8_transpose_cache=keep_fp8_transpose_cache,
-        nccl_ub=nccl_ub,
-        fsdp_manual_registration=fsdp_manual_registration,
-        disable_symmetric_registration=disable_symmetric_registration,
-        fsdp_double_buffer=fsdp_double_buffer,
-        fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
-        use_decoupled_grad=use_decoupled_grad,
-        host_transport=host_transport,
-        backward_prefetch_grad_fraction=backward_prefetch_grad_fraction,
-        reshard_after_forward_group_size=reshard_after_forward_group_size,
-        check_replicas=check_replicas,
-        optimizer_cpu_offload=optimizer_cpu_offload,
-    )
-    _rebind_optimizer(optimizer)
+    passed = _passed_on(locals(), "module", "optimizer", "fsdp_unit_modules")
+    model = fully_shard_model(module, fsdp_unit_modules, **passed)
     return model, fully_shard_optimizer(
         optimizer, preproc_state_dict_for_dcp_ckpt=preproc_state_dict_for_dcp_ckpt
     )

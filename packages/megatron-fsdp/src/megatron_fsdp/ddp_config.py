@@ -1,12 +1,7 @@
 """The reference's ``DistributedDataParallelConfig``: its fields, honoured or refused.
 
-Code written for NVIDIA's Megatron-FSDP builds one of these and passes it to
-``MegatronFSDP(module, dist_index, ddp_config=...)``. Every field is read: the ones the engine
-has become ``fully_shard_model`` arguments, field by field (``reference_options``); the ones
-it does not have raise ``NotImplementedError`` naming the field when set to anything but
-their default (the one table, ``megatron_fsdp.unsupported``), so no setting is dropped. (The
-reference ignores its own ``nccl_ub``, ``fsdp_double_buffer`` and FP8 keywords when a config
-is passed; here a keyword that contradicts the config is an error.)
+Every field is read: the engine's become ``fully_shard_model`` arguments (``reference_options``),
+the others raise ``NotImplementedError`` naming the field when set (``megatron_fsdp.unsupported``).
 """
 
 from __future__ import annotations
@@ -56,21 +51,15 @@ class DistributedDataParallelConfig:
     megatron_fsdp_enable_fine_grained_param_gather: bool = False
     megatron_fsdp_max_pool_double_buffer: bool = False
     reshard_after_forward_group_size: int | None = None
-    """Not in the reference (megatron-fsdp's): after a unit's forward its weights stay sharded
-    over this many consecutive ranks of the shard group, so backward gathers among them
-    (``fully_shard_model(reshard_after_forward_group_size=...)``; FSDP2's int
-    ``reshard_after_forward``). Megatron-Core's own config has no such field: pass this
-    class as ``ddp_config`` to set it through the adapter."""
+    """Not in the reference: ``fully_shard_model(reshard_after_forward_group_size=...)``.
+    Megatron-Core's config has no such field: pass this class as the adapter's ``ddp_config``."""
     check_replicas: bool = True
     """Not in the reference: compare the weights' values across the ranks at wrap time and
     raise when they differ (``fully_shard_model(check_replicas=...)``)."""
     optimizer_cpu_offload: bool = False
-    """Main weights, gradients and optimizer state on the host, the whole optimizer, pinned;
-    decided when the model is wrapped (``MegatronFSDP``, ``mcore.FullyShardedDataParallel``;
-    ``fully_shard_model(optimizer_cpu_offload=...)``). Megatron-LM's
-    ``--optimizer-cpu-offload`` sets Megatron-Core's ``OptimizerConfig.optimizer_cpu_offload``
-    instead, which only its ``get_megatron_optimizer`` reads (a ``HybridDeviceOptimizer``,
-    untested here): set this field, and leave that one off (the package README)."""
+    """``fully_shard_model(optimizer_cpu_offload=...)``, decided when the model is wrapped; set
+    it here, not in Megatron-Core's ``OptimizerConfig`` (the package README, "Host offload
+    with Megatron-Core")."""
     use_distributed_optimizer: bool = False
     """Megatron-Core sets it with FSDP: an optimizer over sharded parameters is distributed
     by construction, so either value is honoured."""

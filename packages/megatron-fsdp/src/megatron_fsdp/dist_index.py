@@ -1,8 +1,5 @@
 """The reference's ``FSDPDistributedIndex``: which mesh dims and groups FSDP runs over.
 
-``MegatronFSDP(module, dist_index, ...)`` takes one. It names the ``device_mesh`` dims FSDP
-shards over (``dp_shard_dim``), replicates across (``dp_outer_dim``, HSDP with
-``hybrid_fsdp_group``), and leaves to tensor parallelism (``tp_dim``), plus an expert mesh.
 The groups are looked up from the mesh as the reference does; ``reference_options`` hands the
 same arguments to ``fully_shard_model``, which checks them against each other.
 """

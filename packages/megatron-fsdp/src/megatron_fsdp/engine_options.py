@@ -1,10 +1,7 @@
 """``fully_shard_model``'s arguments, checked and turned into the engine's one options record.
 
-One place for both entry points: ``fully_shard_model(module, ...)`` and the reference's class
-constructor ``MegatronFSDP(module, dist_index, ddp_config, ...)`` (``wrapper.py``), which
-reads its index and config into the same arguments. What comes out is an
-``mfsdp_hooks.ShardingOptions``: frozen, typed, with the seed's names, which the engine's
-root wrapper takes as it is.
+Both entry points come here: ``fully_shard_model`` and the reference's class constructor
+(``reference_options`` reads its index and config into the same arguments).
 """
 
 from __future__ import annotations
@@ -82,12 +79,6 @@ def _offload_policy(optimizer_cpu_offload: object) -> CPUOffloadPolicy | None:
     return CPUOffloadPolicy(pin_memory=True) if optimizer_cpu_offload else None
 
 
-def _check_module_and_units(module: object, fsdp_unit_modules: Sequence[UnitSpec] | None) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    resolve_unit_modules(fsdp_unit_modules)
-
-
 def _check_units_for(strategy: ShardingStrategy, units: Sequence[UnitSpec] | None) -> None:
     if not units and strategy != ShardingStrategy.NO_SHARD:
         # The seed README: required for strategies 1-3. Without units the whole model
@@ -106,29 +97,22 @@ def _policy(
     preserve_fp32_weights: bool,
     use_decoupled_grad: bool,
 ) -> MixedPrecisionPolicy:
-    policy = _dtypes_policy(given, grad_reduce_in_fp32, preserve_fp32_weights)
-    return dataclasses.replace(policy, use_decoupled_grad=True) if use_decoupled_grad else policy
-
-
-def _dtypes_policy(
-    given: MixedPrecisionPolicy | None, grad_reduce_in_fp32: bool, preserve_fp32_weights: bool
-) -> MixedPrecisionPolicy:
-    if given is not None:
-        if not isinstance(given, MixedPrecisionPolicy):
-            raise TypeError(
-                "mixed_precision_policy must be a megatron_fsdp.MixedPrecisionPolicy, "
-                f"got {type(given).__name__}"
-            )
-        if grad_reduce_in_fp32 or not preserve_fp32_weights:
-            raise ValueError(
-                "mixed_precision_policy was given together with grad_reduce_in_fp32/"
-                "preserve_fp32_weights: set reduce_dtype/main_params_dtype in the policy instead"
-            )
-        return given
-    return MixedPrecisionPolicy(
-        reduce_dtype=torch.float32 if grad_reduce_in_fp32 else None,
-        main_params_dtype=torch.float32 if preserve_fp32_weights else None,
-    )
+    if given is None:
+        given = MixedPrecisionPolicy(
+            reduce_dtype=torch.float32 if grad_reduce_in_fp32 else None,
+            main_params_dtype=torch.float32 if preserve_fp32_weights else None,
+        )
+    elif not isinstance(given, MixedPrecisionPolicy):
+        raise TypeError(
+            "mixed_precision_policy must be a megatron_fsdp.MixedPrecisionPolicy, "
+            f"got {type(given).__name__}"
+        )
+    elif grad_reduce_in_fp32 or not preserve_fp32_weights:
+        raise ValueError(
+            "mixed_precision_policy was given together with grad_reduce_in_fp32/"
+            "preserve_fp32_weights: set reduce_dtype/main_params_dtype in the policy instead"
+        )
+    return dataclasses.replace(given, use_decoupled_grad=True) if use_decoupled_grad else given
 
 
 def grad_buffer_choice(
@@ -239,10 +223,9 @@ def sharding_options(
     """Check ``fully_shard_model``'s arguments (locally, then the topology's collectives),
     move ``module`` to ``device`` when asked, and return the engine's options record.
 
-    This signature is the one list of ``fully_shard_model``'s arguments: ``fully_shard_model``
-    and ``fully_shard`` repeat it explicitly (so ``help()``, IDEs and mypy see every argument;
-    ``megatron_fsdp.api`` documents each) and ``tests/test_megatron_fsdp_signatures.py`` keeps
-    the three in step: the same names, order, annotations and defaults."""
+    The one list of ``fully_shard_model``'s arguments, which it and ``fully_shard`` repeat
+    so ``help()``, IDEs and mypy see each (``tests/test_megatron_fsdp_signatures.py`` keeps
+    the three in step)."""
     refuse_unsupported(
         "argument",
         {
@@ -252,7 +235,9 @@ def sharding_options(
             "keep_fp8_transpose_cache": keep_fp8_transpose_cache,
         },
     )
-    _check_module_and_units(module, fsdp_unit_modules)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    resolve_unit_modules(fsdp_unit_modules)
     offload_policy = _offload_policy(optimizer_cpu_offload)
     strategy = parse_strategy(zero_dp_strategy, "zero_dp_strategy")
     _check_units_for(strategy, fsdp_unit_modules)

@@ -1,9 +1,7 @@
 """The ``expt_device_mesh`` argument of ``fully_shard_model``: expert parallelism.
 
-Megatron-FSDP takes a second mesh for the expert modules: its ``dp_shard_dim`` (the same name
-as on ``device_mesh``) is the expert-data-parallel (EDP) group, over which parameters marked
-``allreduce=False`` are sharded and reduced; the dense ones stay on ``device_mesh``. Checked
-locally, the same on every rank, before any collective.
+Its ``dp_shard_dim`` (named as on ``device_mesh``) is the expert-data-parallel group, over
+which parameters marked ``allreduce=False`` are sharded and reduced. Checked locally.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """``save_pretrained`` for a sharded Hugging Face model: a directory ``from_pretrained`` loads.
 
-A sharded model's own ``save_pretrained`` would write each rank's DTensor shards, and under
-its FSDP class name (``fully_shard`` gives a module the class ``FSDP<its class>``). This one
-is collective: the weights stream group by group into ``model.safetensors`` on rank 0
-(``mfsdp_checkpoint.save_full_state_dict``: no rank holds the whole model), and rank 0 writes
-``config.json`` (``architectures`` naming the model's own class) and, for models that
-generate, ``generation_config.json``. transformers is not imported: the config objects are
-the model's.
+A sharded model's own ``save_pretrained`` would write each rank's shards under its FSDP class
+name. Here the weights stream group by group into ``model.safetensors`` on rank 0 (no rank
+holds the whole model), with ``config.json`` naming the model's own class. transformers is
+not imported: the config objects are the model's.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Hybrid sharding (HSDP, HFSDP) arguments of ``fully_shard_model``, checked before any
-collective.
-
-``dp_outer_dim`` names the mesh dim across which shards are replicated, and
-``hybrid_fsdp_group`` is the process group of the flattened ``(dp_outer, dp_shard)`` submesh
-(Megatron-FSDP takes both). Every check here is local and the same on every rank, so bad
-input raises on all of them before anything is communicated.
+collective: every check is local and the same on every rank, so bad input raises on all of
+them before anything is communicated.
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
 """Megatron-Core's ``FullyShardedDataParallel``, for training loops written against it.
 
-``FullyShardedDataParallel(config, ddp_config, module, fsdp_unit_modules=...)`` is what
-Megatron-Core's ``training.py`` calls with ``--use-megatron-fsdp``: ``config`` is the
-model's ``TransformerConfig``, ``ddp_config`` Megatron-Core's (or our)
-``DistributedDataParallelConfig``. It returns a :class:`MCoreFSDPModel` holding a
-:class:`~megatron_fsdp.MegatronFSDP` at ``.module`` and exposing what a Megatron-Core loop
-and its ``DistributedOptimizer`` call on a model chunk: ``no_sync``, ``start_grad_sync``,
-``finish_grad_sync(force_all_reduce)``, ``scale_gradients``, ``zero_grad_buffer``,
-``start_param_sync``, ``broadcast_params``, ``synchronize_param_gather``,
-``stop_communication`` and ``param_and_grad_buffer.copy_main_weights_to_model_weights()``.
-
-Nothing here needs ``megatron.core``: the config is read by its public field names, and the
-data-parallel group comes from ``pg_collection.dp_cp`` (Megatron-Core's
-``ProcessGroupCollection``), from ``megatron.core.parallel_state`` when it is initialised, or
-is the whole world (``megatron_fsdp.mcore_groups``). Pipeline parallelism (each chunk wrapped
-on its own, driven by Megatron-Core's schedules), HSDP (``num_distributed_optimizer_instances >
-1``), tensor parallelism (with sequence parallelism: Megatron-Core's
-``finalize_model_grads`` sums those gradients over TP) and expert parallelism (experts,
-marked ``allreduce=False``, sharded over ``pg_collection.expt_dp``) work; context parallelism
-and tensor-parallel experts are refused at wrap time, naming the setting (the one table of
-``megatron_fsdp.unsupported``), and so are word embeddings tied across pipeline stages.
-Checkpoints: ``megatron_fsdp.mcore_checkpoint`` (Megatron-LM's ``fsdp_dtensor`` layout).
+What it does, supports and refuses: the package README, "Megatron-Core". Nothing here needs
+``megatron.core``: the config is read by its public field names, the groups found by
+``megatron_fsdp.mcore_groups``.
 """
 
 from __future__ import annotations
@@ -61,8 +43,9 @@ def FullyShardedDataParallel(
     device: torch.device | str | None = None,
     pg_collection: Any = None,
 ) -> MCoreFSDPModel:
-    """Megatron-Core's wrapper; see the module docstring. ``module`` and ``ddp_config`` may
-    come in either order (older releases and the seeds' guide differ), told apart by type."""
+    """Megatron-Core's wrapper, returning a chunk that holds a ``MegatronFSDP`` at ``.module``.
+    ``module`` and ``ddp_config`` may come in either order (older releases and the seeds'
+    guide differ), told apart by type."""
     if isinstance(ddp_config, nn.Module) and not isinstance(module, nn.Module):
         ddp_config, module = module, ddp_config
     if not isinstance(module, nn.Module):

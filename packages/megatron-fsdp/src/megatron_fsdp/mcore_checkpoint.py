@@ -1,26 +1,11 @@
 """Megatron-LM's ``--ckpt-format fsdp_dtensor`` checkpoints of the adapter's model chunks,
-loadable under any TP/PP/VPP/EP/DP layout.
+loadable under any TP/PP/VPP/EP/DP layout (layout and names: the package README). Several
+chunks save as one model (Megatron-LM's ``DistributedOptimizer`` refuses several virtual
+chunks: "Parameter names conflict between model chunks").
 
-``save_fsdp_dtensor(directory, chunks, optimizer, iteration=...)`` writes what Megatron-LM
-0.16's ``save_checkpoint`` writes for Megatron-FSDP: ``<directory>/iter_<7 digits>/`` a DCP
-checkpoint with sections ``model`` (``module.<path>``: DTensors of the whole model's shapes),
-``optimizer`` (state by the chunk's parameter names, each parameter's group fields under
-``param_to_group_meta``: ``mfsdp_checkpoint.to_megatron_optimizer_state``),
-``checkpoint_version`` (3.0), ``iteration`` and what ``extra`` adds (``args``,
-``opt_param_scheduler``, ``rng_state``), and ``<directory>/latest_checkpointed_iteration.txt``.
-The directory is written atomically (``mfsdp_checkpoint.save``). ``load_fsdp_dtensor`` reads
-it back, or Megatron-LM's own, at any layout: DCP gathers and re-cuts TP slices and
-data-parallel shards.
-
-Names are the whole model's (``megatron_fsdp.mcore_names``): layers by ``layer_number - 1``,
-experts by global index. Megatron-LM writes experts that way too, but each stage's layers from
-0, so its checkpoints of more than one pipeline stage collide (its ``DistributedOptimizer``
-also refuses several virtual chunks: "Parameter names conflict between model chunks"); at one
-stage its names and ours are the same, and several chunks here save as one model.
 Transformer Engine's ``_extra_state`` entries are left out, as Megatron-LM leaves them out.
-A SwiGLU ``linear_fc1`` (``config.gated_linear_unit``) is saved as Megatron-LM saves it:
-``<key>_w`` and ``<key>_v``, each TP rank's first and second halves stacked over TP (views of
-the fused tensor, so a load fills it), a layout that does not depend on TP.
+A SwiGLU ``linear_fc1`` is saved as ``<key>_w`` and ``<key>_v``, each TP rank's halves
+stacked over TP (views of the fused tensor, so a load fills it): a layout free of TP.
 """
 
 from __future__ import annotations
@@ -117,13 +102,7 @@ class _ChunkState:
         state = named_optimizer_state_dict(nn.ModuleList(self.chunks), optimizer)
         own = {self._global_name(n): n for g in state["param_groups"] for n in g["params"]}
         self.own_names.append(own)
-        whole = {n: g for g, n in own.items()}
-        return {
-            "state": {whole[n]: e for n, e in state["state"].items()},
-            "param_groups": [
-                {**g, "params": [whole[n] for n in g["params"]]} for g in state["param_groups"]
-            ],
-        }
+        return _renamed(state, {n: g for g, n in own.items()})
 
     def _split_swiglu(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """Megatron-LM's SwiGLU ``linear_fc1`` (weight and bias) as ``<key>_w`` and
@@ -176,15 +155,17 @@ class _ChunkState:
         for optimizer, state, own_names in zip(
             self.optimizers, self.optimizer_states, self.own_names, strict=True
         ):
-            optimizer.load_state_dict(
-                {
-                    "state": {own_names[n]: e for n, e in state["state"].items()},
-                    "param_groups": [
-                        {**g, "params": [own_names[n] for n in g["params"]]}
-                        for g in state["param_groups"]
-                    ],
-                }
-            )
+            optimizer.load_state_dict(_renamed(state, own_names))
+
+
+def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """A name-keyed optimizer state dict with every parameter name ``n`` as ``names[n]``."""
+    return {
+        "state": {names[n]: e for n, e in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[n] for n in g["params"]]} for g in state["param_groups"]
+        ],
+    }
 
 
 def _row_sharded(value: Any) -> bool:

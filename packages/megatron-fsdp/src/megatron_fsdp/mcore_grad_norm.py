@@ -1,18 +1,14 @@
 """Gradient clipping for Megatron-Core model chunks wrapped by ``megatron_fsdp.mcore``.
 
-One norm over the whole model, as Megatron-Core's optimizer computes it over its
-model-parallel and data-parallel groups, whatever the layout: each element of each gradient
-is counted once, on one rank, and one all-reduce over the world adds the ranks' parts.
+One norm over the whole model, whatever the layout: each element of each gradient is
+counted once, on one rank, and one all-reduce over the world adds the ranks' parts.
 
-Which rank counts an element: a gradient is a DTensor on its unit's mesh (``dp_cp``, with
-``tp`` for a tensor-parallel parameter; an expert's on the expert-data-parallel mesh), its
-``Shard`` dims disjoint, its ``Replicate`` dims copies (counted at coordinate 0). A copy the
-DTensor does not describe lives on a dim of the chunk's mesh it lacks: a parameter that is not
-tensor-parallel is the same on every TP rank (sequence-parallel norms too, once
-``finalize_model_grads`` summed them), HSDP's instances hold the same shards; those count at
-coordinate 0 of that dim. Pipeline stages and expert-parallel ranks hold different parameters,
-so each counts its own. ``torch.nn.utils.clip_grad_norm_`` cannot do this: it sees one DTensor
-mesh per call and no pipeline.
+Which rank counts an element: a gradient is a DTensor on its unit's mesh, its ``Shard`` dims
+disjoint, its ``Replicate`` dims copies (counted at coordinate 0). A copy the DTensor does not
+describe lives on a dim of the chunk's mesh it lacks (a parameter that is not tensor-parallel
+on every TP rank, sequence-parallel norms once ``finalize_model_grads`` summed them, HSDP's
+instances): it counts at coordinate 0 of that dim. Pipeline stages and expert-parallel ranks
+each count their own.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """The data-parallel groups a Megatron-Core model chunk shards over, and the mesh built on them.
 
-Megatron-Core names its groups in a ``ProcessGroupCollection`` (``pg_collection``) or keeps
-them in ``megatron.core.parallel_state``; this module finds them in that order and falls back
-to the whole world only when nothing else can be meant (no pipeline, tensor, context or expert
-parallelism). Under pipeline parallelism the world holds several stages' ranks, so sharding
-over it would mix the stages' parameters: that is refused with the fix.
+Found in ``pg_collection``, else ``megatron.core.parallel_state``, else the whole world only
+when nothing else can be meant: under pipeline parallelism the world holds several stages'
+ranks, so sharding over it would mix the stages' parameters.
 
-``num_distributed_optimizer_instances > 1`` is Megatron-Core's HSDP: the data-parallel ranks
-split into that many instances of consecutive ranks (``intra_dp_cp``), each a full copy of the
-model sharded inside it, and the same position across instances forms ``inter_dist_opt``. The
-mesh is ``(dp_outer, dp_cp)`` = (instances, ranks in one), built on the existing groups where
-Megatron-Core made them (no new group: under PP each stage has its own), after checking that
-they have that layout.
+``num_distributed_optimizer_instances > 1`` is Megatron-Core's HSDP: instances of consecutive
+data-parallel ranks (``intra_dp_cp``), the same position across them ``inter_dist_opt``. The
+mesh ``(dp_outer, dp_cp)`` is built on Megatron-Core's own groups (no new group: under PP each
+stage has its own), after checking that they form that grid.
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@ expert its entry in the ``MoELayer``'s ``local_expert_indices``. These are the n
 Megatron-Core's own ``get_global_unique_param_name`` gives; at one stage and one expert rank
 they are the chunk's own.
 
-Names here are "bare": without the ``module.`` levels that wrappers put in front
-(``megatron_fsdp.mcore``'s adapter, ``MegatronFSDP``, ``Float16Module``).
+Names here are "bare": without the wrappers' ``module.`` levels.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,38 +43,22 @@ class ConfigKeywords:
     def config(self, ddp_config: object | None) -> DistributedDataParallelConfig:
         """``ddp_config`` (checked against these keywords), or the reference's default config
         with them."""
+        given: dict[str, Any] = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
         if ddp_config is None:
             return DistributedDataParallelConfig(
                 data_parallel_sharding_strategy="optim_grads_params",
                 overlap_grad_reduce=True,
                 overlap_param_gather=True,
-                keep_fp8_transpose_cache=_given_or(self.keep_fp8_transpose_cache, False),
-                nccl_ub=_given_or(self.nccl_ub, False),
-                fsdp_double_buffer=_given_or(self.fsdp_double_buffer, False),
-                fsdp_db_use_persist_buf_on_alloc_fail=_given_or(
-                    self.fsdp_db_use_persist_buf_on_alloc_fail, False
-                ),
-                disable_symmetric_registration=_given_or(
-                    self.disable_symmetric_registration, False
-                ),
+                **given,
             )
         config = DistributedDataParallelConfig.from_any(ddp_config)
-        clashing = [
-            field.name
-            for field in dataclasses.fields(self)
-            if getattr(self, field.name) is not None
-            and getattr(self, field.name) != getattr(config, field.name)
-        ]
+        clashing = [name for name, value in given.items() if value != getattr(config, name)]
         if clashing:
             raise ValueError(
                 f"MegatronFSDP keyword(s) {clashing} contradict ddp_config (the reference "
                 "silently drops them when a config is given): set them in the config"
             )
         return config
-
-
-def _given_or(value: bool | None, default: bool) -> bool:
-    return default if value is None else value
 
 
 def reference_options(

@@ -1,21 +1,7 @@
 """``megatron_fsdp.trace(model, optimizer)``: where did a training step's time go?
 
-```python
-with megatron_fsdp.trace(model, optimizer) as timeline:
-    for batch in batches:
-        loss_fn(model(batch)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-print(timeline.overlap_report())   # per unit: compute, gathers, reductions, what was exposed
-timeline.save("step.json")         # open in ui.perfetto.dev
-```
-
-Works on any sharded model: what ``fully_shard(model, optimizer)``/``fully_shard_model``
-return (``MegatronFSDP``), or the root of per-module ``fully_shard`` calls. The recording
-itself is layer 3's (``mfsdp_hooks.record_timeline``: opt-in host timestamps at the units'
-lifecycle points, free when off), and so are the Chrome trace and the report made from it
-(``mfsdp_hooks.chrome_trace``, ``mfsdp_hooks.build_overlap_report``); this module is the
-user's handle on them. Each rank records itself; nothing is communicated. See
+The user's handle on layer 3's recording (``mfsdp_hooks.record_timeline``), its Chrome trace
+and overlap report. Each rank records itself; nothing is communicated. See
 ``docs/timeline.md``.
 """
 

@@ -1,12 +1,8 @@
 """The one table of what megatron-fsdp does not support yet, keyed by the reference's names.
 
-Every entry point reads it for the names it takes: ``fully_shard_model``'s (and the
-``MegatronFSDP`` class's) keyword arguments, ``DistributedDataParallelConfig``'s fields,
-``FSDPDistributedIndex``'s arguments and the Megatron-Core ``TransformerConfig`` fields the
-adapter reads. A name set to anything but its default raises ``NotImplementedError`` naming
-it, before any collective, so no setting is dropped without a word. A config field that is
-also a ``fully_shard_model`` argument (``nccl_ub``...) travels on as the argument and is
-refused there, under the argument's name.
+Every entry point reads it for the names it takes (see the package README, "How data flows
+through it"). A config field that is also a ``fully_shard_model`` argument (``nccl_ub``...)
+travels on as the argument and is refused there, under the argument's name.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """``MegatronFSDP``: the reference's class entry point, over the engine's root wrapper.
 
-``MegatronFSDP(module, dist_index, ddp_config=..., mixed_precision_policy=...,
-fsdp_unit_modules=..., device=..., ...)`` as NVIDIA's Megatron-FSDP takes it: the index
-names the mesh dims, the config the strategy and options; both become ``fully_shard_model``
-arguments, field by field (``reference_options``), checked into the engine's one options
-record, ``mfsdp_hooks.ShardingOptions``, so the two entry points build the same thing.
-``fully_shard_model`` returns an instance of this class, built from its record
-(``options=``). A keyword that contradicts the config raises instead of being dropped.
-
-Beyond the engine wrapper's ``no_sync``/``finish_grad_sync``/``zero_grad_buffer``/
-``install_optimized_model_weights``/``broadcast_params``/``scale_gradients``: ``sync``,
-``set_model_auto_sync``, ``is_last_microbatch``, ``microbatch_count``, ``start_grad_sync``
-and ``start_param_sync``, as the reference has them; ``save_pretrained`` for a wrapped Hugging
-Face model (collective, what ``from_pretrained`` loads). ``mixed_precision_context`` comes
-from the engine's wrapper (another policy for a region).
+``MegatronFSDP(module, dist_index, ddp_config, ...)`` as NVIDIA's Megatron-FSDP takes it: the
+index and config become ``fully_shard_model`` arguments, field by field
+(``reference_options``), so both entry points build the same thing. Its methods beyond the
+engine wrapper's are the reference's (the package README lists them).
 """
 
 from __future__ import annotations
@@ -37,12 +27,9 @@ __all__ = ["MegatronFSDP"]
 
 
 class MegatronFSDP(mfsdp_hooks.FSDPRootWrapper):
-    """The reference's constructor; see the module docstring.
-
-    ``MegatronFSDP(module, fsdp_unit_modules=..., options=ShardingOptions(...))`` builds it
-    from an options record instead (what ``fully_shard_model`` does, after checking its
-    arguments into one); the reference's other arguments are then left out.
-    """
+    """The reference's constructor; ``MegatronFSDP(module, fsdp_unit_modules=...,
+    options=ShardingOptions(...))`` builds it from a checked options record instead (what
+    ``fully_shard_model`` does), the reference's other arguments left out."""
 
     ddp_config: DistributedDataParallelConfig | None
     """The config it was built from (None when built from an options record)."""

@@ -1,10 +1,5 @@
-"""mfsdp_te: FP8 parameters for megatron-fsdp (layer 4).
-
-Codecs that claim tensor-subclass weights for the engine (``fully_shard(param_codecs=...)``):
-torchao's float8 training weights now (:mod:`mfsdp_te.torchao_float8`, runs on CPU);
-Transformer Engine's ``Float8Tensor``/``MXFP8Tensor`` are not claimed yet, so the engine
-refuses them at wrap time, naming them.
-"""
+"""mfsdp_te: FP8 parameters for megatron-fsdp (layer 4): codecs that claim tensor-subclass
+weights for the engine (``fully_shard(param_codecs=...)``); status: the package README."""
 
 import importlib.util
 

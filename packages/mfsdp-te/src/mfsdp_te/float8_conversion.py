@@ -1,12 +1,9 @@
 """``fp8_param_gather=True`` on CPU-capable float8: a model's Linear layers as torchao's
 ``Float8Linear`` with float8 all-gather weights (tensorwise scaling), before it is sharded.
 
-The reference's config field keeps the compute weights in FP8 and all-gathers them in FP8
-(with Transformer Engine's FP8 parameters). Where Transformer Engine cannot run, torchao's
-float8 training does the same: each converted weight then travels as one byte per element
-(:mod:`mfsdp_te.torchao_float8` claims it) and its matmuls run in float8, while the
-optimizer steps the fp32 main weights. Layers already converted are kept if their weights
-gather in float8 and refused otherwise.
+The reference's config field gathers Transformer Engine's FP8 parameters in FP8; where
+Transformer Engine cannot run, torchao's float8 training does the same (each converted
+weight travels as one byte per element, :mod:`mfsdp_te.torchao_float8` claims it).
 """
 
 from __future__ import annotations

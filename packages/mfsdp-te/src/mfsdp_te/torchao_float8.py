@@ -1,28 +1,11 @@
 """torchao float8 weights in the engine: FSDP2's tensor-subclass protocol over flat buffers.
 
-``convert_to_float8_training(model, config=Float8LinearConfig(
-enable_fsdp_float8_all_gather=True))`` gives each ``Float8Linear`` a weight of torchao's
-``WeightWithDynamicFloat8CastTensor``: a high-precision tensor that knows how to travel as
-float8 (``fsdp_pre_all_gather``) and come back as a ``Float8TrainingTensor`` the float8
-matmul uses as it is (``fsdp_post_all_gather``). :class:`TorchaoFloat8Codec` claims those
-weights; the engine puts them in groups of their own, where per gather:
-
-1. ``encode``: each weight's local rows of the fp32 main shard give a local amax; one
-   all-reduce (MAX) over the shard group for the whole group gives every weight's
-   tensorwise scale, as torchao's ``precompute_float8_dynamic_scale_for_fsdp`` does (and
-   with its arithmetic, ``amax_to_scale``); each rank then quantises its rows through the
-   protocol with that scale (``fsdp_pre_all_gather``) straight into its uint8 slot.
-2. The all-gather moves one byte per weight element.
-3. ``decode``: each weight's ``Float8TrainingTensor`` is a view of the gathered bytes, made
-   once at wrap time (the buffer keeps its storage across reshards); a gather only hands it
-   the new scale (``fsdp_post_all_gather(..., out=param)``).
-
-The optimizer steps on the fp32 main weights (the distributed parameters, plain DTensors),
-and the next gather quantises the updated values: no stale float8 copy. Checkpoints hold the
-fp32 weights under the model's own keys.
-
-The subclass is read only through the public tensor-subclass protocol
-(``__tensor_flatten__``), its constructor and the FSDP2 hooks.
+:class:`TorchaoFloat8Codec` claims torchao's ``WeightWithDynamicFloat8CastTensor`` weights;
+how a group of them is encoded, gathered and decoded: the package README, "How data flows
+through it". The scales are torchao's (``amax_to_scale``) from one all-reduce (MAX) per
+group, as its ``precompute_float8_dynamic_scale_for_fsdp`` computes them. The subclass is
+read only through the public tensor-subclass protocol (``__tensor_flatten__``), its
+constructor and the FSDP2 hooks.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """``MegatronFSDPAccelerator``: Hugging Face ``accelerate`` over a model megatron-fsdp sharded.
 
-A plain ``Accelerator().prepare(model, ...)`` wraps every trainable model in DDP unless
-accelerate itself runs FSDP, and accelerate runs FSDP on GPUs only (on CPU it is always
-``MULTI_CPU``), so a model we sharded ends in DDP's ``_sync_module_states`` with a reshape
-error (CPU) or in accelerate's "DTensor parameters ... device_map='auto'" (GPU). This
-subclass, used in place of ``Accelerator``, changes exactly what must change:
-
-* ``prepare_model``: a megatron-fsdp model (a root wrapper from ``fully_shard_model`` /
-  ``fully_shard`` / ``MegatronFSDP``, or a module the per-module ``fully_shard`` made a root)
-  gets what accelerate gives any model (mixed-precision autocast, ``torch.compile`` when
-  configured) and no DDP wrap and no device move: it already owns placement and gradient
-  reduction. Other models are prepared as ``Accelerator`` prepares them.
-* ``unwrap_model``: the seed API's root wrapper unwraps to the model it wraps, as DDP does.
-* ``get_state_dict``: the unsharded state dict on rank 0 (``{}`` elsewhere), gathered group
-  by group (collective: call it on every rank).
-* ``save_state``/``load_state`` refuse a megatron-fsdp model with the call to use instead:
-  accelerate writes the optimizer's ``state_dict()`` from the main process only, which for a
-  sharded optimizer is one rank's shard.
-
-Gradient accumulation (``no_sync``), ``backward`` and ``clip_grad_norm_`` need nothing here:
-accelerate calls the model's own ``no_sync`` and clips DTensor gradients over their mesh.
+A plain ``Accelerator`` wraps every trainable model in DDP unless accelerate runs FSDP
+itself (GPUs only), so a model we sharded ends in DDP's ``_sync_module_states`` with a
+reshape error (CPU) or in accelerate's "DTensor parameters ... device_map='auto'" (GPU).
+This subclass prepares ours without DDP or a device move, unwraps the seed API's wrapper,
+gathers ``get_state_dict`` on rank 0, and refuses ``save_state``/``load_state`` (accelerate
+writes the optimizer from the main process only: one rank's shard).
 """
 
 from __future__ import annotations

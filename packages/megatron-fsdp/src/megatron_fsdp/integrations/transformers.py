@@ -1,44 +1,9 @@
 """``MegatronFSDPTrainer``: ``transformers.Trainer`` training a model sharded by megatron-fsdp.
 
-    trainer = MegatronFSDPTrainer(
-        model=LlamaForCausalLM(config),
-        args=TrainingArguments(...),
-        train_dataset=...,
-        megatron_fsdp=MegatronFSDPConfig(zero_dp_strategy=3),
-    )
-    trainer.train()          # resume_from_checkpoint=... continues the curve exactly
-    trainer.save_model(out)  # config.json + model.safetensors for from_pretrained
-
-What it changes in ``Trainer``, and why:
-
-* **Sharding**, in ``__init__``, before Trainer sees the model: ``MegatronFSDPConfig.api``
-  picks the seed API (``fully_shard_model``, the optimizer given ``fully_shard_optimizer``) or
-  the per-module ``fully_shard`` (FSDP2's). Units: ``fsdp_unit_modules``, else
-  ``args.fsdp_config["transformer_layer_cls_to_wrap"]``, else the model's
-  ``_no_split_modules`` (transformers' list of blocks that must stay whole). Trainer gets the
-  Hugging Face model itself (now the FSDP root unit), so its signature checks, ``config`` and
-  ``generate`` are the model's own. A model the user sharded already is taken as it is.
-* **No DDP**: the accelerator is a ``MegatronFSDPAccelerator`` (autocast, no DDP wrap).
-  Trainer builds ``Accelerator`` by name with no hook for the class, so
-  ``create_accelerator_and_postprocess`` lets Trainer build its accelerator and then carries
-  that accelerator's state over into ours (``MegatronFSDPAccelerator.adopting``).
-* **Optimizer**: built by Trainer on the sharded parameters (``create_optimizer``), or the
-  user's, re-pointed at them (seed API only: the per-module API wants it built after).
-* **Checkpoints**: ``save_model`` writes ``config.json`` + ``model.safetensors`` through
-  ``megatron_fsdp.hf_export.save_pretrained`` (collective, streamed). Trainer saves the
-  optimizer with ``torch.save`` from rank 0 only, which for a sharded optimizer is one rank's
-  shard, and loads weights as full tensors; it has no public hook for either, so four private
-  methods are overridden: ``_save_optimizer_and_scheduler`` writes model and optimizer to
-  ``checkpoint-N/megatron_fsdp/`` as one atomic DCP checkpoint
-  (``mfsdp_checkpoint.save_checkpoint``; it resumes at any world size), the scheduler, RNG
-  and trainer state staying Trainer's own files; ``_load_from_checkpoint`` and
-  ``_load_best_model`` (``load_best_model_at_end``) read the weights from it, or from the
-  folder's ``model.safetensors`` where there is none (``save_only_model=True``);
-  ``_load_optimizer_and_scheduler`` reads the optimizer.
-
-Gradient accumulation (``no_sync`` on the root), clipping (``clip_grad_norm_`` on DTensor
-gradients), LR schedulers, ``evaluate()`` and autocast mixed precision are Trainer's and
-accelerate's own code paths, unchanged.
+What it changes in ``Trainer``, and why: the package README, "Hugging Face". In short: it
+shards in ``__init__``, adopts Trainer's accelerator into a ``MegatronFSDPAccelerator`` (no
+DDP), and overrides four private methods because Trainer saves the optimizer from rank 0
+only and loads weights as full tensors.
 """
 
 from __future__ import annotations
@@ -166,13 +131,8 @@ def shard_for_trainer(
 
 
 class MegatronFSDPTrainer(transformers.Trainer):
-    """``transformers.Trainer`` over megatron-fsdp; see the module docstring.
-
-    Takes ``Trainer``'s arguments (by keyword after ``model`` and ``args``) plus
-    ``megatron_fsdp`` (a ``MegatronFSDPConfig``; None: its defaults, ZeRO-3 through the seed
-    API). ``TrainingArguments.fsdp`` (torch FSDP through accelerate) is refused: this trainer
-    is the FSDP.
-    """
+    """``transformers.Trainer`` over megatron-fsdp: ``Trainer``'s arguments (by keyword after
+    ``model`` and ``args``) plus ``megatron_fsdp`` (None: ``MegatronFSDPConfig()``, ZeRO-3)."""
 
     def __init__(
         self,

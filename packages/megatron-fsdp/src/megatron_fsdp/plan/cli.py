@@ -1,10 +1,7 @@
-"""``python -m megatron_fsdp.plan``: a memory plan from the command line.
+"""``python -m megatron_fsdp.plan``: a memory plan from the command line (``--help``).
 
-The model is named as ``module:callable`` (a function or class building it, called with no
-arguments under ``torch.device("meta")``) or as a Hugging Face config (``--hf-config``, a
-``config.json`` or a directory holding one; ``AutoModelForCausalLM.from_config``). Units are
-class names found in the model (``--unit LlamaDecoderLayer``); ``--seq-len``/``--batch``
-give the example input of token ids the planned step runs.
+The model (``module:callable`` or ``--hf-config``) is built under ``torch.device("meta")``;
+the planned step runs on ``--batch`` x ``--seq-len`` token ids.
 """
 
 from __future__ import annotations

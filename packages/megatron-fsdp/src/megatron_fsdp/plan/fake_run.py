@@ -1,16 +1,8 @@
-"""One rank of a world, run for real on fake tensors: what ``plan_memory`` reads its plan off.
-
-torch's fake process group stands in for the peers (every collective returns at once) and
-``FakeTensorMode`` for memory (tensors with shapes and dtypes, no bytes), so the real
-``fully_shard_model`` and the real training step run for one rank of any world size, on a
-laptop. ``LiveTensorTracker(fake=True)`` counts the storages that rank would allocate, in
-the order it would allocate and free them; the engine's timeline names the segment of the
-step (``forward of blocks.3 (Block)``) each count belongs to. Nothing here restates a rule
-of the engine: an option the engine takes changes the run, hence the plan.
+"""One rank of a world, run for real on fake tensors: what ``plan_memory`` reads its plan off
+(how: the package README, "Will it fit?"). Nothing here restates a rule of the engine.
 
 The step is run twice: the first creates the optimizer state (torch's optimizers create it
 lazily), the second is the steady state a training run repeats and is the one recorded.
-
 What a fake world cannot run is modelled in ``run_route``, the one place that does so.
 """
 

@@ -1,9 +1,6 @@
 """``plan_memory``: a rank's peak bytes through a training step, and where it occurs, before
-a run: no process group, no parameter memory, any world size.
-
-The plan is not a model of the engine: it is the engine, run for one rank of the world on
-torch's fake process group and fake tensors (``fake_run``), so every option
-``fully_shard_model`` takes is planned by what it does. The categories of a segment's peak:
+a run: the engine itself, run for one rank on fake tensors (``fake_run``). The categories of
+a segment's peak:
 
 * ``compute_weights``, ``main_weights``, ``optimizer_state``: what the engine's buffers and
   the optimizer hold from step to step (``describe`` of the rank), and ``other_states`` for
@@ -14,15 +11,11 @@ torch's fake process group and fake tensors (``fake_run``), so every option
   activations, autograd's gradients before the engine takes them, the optimizer's
   temporaries.
 
-With host offload (``optimizer_cpu_offload=True``) the main weights, the gradients and the
-optimizer state live on the host: the peak and its categories are the device's, and the
-host's bytes are planned apart (``host_peak_bytes``, ``host_states``: what moved). On a CPU
-standing in for the accelerator (``device="cuda"`` on a CPU-only torch) the offload's copies
-are made as on the accelerator (``fake_run.run_route``).
+With host offload (``optimizer_cpu_offload=True``) the peak and its categories are the
+device's, and the host's bytes are planned apart (``host_peak_bytes``, ``host_states``).
 
-Ranks differ only in how many parameter elements their shards hold (the shards are equal
-in size); the plan runs the rank holding the most, found on the engine's layouts after a
-first run of rank 0 (``rank=`` plans a given one).
+Ranks differ only in how many parameter elements their shards hold; the plan runs the rank
+holding the most, found on the engine's layouts after a first run of rank 0.
 """
 
 from __future__ import annotations
