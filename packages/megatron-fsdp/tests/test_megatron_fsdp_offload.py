@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -19,19 +20,19 @@ from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import fsdp_units
 from mfsdp_hooks.testing import Block, make_model
 from mfsdp_hooks.testing.offload import forced_host_copies, offloads
-from mfsdp_hooks.testing.parity import ParityCase, adamw, run_parity
+from mfsdp_hooks.testing.parity import Pair, ParityCase, run_parity, trainable
 
 
-def _seed_one_liner(model: nn.Module) -> nn.Module:
+def _seed_one_liner(model: nn.Module, optimizer: torch.optim.Optimizer) -> Pair:
+    """The one-liner's own optimizer, built on the original parameters, is the one that trains."""
     with forced_host_copies():
         wrapped, optimizer = megatron_fsdp.fully_shard(
-            model, adamw(model.parameters()), fsdp_unit_modules=[Block], optimizer_cpu_offload=True
+            model, optimizer, fsdp_unit_modules=[Block], optimizer_cpu_offload=True
         )
-    # The one-liner's optimizer steps the host shards; the parity run builds the same one.
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
     assert stepped and all(p.to_local().device.type == "cpu" for p in stepped)
-    assert {id(p) for p in stepped} == {id(p) for p in wrapped.parameters()}
-    return _offloading(wrapped)
+    assert {id(p) for p in stepped} == {id(p) for p in trainable(wrapped)}
+    return _offloading(wrapped), optimizer
 
 
 def _model_then_optimizer(model: nn.Module) -> nn.Module:
@@ -62,7 +63,7 @@ def test_seed_entry_points_offload_and_train_as_one_process() -> None:
     run_parity(
         2,
         [
-            ParityCase("fully_shard(model, optimizer)", _seed_one_liner),
+            ParityCase("fully_shard(model, optimizer)", wrap=_seed_one_liner),
             ParityCase(
                 "fully_shard_model + fully_shard_optimizer",
                 _model_then_optimizer,

@@ -5,7 +5,8 @@ in one process on each global batch and, sharded, on each rank's share of it (mi
 under ``no_sync``, or all of them left to ``finish_grad_sync``); the global loss of every step
 and the full weights before and after training must agree within ``rtol``. A
 :class:`ParityCase` says only what differs: how the model is sharded, and where the toy
-defaults do not fit, the model, data, loss and optimizer. :func:`run_parity` runs a list of
+defaults do not fit, the model, data, loss and optimizer (handed to the entry point, or
+swapped for a fresh pair by a checkpoint round trip mid-run). :func:`run_parity` runs a list of
 cases in one world, since starting a world costs more than a case; :func:`check_parity` is
 one case inside a worker that checks more afterwards. A feature's parity test::
 
@@ -33,6 +34,7 @@ from mfsdp_hooks.testing import assert_close_rel, loss_fn, make_batches, make_mo
 from mfsdp_hooks.testing.tp import full_value
 
 __all__ = [
+    "Pair",
     "ParityCase",
     "adamw",
     "check_parity",
@@ -46,6 +48,7 @@ __all__ = [
 ]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+Pair = tuple[nn.Module, torch.optim.Optimizer]
 Weights = Callable[[nn.Module], dict[str, torch.Tensor]]
 
 
@@ -106,12 +109,12 @@ class ParityCase:
     (``mfsdp_hooks.testing``), its batches and loss, AdamW, 10 steps."""
 
     label: str
-    shard: Callable[[nn.Module], nn.Module]
+    shard: Callable[[nn.Module], nn.Module] | None = None
     """The entry point under test: a fresh ``model()`` -> the sharded model. It may build
     its own (on the meta device, tensor-parallel) if it starts from the same weights, and
-    assert what wrapping must give."""
+    assert what wrapping must give. Give it or ``wrap``."""
     model: Callable[[], nn.Module] = make_model
-    """The seeded model: the one-process reference, and (fresh) what ``shard`` takes."""
+    """The seeded model: the one-process reference, and (fresh) what ``shard``/``wrap`` takes."""
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] = adamw
     """Built alike on both models' trainable parameters."""
     sharded_optimizer: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None
@@ -135,6 +138,14 @@ class ParityCase:
     """How both models' full weights are read (:func:`full_state`: the engine's unshard)."""
     before_step: Callable[[nn.Module, int], None] | None = None
     rtol: float = 1e-5
+    wrap: Callable[[nn.Module, torch.optim.Optimizer], Pair] | None = None
+    """Instead of ``shard``, an entry point handed the optimizer (the seed's ``fully_shard(model,
+    optimizer)``): a fresh ``model()`` and ``optimizer`` built on its original parameters ->
+    the sharded model and the optimizer to step (``sharded_optimizer`` is not applied)."""
+    resume: Callable[[nn.Module, torch.optim.Optimizer, int], Pair] | None = None
+    """A round trip mid-run: after ``resume_at`` steps, the sharded pair and that step -> a
+    fresh pair holding the saved state, which trains on (the reference never stops)."""
+    resume_at: int = 5
 
 
 def check_parity(rank: int, world: int, case: ParityCase) -> nn.Module:
@@ -142,14 +153,21 @@ def check_parity(rank: int, world: int, case: ParityCase) -> nn.Module:
     sharding (exactly), every step's global loss and the trained weights (``rtol``) agree.
     Returns the trained sharded model."""
     reference = case.model()
-    model = case.shard(case.model())
+    if case.wrap is None:
+        assert case.shard is not None, f"{case.label}: give ParityCase shard or wrap"
+        model = case.shard(case.model())
+        optimizer = case.optimizer(trainable(model))
+        if case.sharded_optimizer is not None:
+            optimizer = case.sharded_optimizer(optimizer)
+    else:
+        fresh = case.model()
+        model, optimizer = case.wrap(fresh, case.optimizer(trainable(fresh)))
     _assert_weights(case, model, reference, 0.0, "after sharding")
     ref_opt = case.optimizer(trainable(reference))
-    optimizer = case.optimizer(trainable(model))
-    if case.sharded_optimizer is not None:
-        optimizer = case.sharded_optimizer(optimizer)
     part, parts = rank // case.share, world // case.share
     for step, batch in enumerate(case.batches(case.steps)):
+        if case.resume is not None and step == case.resume_at:
+            model, optimizer = case.resume(model, optimizer, step)
         if case.before_step is not None:
             case.before_step(model, step)
         want = _reference_step(case, reference, ref_opt, batch, parts)
