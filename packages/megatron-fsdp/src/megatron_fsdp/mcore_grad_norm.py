@@ -8,7 +8,8 @@ disjoint, its ``Replicate`` dims copies (counted at coordinate 0). A copy the DT
 describe lives on a dim of the chunk's mesh it lacks (a parameter that is not tensor-parallel
 on every TP rank, sequence-parallel norms once ``finalize_model_grads`` summed them, HSDP's
 instances): it counts at coordinate 0 of that dim. Pipeline stages and expert-parallel ranks
-each count their own.
+each count their own. torch's ``clip_grad_norm_`` cannot do this: it sees one DTensor mesh per
+call and no pipeline.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """mfsdp_checkpoint: distributed checkpoints of sharded models (layer 4 of megatron-fsdp).
 
-What each function does, and how data flows through the modules: the package README. The
-Megatron names (``WRAPPER_PREFIX`` ... ``to_megatron_optimizer_state``) serve the Megatron-Core
+What the public functions do (``convert``/``describe``: its "Command line") and how data flows
+through the modules: the package README. The Megatron names (``WRAPPER_PREFIX`` ...
+``to_megatron_optimizer_state``, each documented where it is defined) serve the Megatron-Core
 adapter above.
 """
 

@@ -106,7 +106,8 @@ SAVE_NAMINGS: tuple[SaveNaming, ...] = ("native", "fsdp2", "nvidia", "megatron")
 
 def named_for(state: dict[str, Any], naming: SaveNaming) -> dict[str, Any]:
     """``state`` (sections ``model``/``optimizer`` as ``enable_dcp`` makes them) renamed for
-    the job that will load it (the README's "ours for them"). The values are not copied.
+    the job that will load it (the package README's "Checkpoints from other writers, and ours
+    for them"). The values are not copied.
 
     ``"nvidia"`` keys optimizer state by position in this optimizer's order. Megatron-LM's own
     files also carry ``checkpoint_version``/``iteration``/``args``: pass those as ``extra``-like

@@ -1,8 +1,9 @@
 """Optimizer state for parameters that have none yet, made without touching the optimizer.
 
-A fresh optimizer has no state for ``dcp.load`` to fill. Taking a real step to create it (what
-the reference and ``torch.distributed.checkpoint.state_dict`` do) moves step counters and can
-move weights, so a *scratch* copy of the optimizer steps on zero-filled stand-ins instead.
+A fresh optimizer has no state for ``dcp.load`` to fill (the seed README's load snippet would
+silently drop the checkpoint's moments). Taking a real step to create it (what the reference
+and ``torch.distributed.checkpoint.state_dict`` do) moves step counters and can move weights,
+so a *scratch* copy of the optimizer steps on zero-filled stand-ins instead.
 
 Each placeholder tensor remembers its version counter. DCP writes into tensors in place, so a
 placeholder whose counter moved was loaded from the checkpoint; one that did not is dropped at

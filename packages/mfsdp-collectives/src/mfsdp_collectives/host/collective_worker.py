@@ -6,6 +6,7 @@ Why a private group: c10d pairs a group's collectives by issue order, and the tr
 goes on issuing on the same group while a job runs. So the worker exchanges over a clone, made
 once by the members only (``use_local_synchronization``), on the training thread at the first
 job, which every member reaches in the same order. Jobs run one at a time in submission order.
+A dead peer closes its sockets, so the job's exchange raises, and ``wait()`` with it: no timeout.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 On one host the engine's CPU reductions read autograd's gradients in place (``FlatPieces``)
 over shared memory, so a real CPU run holds less than the c10d route would. A planning run
 on torch's fake group (``megatron_fsdp.plan_memory``) must take the same route to hold what a
-real rank holds: each collective here touches no byte and lands when the engine waits.
+real rank holds: each collective here touches no byte and lands when the engine waits. A real
+mailbox is mapped memory, not tensors: no tracker counts it in either run (``mapped_bytes``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Dedicated side streams for communication on accelerators (inert on CPU, where gloo's
 async work objects give the overlap). One stream per direction, so a prefetched all-gather
-never queues behind a reduce-scatter, and one for the HSDP outer hop. Streams come from a
+never queues behind a reduce-scatter, and one for the HSDP outer hop, so the outer all-reduce
+does not block the next intra-node reduce-scatter. Streams come from a
 ``StreamBackend``: torch's own, or in tests ``stream_sim``'s stand-ins.
 """
 

@@ -2,7 +2,8 @@
 
 The public ops check every argument on every call, then issue through a ``Route``; an engine
 checks its buffers where it lays them out and its group and transport once, when it builds
-its ``Route``, whose ops check nothing again (the README's "validates ... once").
+its ``Route``, whose ops check nothing again (the package README's paragraph "Every op
+validates its arguments locally").
 """
 
 from __future__ import annotations

@@ -181,7 +181,9 @@ def _watchable(ranks: Iterable[int]) -> bool:
 def call_watching_peers(call: Callable[[], T], ranks: Iterable[int], during: str) -> T:
     """``call()`` (a rendezvous, e.g. creating a group: it has no error for a dead member, only
     the store's 30-minute timeout) on a daemon helper thread while this one watches the
-    processes of ``ranks`` (global), raising ``PeerDiedError`` as soon as one is gone.
+    processes of ``ranks`` (global), raising ``PeerDiedError`` as soon as one is gone (the
+    helper is left blocked). This thread only waits meanwhile, so no other c10d call of it runs
+    beside ``call``.
 
     With no member known to be another process of this host, ``call()`` runs on this thread:
     c10d's state may be per thread (torch's threaded process group), and a helper thread would

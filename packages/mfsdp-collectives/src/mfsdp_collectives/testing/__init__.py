@@ -298,8 +298,9 @@ def _run_world(
 ) -> list[RankOutcome]:
     _validate(world_size, timeout, backend, env)
     ref = _FnRef.of(fn)
-    worker_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    worker_env = {"OMP_NUM_THREADS": "1", **(env or {})}  # 4 ranks on 2 cores: no thrashing
     ctx = _context() if hash_seeds is None else multiprocessing.get_context("spawn")
+    # The parent binds a port the OS picks and hands it out: no free-port race between tests.
     store = dist.TCPStore(  # type: ignore[attr-defined]
         _HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
     )

@@ -1,13 +1,16 @@
 """Simulated streams on CPU: the engine's stream code, checked for ordering bugs in CI (the
 package README's "Simulated streams").
 
-Work runs at once; the order a GPU would guarantee is simulated with vector clocks: every
-stream counts its operations, and ``wait_stream``/``wait_event`` make a stream know what the
-other had issued. For each storage the last write and the reads since are kept; a use not
-ordered after another stream's earlier one raises ``StreamOrderError``. Checking the order
-catches each missing edge at its first use, whatever the timing; a lazy executor would only
-show it when its reordering changed the numbers. ``Tensor.record_stream`` has no stand-in:
-the engine keeps collective buffers alive through ``CommHandle`` instead.
+Work runs at once; the order a GPU would guarantee is simulated with vector clocks: every stream
+counts its operations, and ``wait_stream``/``wait_event`` make a stream know what the other had
+issued. Collectives declare what they read and write (``note_collective``): the bytes a backend
+moves are no tensor op. For each storage the last write and the reads since are kept; a use not
+ordered after another stream's earlier one raises ``StreamOrderError``. New storages count as
+writes, so memory handed back while a side stream may use it raises when the allocator reuses
+the address. Checking the order catches each missing edge at its first use, whatever the
+timing; a lazy executor would only show it when its reordering changed the numbers.
+``Tensor.record_stream`` has no stand-in: the engine keeps collective buffers alive through
+``CommHandle`` instead.
 """
 
 from __future__ import annotations

@@ -226,7 +226,8 @@ class FSDPTopology:
     def with_tp(self, tp_mesh: DeviceMesh) -> DeviceMesh:
         """The 2-D ``(dp, tp)`` mesh of a tensor-parallel parameter's DTensors: the optimizer
         mesh joined with its TP mesh. Under HFSDP the dp dim is the user mesh's
-        ``(dp_outer, dp_shard)`` flattened (README), mapped by ``optim_indices_along``."""
+        ``(dp_outer, dp_shard)`` flattened (README; a collective over the mesh the first time),
+        mapped by ``optim_indices_along``."""
         if self.shards_optimizer_across_outer:
             return concatenate_meshes([self._hfsdp_dp_mesh(), tp_mesh])
         if self.optim_mesh is None:

@@ -1,7 +1,8 @@
 """The smaller group a unit's weights are resharded onto after forward: FSDP2's
 ``reshard_after_forward=<int>`` (ZeRO++'s hpZ), so the backward all-gather stays inside
 ``size`` consecutive ranks (one node) at the cost of ``P / size`` elements per rank held from
-forward to backward. Created once per shard group by its members only. The cache is keyed by
+forward to backward. Created once per shard group by its members only, so wrapping stays
+collective over the shard group alone. The cache is keyed by
 the shard group object, not global ranks: under torch's threaded process group each thread
 has its own groups over the same ranks.
 """

@@ -1,9 +1,10 @@
 """The same accounting for torch's own c10d collectives (FSDP2's, DDP's, a user's), as the
-``CommRecord`` that ``CommTracer`` keeps, so a benchmark sets FSDP2's bytes beside ours with
-one query API. A ``TorchDispatchMode`` (torch's ``CommDebugMode`` counts the same ops, but its
+``CommRecord`` that ``CommTracer`` keeps, so a benchmark sets FSDP2's bytes beside ours with one
+query API. A ``TorchDispatchMode`` (torch's ``CommDebugMode`` counts the same ops, but its
 module tracker fails under ``torch.distributed.pipelining``'s forward hooks): it sees ops of
-this thread only. ``bytes`` is what this rank sends in, as for ``CommTracer``. Ours show up
-too: through c10d, or from the shared-memory transport as the op it stands for (``mode_echo``).
+this thread only (on CPU autograd runs backward on the caller's thread). ``bytes`` is what this
+rank sends in, as for ``CommTracer``. Ours show up too: through c10d, or from the shared-memory
+transport as the op it stands for (``mode_echo``).
 """
 
 from __future__ import annotations

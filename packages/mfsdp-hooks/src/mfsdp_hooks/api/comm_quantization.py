@@ -40,12 +40,12 @@ def quantize_communication(
     default) and the weight all-gathers (``weights``, off by default) of every unit under
     ``module`` block-quantized; ``None`` leaves that collective in full precision (a
     quantized comm an earlier call set is removed; a comm of the user's is left as it is).
-    Returns the units changed. 1-D parameters (norm weights, biases) travel exactly. Under an
-    int ``reshard_after_forward`` the backward gather carries the forward's dequantized
-    weights exactly (ZeRO++'s qwZ with hpZ). ``background`` (default: on gloo groups) and
-    ``error_log``: see the package README. Call it between iterations, on every rank alike;
-    where quantized weights cannot be honoured it raises, naming the unit, before any unit
-    changes."""
+    Returns the units changed. 1-D parameters (norm weights, biases) travel exactly, in fp32
+    beside the codes. Under an int ``reshard_after_forward`` the backward gather carries the
+    forward's dequantized weights exactly (ZeRO++'s qwZ with hpZ). ``background`` (default:
+    on gloo groups) and ``error_log``: see the package README. Call it between iterations, on
+    every rank alike; where quantized weights cannot be honoured it raises, naming the unit,
+    before any unit changes."""
     for name, value in (("gradients", gradients), ("weights", weights)):
         if value is not None and not isinstance(value, BlockQuantization):
             raise TypeError(

@@ -224,12 +224,13 @@ def fully_shard(
     ``FSDPModule``. A list of modules (``fully_shard([embed, head])``) becomes one unit.
 
     FSDP2's arguments behave as FSDP2's; ours and the root-level ones (``RootOptions``) are
-    described in the package README ("Options worth knowing"), each checked here before
+    described in the package README ("Options worth knowing"; the codecs under "Extension
+    point"; the gradient scaling ones in ``GradReduceConfig``), each checked here before
     anything is communicated. Not described there: ``max_bucket_numel`` splits the unit's
     parameters of one kind into collectives of at most that many elements;
     ``check_replicas`` (not FSDP2's, which trains a patchwork silently) also compares the
-    values of the weights across the ranks and raises, naming the first that differs; pass
-    False when you load the weights into the sharded model after wrapping.
+    values of the weights across the ranks and raises on every rank, naming the first that
+    differs; pass False when you load the weights into the sharded model after wrapping.
     """
     refuse_unknown_arguments(unsupported)
     members = unit_members(module)

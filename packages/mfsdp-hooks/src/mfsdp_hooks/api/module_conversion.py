@@ -105,8 +105,8 @@ def _give_storage(units: list[FSDPUnit], fn: Conversion) -> None:
 
 @contextlib.contextmanager
 def managed_params_hidden(module: nn.Module, fn: Conversion) -> Iterator[None]:
-    """For the duration of ``module._apply(fn)``: what the module notes say, in their order
-    (storage for units awaiting it, the device check, the dtype change, then hiding)."""
+    """For the duration of ``module._apply(fn)``: what the module notes say, in this order:
+    storage for units awaiting it, the device check, the dtype change, then hiding."""
     awaiting = [u for u in units_under(module.modules()) if u.awaiting_storage]
     if awaiting:
         _give_storage(awaiting, fn)

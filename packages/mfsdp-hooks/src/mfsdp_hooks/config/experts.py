@@ -35,6 +35,8 @@ class ExpertSharding:
     mean_over: int
     """The dense data-parallel size: an expert gradient's mean divides by it."""
     is_expert: Callable[[str, nn.Parameter], bool] = is_megatron_expert
+    """Which parameters are experts (by their name within the unit): the same rule on every
+    rank, as it decides which groups, hence which collectives, each parameter joins."""
 
     def __post_init__(self) -> None:
         if isinstance(self.mean_over, bool) or not isinstance(self.mean_over, int):

@@ -12,7 +12,8 @@ parameters that overhead, not the arithmetic, is the step.
 it can prove; everything else is left to DTensor, unchanged:
 
 - the op is tagged ``pointwise``, or is a "same layout, new values" factory (``zeros_like``,
-  ``ones_like``, ``empty_like``, ``full_like``, ``fill_``, ``zero_``) or ``detach``
+  ``ones_like``, ``empty_like``, ``full_like``, ``fill_``, ``zero_``: how torch's optimizers
+  make their state, so the whole step stays on this path) or ``detach``
   (``nn.Parameter``, ``.data``), or the ``_foreach_`` form of one (``foreach=True``
   optimizers, gradient clipping's scaling), and is not random (DTensor keeps random ops
   consistent across shards);

@@ -102,7 +102,8 @@ class GradSync:
     # ------------------------------------------------------------ during a backward
     def accumulate(self, reducer: GradReducer, index: int, grad: torch.Tensor) -> bool:
         """Hand one parameter's gradient to its reducer; True once the group has them all.
-        Landed reductions are finished first, freeing their gradients early."""
+        Landed reductions are finished first, freeing their gradients early, and this
+        reducer's own one still in flight is settled (its buffer is about to be reused)."""
         self.reductions.reap_landed()
         self.reductions.settle(reducer)
         return reducer.accumulate(index, grad)

@@ -7,7 +7,8 @@ like any other state) and splits the step where the math allows: the momentum, t
 blend, the weight decay and adding the update run on each rank's rows; the orthogonalisation
 runs once per matrix on one rank of its shard group
 (:func:`~mfsdp_hooks.optim.whole_matrix.map_whole_matrices`). Each value equals what
-``torch.optim.Muon`` computes on one process. A param group with ``use_muon=False`` (the
+``torch.optim.Muon`` computes on one process; under HSDP each replica's shard group repeats
+the same work on the same (all-reduced) values. A param group with ``use_muon=False`` (the
 embeddings, norms, biases and head, as Muon users configure it) steps as
 ``torch.optim.AdamW``, with AdamW's defaults and state (``lr`` Muon's), so one optimizer
 serves the seed API's ``fully_shard(model, optimizer)``.

@@ -85,12 +85,13 @@ class _StepHooks:
     optimizer whose ``step`` was wrapped on the instance before it was attached.
 
     Torch's LR scheduler, when built, stores on the instance a wrapper that records the call
-    and calls the function the class's ``step`` was then (torch's hook runner around the user
-    class's step), so a class given later is never reached but hooks registered here see
-    every step. The contiguous step needs a context restored even when torch's step raises,
-    which a pre/post hook pair cannot give: these steps take torch's per-parameter path (bit
-    for bit the same result). A step pre-hook added before attaching runs before the
-    gradients are synced here (torch runs hooks in the order registered)."""
+    (``scheduler.step()`` warns without it, so it stays) and calls the function the class's
+    ``step`` was then (torch's hook runner around the user class's step), so a class given
+    later is never reached but hooks registered here see every step. The contiguous step
+    needs a context restored even when torch's step raises, which a pre/post hook pair cannot
+    give: these steps take torch's per-parameter path (bit for bit the same result). A step
+    pre-hook added before attaching runs before the gradients are synced here (torch runs
+    hooks in the order registered)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._install_after = True

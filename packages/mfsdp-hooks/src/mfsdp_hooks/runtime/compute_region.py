@@ -1,12 +1,13 @@
 """A region of the program with another mixed-precision policy than the one a model was
 wrapped with (``mixed_precision_context``; the megatron-fsdp README says what it changes).
 
-In a region that changes ``param_dtype``, each unit gathers its compute weights as usual and
-installs copies cast to the region's dtype for its forward (bit for bit what gathering in that
-dtype gives: a cast commutes with a gather). Such copies take no gradients, so a forward there
-must run without autograd: one with autograd on raises instead of training nothing. What the
-model stores (``main_params_dtype``, ``main_grads_dtype``, ``use_decoupled_grad``) cannot
-change for a region. The region state lives on each unit (``FSDPUnit.region``);
+In a region that changes ``param_dtype``, each unit gathers its compute weights as usual (in
+the trained dtype: the region saves no communication) and installs copies cast to the
+region's dtype for its forward (bit for bit what gathering in that dtype gives: a cast
+commutes with a gather). Such copies take no gradients, so a forward there must run without
+autograd: one with autograd on raises instead of training nothing. What the model stores
+(``main_params_dtype``, ``main_grads_dtype``, ``use_decoupled_grad``) cannot change for a
+region. The region state lives on each unit (``FSDPUnit.region``);
 ``enter_region``/``leave_region`` are its only transitions.
 """
 

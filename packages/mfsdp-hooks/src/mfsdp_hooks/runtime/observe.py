@@ -59,7 +59,8 @@ def held_bytes(buffer: DataParallelBuffer | None) -> int:
 
 def group_bytes_per_rank(group: ParameterGroup) -> tuple[int, int]:
     """(weights, gradients): the bytes this rank holds for ``group`` between iterations:
-    persistent compute and main weights, the reduced gradient shard (from the first backward)."""
+    persistent compute and main weights, the reduced gradient shard (from the first backward).
+    The unsharded weights and gradients a running unit needs come on top, for that unit only."""
     weights = held_bytes(group.model) + held_bytes(group.main)
     grads = 0 if group.grads is None else group.grads.numel * group.grads.dtype.itemsize
     return weights, grads

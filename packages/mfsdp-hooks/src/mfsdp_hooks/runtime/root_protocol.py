@@ -1,5 +1,7 @@
 """What a unit asks of its root: a leaf module, so that ``unit`` and ``root`` do not import
 each other in a circle (``fully_shard`` hands a unit the ``make_root`` that builds it).
+Beyond these few members a unit talks to the root's ``ExecutionOrder`` and ``GradSync``
+directly: concrete classes an IDE follows.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ __all__ = ["AtenOpCount", "engine_entries", "package_dirs"]
 
 
 class AtenOpCount(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Counts the aten ops dispatched to kernels while active (``with AtenOpCount() as c``)."""
+    """Counts the aten ops dispatched to kernels while active (``with AtenOpCount() as c``):
+    below autograd and DTensor's dispatch, so a DTensor op counts as the local op it runs."""
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]

@@ -9,7 +9,8 @@ parameter is tied to one initialised earlier (a head tied to the embedding) init
 scratch copy that is dropped, as construction initialised the head's own weight before the
 tie replaced it. A TP parameter (a DTensor) is initialised whole, drawing the numbers one
 process draws, and each TP rank keeps its slice (``distribute_tensor`` with no source rank:
-no communication), whatever RNG state TP ranks would otherwise diverge on.
+no communication), whatever RNG state TP ranks would otherwise diverge on; the cost is one
+unit's full TP weights for a moment, as without TP.
 
 The per-module ``fully_shard`` keeps FSDP2's contract instead (``initialise=False``): nothing
 is initialised (FSDP2 never calls ``reset_parameters``; torchtitan's models have modules

@@ -64,7 +64,8 @@ class WeightFreshness:
 
     def close_step_window(self, *, stepped: bool) -> None:
         """A backward began (no step comes between a forward and its backward), or an
-        attached optimizer ``stepped``: then re-install once and trust the weights after."""
+        attached optimizer or ``install_optimized_model_weights()`` ``stepped``: then
+        re-install once and trust the weights after."""
         self._window_open = False
         if stepped:
             self._dirty = True
