@@ -2,7 +2,8 @@
 into ``fully_shard_model``'s, field by field, and so into the engine's ``ShardingOptions``.
 
 The index gives the mesh arguments, the config the strategy, overlap, precision and buffer
-choices. Each is passed on by name (mypy checks every one); nothing travels as a dict. A
+choices. Each is passed on by name (mypy checks every one), except the five config fields the
+constructor also takes as keywords (``ConfigKeywords``: its field names are the config's). A
 keyword that contradicts the config raises instead of being dropped, as the reference drops it.
 """
 
