@@ -111,18 +111,40 @@ def tests_full(session: nox.Session) -> None:
     _run_suite(session, {"MFSDP_FULL_MATRIX": "1"})
 
 
+SUITE = [
+    "packages",
+    "tests",
+    "benchmarks/test_trackers.py",
+    "benchmarks/test_goals.py",
+    "benchmarks/test_host_bound.py",
+    "benchmarks/test_muon_step.py",
+    "benchmarks/test_plan_vs_measured.py",
+]
+
+
 def _run_suite(session: nox.Session, env: dict[str, str]) -> None:
-    suite = [
-        "packages",
-        "tests",
-        "benchmarks/test_trackers.py",
-        "benchmarks/test_goals.py",
-        "benchmarks/test_host_bound.py",
-        "benchmarks/test_muon_step.py",
-        "benchmarks/test_plan_vs_measured.py",
-    ]
     # --durations: the slowest tests, for keeping CI's cross-section under 25 minutes.
-    session.run("python", "-m", "pytest", "--durations=25", *suite, *session.posargs, env=env)
+    session.run("python", "-m", "pytest", "--durations=25", *SUITE, *session.posargs, env=env)
+
+
+@nox.session
+def coverage(session: nox.Session) -> None:
+    """Which of our source lines the suite runs (CI's cross-section; MFSDP_FULL_MATRIX=1 for
+    the whole matrix), rank processes and worker threads included: a line no test runs is an
+    untested branch or dead code. Reports each file's unrun lines, least covered first."""
+    _install_workspace(session, bytecode=True)
+    session.install("coverage>=7.10")
+    data = ROOT / ".coverage-data"
+    shutil.rmtree(data, ignore_errors=True)
+    data.mkdir()
+    rc = f"--rcfile={ROOT / 'pyproject.toml'}"
+    # Every interpreter the suite starts (each rank, the forkserver) measures itself and
+    # writes its own data file (pyproject.toml's [tool.coverage.run] says how).
+    env = {"COVERAGE_PROCESS_START": str(ROOT / "pyproject.toml"), "COVERAGE_FILE": f"{data}/c"}
+    pytest = ["-m", "pytest", "-q", *SUITE, *session.posargs]
+    session.run("python", "-m", "coverage", "run", rc, *pytest, env=env)
+    session.run("python", "-m", "coverage", "combine", rc, "-q", env=env)
+    session.run("python", "-m", "coverage", "report", rc, "--sort=cover", "--skip-covered", env=env)
 
 
 @nox.session
