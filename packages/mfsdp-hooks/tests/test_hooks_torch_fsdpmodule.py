@@ -65,6 +65,11 @@ def _isinstance_worker(rank: int, world: int, api: str) -> list[str]:
         lambda: modules[1].set_unshard_in_backward(False),
         lambda: modules[1].set_symm_mem_for_comm(),
         lambda: modules[1]._get_fsdp_state(),
+        lambda: modules[1].set_reduce_scatter_unused_params(True),
+        lambda: modules[1].set_reduce_scatter_max_input_buffers(2),
+        lambda: modules[1].set_separate_reduce_scatter_group(),
+        lambda: modules[1].set_allocate_memory_from_process_group_for_comm(True),
+        lambda: modules[1]._set_unshard_async_op(True),
     ):
         with pytest.raises(NotImplementedError) as caught:
             call()
@@ -78,6 +83,13 @@ def test_units_are_torchs_fsdpmodule_and_refuse_what_they_lack(api: str) -> None
         assert errors[0].startswith("set_unshard_in_backward(False) is not supported yet")
         assert errors[1].startswith("set_symm_mem_for_comm is not supported yet")
         assert "keeps no FSDP2 state" in errors[2]
+        assert errors[3].startswith("set_reduce_scatter_unused_params is not supported yet")
+        assert "pass max_inflight_reductions to the root's fully_shard" in errors[4]
+        assert errors[5].startswith("set_separate_reduce_scatter_group is not supported yet")
+        assert errors[6].startswith(
+            "set_allocate_memory_from_process_group_for_comm(True) is not supported yet"
+        )
+        assert errors[7].startswith("_set_unshard_async_op is not supported yet")
 
 
 def _mem_tracker_worker(rank: int, world: int) -> str:
