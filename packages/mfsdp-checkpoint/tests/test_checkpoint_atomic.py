@@ -85,7 +85,8 @@ def _verify_world(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any
     other = shard(OtherModel(), 3)
     other_optimizer = make_optimizer(other)
     cases = ("partial", "unfinished", "missing", "corrupt_data", "truncated", "metadata")
-    for name in (*cases, "foreign_metadata"):
+    markers = ("a_file", "marker_unreadable", "marker_foreign", "neither")
+    for name in (*cases, "foreign_metadata", *markers):
         out[name] = _outcome(lambda n=name: mc.load_checkpoint(paths[n], model, optimizer))
     out["other_model"] = _outcome(lambda: mc.load_checkpoint(paths["good"], other, other_optimizer))
     return out
@@ -119,6 +120,15 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         metadata = damaged[name] / ".metadata"
         metadata.write_bytes(b"\x80\x04 not a pickle".ljust(metadata.stat().st_size, b"!"))
     (damaged["foreign_metadata"] / "mfsdp_checkpoint.json").unlink()  # a plain DCP directory
+    for name in ("marker_unreadable", "marker_foreign", "neither"):
+        damaged[name] = root / name
+        shutil.copytree(good, damaged[name])
+    (damaged["marker_unreadable"] / "mfsdp_checkpoint.json").write_text('{"format": ')
+    (damaged["marker_foreign"] / "mfsdp_checkpoint.json").write_text('{"format": "other"}')
+    (damaged["neither"] / "mfsdp_checkpoint.json").unlink()
+    (damaged["neither"] / ".metadata").unlink()
+    damaged["a_file"] = root / "a_file.pt"
+    damaged["a_file"].write_bytes(b"not a directory")
     paths = {
         "good": str(good),
         "partial": str(root / "good.partial"),
@@ -148,6 +158,10 @@ def test_killed_save_leaves_the_previous_checkpoint_loadable(checkpoints: dict[s
         ("truncated", "CorruptCheckpointError", ["truncated"]),
         ("metadata", "CorruptCheckpointError", [".metadata", "corrupted"]),
         ("foreign_metadata", "CorruptCheckpointError", [".metadata cannot be read"]),
+        ("a_file", "CheckpointNotFoundError", ["is a file, not a DCP checkpoint directory"]),
+        ("marker_unreadable", "CorruptCheckpointError", ["mfsdp_checkpoint.json is unreadable"]),
+        ("marker_foreign", "CorruptCheckpointError", ["is not an", "completion marker"]),
+        ("neither", "IncompleteCheckpointError", ["neither a completion marker", ".metadata"]),
         (
             "other_model",
             "StateDictMismatchError",
