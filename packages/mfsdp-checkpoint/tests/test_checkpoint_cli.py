@@ -156,3 +156,22 @@ def test_command_line_entry_point_and_errors(checkpoint: tuple[Path, Any], tmp_p
     (tmp_path / "half.partial").mkdir()
     (tmp_path / "half.partial" / ".mfsdp_save_in_progress").write_text("{}")
     assert main(["inspect", str(tmp_path / "half.partial")]) == 1
+
+
+def test_unreadable_files_and_bad_arguments_are_named(
+    checkpoint: tuple[Path, Any], tmp_path: Path
+) -> None:
+    path, _ = checkpoint
+    with pytest.raises(ValueError, match=r"^to must be one of \('dcp', 'torch', 'safetensors'"):
+        mc.convert(path, tmp_path / "out", to="onnx")  # type: ignore[arg-type]
+    with pytest.raises(mc.CheckpointError, match=r"select='weights' matches nothing; the sections"):
+        mc.convert(path, tmp_path / "out.safetensors", to="safetensors", select="weights")
+    (tmp_path / "garbage.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(mc.CorruptCheckpointError, match="is not a valid safetensors file"):
+        mc.describe(tmp_path / "garbage.safetensors")
+    (tmp_path / "garbage.pt").write_bytes(b"PK\x03\x04 not a zip archive")
+    with pytest.raises(mc.CorruptCheckpointError, match=r"garbage\.pt cannot be read"):
+        mc.describe(tmp_path / "garbage.pt")
+    torch.save([1, 2], tmp_path / "list.pt")
+    with pytest.raises(mc.CorruptCheckpointError, match=r"list\.pt holds a list, not a dict"):
+        mc.describe(tmp_path / "list.pt")
