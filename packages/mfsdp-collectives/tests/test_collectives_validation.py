@@ -19,7 +19,9 @@ from mfsdp_collectives import (
     ReduceSpec,
     all_gather_into,
     all_reduce_,
+    all_to_all_into,
     broadcast_,
+    hfsdp_reduce_scatter_into,
     hsdp_reduce_scatter_into,
     reduce_scatter_into,
 )
@@ -29,6 +31,8 @@ from mfsdp_collectives.testing import run_distributed
 AG: Any = all_gather_into
 RS: Any = reduce_scatter_into
 HSDP: Any = hsdp_reduce_scatter_into
+HFSDP: Any = hfsdp_reduce_scatter_into
+A2A: Any = all_to_all_into
 AR: Any = all_reduce_
 BC: Any = broadcast_
 SPEC: Any = ReduceSpec
@@ -93,8 +97,21 @@ def _cases(ws: int, rank: int) -> list[tuple[type[Exception], str, Callable[[], 
         (ValueError, "unsharded_grad has 5 elements", lambda: HSDP(z(5), z(shard), g, None)),
         (TypeError, "outer_group must be", lambda: HSDP(z(full), z(shard), g, "outer")),
         (ValueError, "outer_group must differ", lambda: HSDP(z(full), z(shard), g, g)),
+        (
+            ValueError,
+            "outer_group must differ from shard_group; use reduce_scatter_into",
+            lambda: HFSDP(z(full), z(1), g, g, partial=z(shard)),
+        ),
         (ValueError, "tensor must be contiguous", lambda: AR(z(4, 4).t(), g)),
         (TypeError, "tensor must be a torch.Tensor", lambda: AR(3.0, g)),
+        (ValueError, "outer_group must differ from group", lambda: AR(z(4), g, outer_group=g)),
+        (TypeError, "tensor must be a torch.Tensor", lambda: BC(3.0, 0, g)),
+        (ValueError, "tensor must be contiguous; broadcast", lambda: BC(z(4, 4).t(), 0, g)),
+        (
+            ValueError,
+            "send has dtype torch.float32 but recv has torch.bfloat16",
+            lambda: A2A(z(full), [2] * ws, z(full, dtype=bf16), [2] * ws, g),
+        ),
         (ValueError, "src_rank_in_group=5", lambda: BC(z(2), 5, g)),
         (ValueError, r"src_rank_in_group=-1 must be an int in \[0, ", lambda: BC(z(2), -1, g)),
     ]
