@@ -179,8 +179,20 @@ def test_direct_construction_is_validated() -> None:
     layout = FlatLayout.build([(3,), (3, 3)], 2)
     p = layout.placements[1]
     bad = type(p)(p.index, p.shape, p.offset + 1, p.numel, p.row_numel)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="placement 1 at offset 4 is misplaced or misaligned"):
         FlatLayout((layout.placements[0], bad), 2, 1, layout.shard_numel)
+    placements, shard = layout.placements, layout.shard_numel
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        FlatLayout(placements, 0, 1, shard)
+    with pytest.raises(ValueError, match="alignment must be >= 1, got 0"):
+        FlatLayout(placements, 2, 0, shard)
+    with pytest.raises(ValueError, match="shard_numel must be a non-negative multiple of align"):
+        FlatLayout(placements, 2, 4, 6)
+    with pytest.raises(ValueError, match=r"placements\[0\] has index 1; expected 0"):
+        FlatLayout((p,), 2, 1, shard)
+    # 3 + 9 elements in shards of 7 and 5: the boundary at 7 falls inside the (3, 3)'s row 1
+    with pytest.raises(ValueError, match=r"shard boundary 7 cuts parameter 1 \(shape \(3, 3\)\)"):
+        FlatLayout(placements, 2, 1, 7)
 
 
 @given(shapes=_SHAPES, world=_WORLD, align=_ALIGN)
