@@ -31,6 +31,8 @@ def test_protocol_conformance_and_request_checks(allocator: Allocator) -> None:
         allocator.allocate("k", -1, F32, CPU)
     with pytest.raises(TypeError, match="device"):
         allocator.allocate("k", 1, F32, "cpu")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"dtype must be a torch\.dtype, got 'float32'"):
+        allocator.allocate("k", 1, "float32", CPU)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -303,3 +303,11 @@ def test_misuse() -> None:
         allocator.free("k", t)
     with pytest.raises(ValueError, match="alignment"):
         TracePoolAllocator(alignment=0)
+    with pytest.raises(ValueError, match="warmup_iterations must be >= 0, got -1"):
+        TracePoolAllocator(warmup_iterations=-1)
+    with pytest.raises(ValueError, match="retrace_after must be >= 1 or None, got 0"):
+        TracePoolAllocator(retrace_after=0)
+    with pytest.raises(ValueError, match="alignment must be >= 1, got 0"):
+        plan_offsets([Interval(0, 1, 4)], alignment=0)
+    with pytest.raises(ValueError, match="malformed interval"):
+        plan_offsets([Interval(2, 1, 4)])
