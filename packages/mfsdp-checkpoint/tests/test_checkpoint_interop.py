@@ -257,3 +257,44 @@ def test_save_full_state_dict_streams_a_file_plain_models_load(tmp_path: Path, w
     plain.load_state_dict(loaded, strict=True)
     assert_states_equal(dict(plain.state_dict()), dict(make_model(seed=4).state_dict()), "export")
     assert Block  # the model's unit class, kept importable for readers of this test
+
+
+def _load_wrong_named_state(rank: int, world: int) -> list[str]:
+    model = shard(make_model(), 3)
+    optimizer = make_optimizer(model)
+    mc.enable_dcp(model, optimizer)
+    train(model, optimizer, make_batches(1), rank, world)
+    named = mc.named_optimizer_state_dict(model, optimizer)
+    (group,) = named["param_groups"]
+    first = group["params"][0]
+    wrong = [
+        {**named, "param_groups": [group, group]},
+        {**named, "param_groups": [{**group, "params": group["params"][1:]}]},
+        {**named, "state": {**named["state"], "module.head.scale": named["state"][first]}},
+    ]
+    messages = []
+    for state in wrong:
+        try:
+            optimizer.load_state_dict(state)
+            messages.append("loaded")
+        except ValueError as error:
+            messages.append(str(error))
+    return [first, *messages]
+
+
+def test_a_name_keyed_optimizer_state_that_does_not_fit_is_refused_by_name() -> None:
+    """enable_dcp's ``optimizer.load_state_dict`` of a state keyed by parameter name (what
+    ``named_optimizer_state_dict`` gives): another grouping, a group lacking a parameter and
+    state for a parameter the optimizer does not hold are each refused, naming it."""
+    for first, groups, group, state in run_distributed(_load_wrong_named_state, 2, timeout=120):
+        assert groups == (
+            "optimizer.load_state_dict: the state dict has 2 parameter groups, the optimizer 1"
+        )
+        assert group == (
+            f"optimizer.load_state_dict: parameter group 0 differs; missing parameters "
+            f"[{first!r}], unexpected parameters []"
+        )
+        assert state == (
+            "optimizer.load_state_dict: state for 'module.head.scale', which is not a "
+            "parameter of this optimizer"
+        )
