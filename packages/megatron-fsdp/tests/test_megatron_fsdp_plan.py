@@ -24,6 +24,7 @@ from megatron_fsdp import MixedPrecisionPolicy, fully_shard_model, fully_shard_o
 from megatron_fsdp.plan import MEMORY_CATEGORIES, plan_memory
 from megatron_fsdp.plan.cli import main
 from mfsdp_buffers import DataParallelBuffer, LiveTensorTracker
+from mfsdp_collectives import CommHandle
 from mfsdp_collectives.testing import run_distributed
 from mfsdp_hooks import MODEL_STATE_CATEGORIES
 from mfsdp_hooks.testing.moe import MOE_WIDTH, MoEBlock, moe_model
@@ -65,10 +66,14 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().sum()
 
 
-# What a real rank's c10d allocates inside a gloo work's wait() (the reduce-scatters'
-# results): one to three of them are live at the peak, by the gloo threads' timing. A fake
-# process group allocates none there, so the peak is compared without them.
-C10D_IN_FLIGHT = "issuing/handle.py:wait"
+def _in_flight_or_not(path: str, function: str) -> str:
+    """What a real rank's c10d allocates inside a gloo work's wait() (the reduce-scatters'
+    results), called from ``CommHandle.wait``: one to three of them are live at the peak, by
+    the gloo threads' timing. A fake process group allocates none there, so the peak is
+    compared without them."""
+    wait = CommHandle.wait.__code__
+    in_flight = (path, function) == (wait.co_filename, wait.co_name)
+    return "c10d in flight" if in_flight else "engine"
 
 
 def _engine(rank: int, world: int) -> list[dict[str, Any]]:
@@ -76,7 +81,7 @@ def _engine(rank: int, world: int) -> list[dict[str, Any]]:
     the peak of the second step without what c10d held in flight at it."""
     held = []
     for strategy, bf16 in CASES[world]:
-        with LiveTensorTracker(attribute=True) as tracker:
+        with LiveTensorTracker(attribute=True, name_site=_in_flight_or_not) as tracker:
             torch.manual_seed(0)
             model = fully_shard_model(
                 Net(),
@@ -97,7 +102,7 @@ def _engine(rank: int, world: int) -> list[dict[str, Any]]:
             totals = model.describe_sharding(optimizer).totals()
         states = {c: totals[c] for c in MODEL_STATE_CATEGORIES}
         assert step.peak_by_site is not None
-        peak = step.peak - step.peak_by_site.get(C10D_IN_FLIGHT, 0)
+        peak = step.peak - step.peak_by_site.get("c10d in flight", 0)
         held.append({"states": states, "live": step.live, "peak": peak})
         del model, optimizer
     return held
