@@ -25,7 +25,7 @@ from checkpoint_models import (
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import mfsdp_checkpoint as mc
 from mfsdp_collectives.testing import run_distributed
@@ -272,6 +272,8 @@ def _load_wrong_named_state(rank: int, world: int) -> list[str]:
         {**named, "param_groups": [{**group, "params": group["params"][1:]}]},
         {**named, "state": {**named["state"], "module.head.scale": named["state"][first]}},
     ]
+    before = _local_state(optimizer)
+    assert before, "the training step made optimizer state"
     messages = []
     for state in wrong:
         try:
@@ -279,13 +281,26 @@ def _load_wrong_named_state(rank: int, world: int) -> list[str]:
             messages.append("loaded")
         except ValueError as error:
             messages.append(str(error))
+    after = _local_state(optimizer)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     return [first, *messages]
+
+
+def _local_state(optimizer: torch.optim.Optimizer) -> dict[tuple[int, str], torch.Tensor]:
+    """This rank's optimizer state, by parameter position: a refused load left it as it was."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {
+        (i, key): (value.to_local() if isinstance(value, DTensor) else value).clone()
+        for i, p in enumerate(params)
+        for key, value in optimizer.state.get(p, {}).items()
+    }
 
 
 def test_a_name_keyed_optimizer_state_that_does_not_fit_is_refused_by_name() -> None:
     """enable_dcp's ``optimizer.load_state_dict`` of a state keyed by parameter name (what
     ``named_optimizer_state_dict`` gives): another grouping, a group lacking a parameter and
-    state for a parameter the optimizer does not hold are each refused, naming it."""
+    state for a parameter the optimizer does not hold are each refused, naming it, and leave
+    the optimizer's state as it was."""
     for first, groups, group, state in run_distributed(_load_wrong_named_state, 2, timeout=120):
         assert groups == (
             "optimizer.load_state_dict: the state dict has 2 parameter groups, the optimizer 1"
